@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Creates .venv (once) with the pinned CPU build of torch first, then torch-sgn and its test tools.
+# A bare `torch` requirement in a fresh environment would pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install -q --disable-pip-version-check "torch==${TORCH_VERSION}"
+python -m pip install -q --disable-pip-version-check -e ".[test]"

@@ -1,0 +1,454 @@
+"""The SGN optimizer: one damped Gauss-Newton step per mini-batch."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from .cg import CGResult, conjugate_gradient
+from .damping import DAMPING_SCHEDULES, scheduled_damping, trust_region_update
+from .ggn import Inputs, _FunctionalModel, _Linearization, _linearize
+from .line_search import LineSearchResult, backtracking
+from .losses import LossSpec, resolve_loss
+
+__all__ = ["SGN", "StepInfo"]
+
+logger = logging.getLogger("torch_sgn")
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What one :meth:`SGN.step` did.
+
+    Attributes:
+        loss: mini-batch loss before the step.
+        loss_after: mini-batch loss at the accepted point (same batch).
+        grad_norm: 2-norm of the mini-batch gradient.
+        cg_iters: conjugate-gradient iterations run.
+        cg_residual: 2-norm of the final CG residual ``(G + damping I) d + m_hat``.
+        cg_stop: why CG stopped (see :class:`~torch_sgn.cg.CGResult`).
+        damping: the damping ``rho`` used in this step.
+        next_damping: the damping the next step will use.
+        step_size: the step length taken along the CG direction, ``lr * a`` with ``a`` the
+            line-search factor (0 when no step was taken).
+        tr_ratio: actual over predicted reduction at the full step (``None`` when the trust
+            region is off).
+        predicted_change: the damped quadratic model's change at the full step.
+        loss_evals: loss evaluations at trial points (trust-region test and line search).
+        line_search_ok: whether the Armijo condition held (``True`` when line search is off).
+    """
+
+    loss: float
+    loss_after: float
+    grad_norm: float
+    cg_iters: int
+    cg_residual: float
+    cg_stop: str
+    damping: float
+    next_damping: float
+    step_size: float
+    tr_ratio: Optional[float]
+    predicted_change: float
+    loss_evals: int
+    line_search_ok: bool
+
+
+class SGN(torch.optim.Optimizer):
+    r"""Stochastic Generalized Gauss-Newton (SGN), a Hessian-free second-order optimizer.
+
+    Each :meth:`step` takes one mini-batch ``(inputs, targets)`` and solves the damped
+    Gauss-Newton system by a few conjugate-gradient (CG) iterations,
+
+    .. math::
+        (G + \rho I)\, d = -\hat m,\qquad
+        G = J^\top H J,\qquad
+        \theta \leftarrow \theta + a\,\alpha\, d,
+
+    where ``J`` is the Jacobian of the network's output, ``H`` the Hessian of the loss in output
+    space, :math:`\hat m` the (bias-corrected, optionally averaged) gradient, :math:`\alpha`
+    the step size ``lr`` and ``a`` the backtracking factor. A trust-region rule adapts
+    :math:`\rho` from the ratio of the actual to the predicted reduction.
+
+    Args:
+        model: any ``nn.Module`` whose forward returns one tensor. Its trainable parameters are
+            optimized; it is evaluated functionally with its buffers.
+        loss: ``"mse"``, ``"cross_entropy"``, ``"bce_with_logits"``, the matching ``torch.nn``
+            loss module (``reduction`` ``"mean"`` or ``"sum"``; ``label_smoothing``), or any
+            callable ``loss(outputs, targets) -> scalar`` convex in ``outputs``.
+        lr: step size :math:`\alpha` (the original's ``ALPHA``). Default 1, the natural step of
+            a Newton-type method and the paper's value; kept in ``param_groups`` so
+            ``torch.optim.lr_scheduler`` can change it.
+        damping: initial Levenberg-Marquardt damping :math:`\rho` (``DAMP_RHO``). Default
+            ``1e-4``, the paper's value for every benchmark (the original's default is 1e-3).
+        damping_min: floor :math:`\rho_{\min}` for the trust-region rule and target of the
+            decay schedules (``DAMP_RHO_MIN``). Default ``1e-6``, the paper's value.
+        cg_iters: CG iterations per step, :math:`k_{\max}` (``MAX_CG_ITERS``). Default 10, the
+            original's default and the paper's best setting on CIFAR-10.
+        cg_tol: CG stops early once the largest absolute residual entry is at most this
+            (``CG_TOL``). Default ``1e-6``, as the original and the paper.
+        line_search: backtracking Armijo line search on the same mini-batch (``LS``). Default on,
+            as in the paper.
+        trust_region: adapt the damping by the trust-region rule (``TR``). Default on, as in
+            the paper.
+        momentum: gradient averaging :math:`\beta` (``BETA``):
+            :math:`m \leftarrow \beta m + (1-\beta) g`,
+            :math:`\hat m = m / (1 - \beta^t)` is the CG right-hand side. Default 0 (plain
+            gradient), as the original and the paper.
+        warmup_cg_iters: CG iterations during the first ``warmup_steps`` steps
+            (``MIN_CG_ITERS``); ``None`` uses ``cg_iters`` throughout. Default ``None``; the
+            paper's runs used 10 for the first 10 steps (see the benchmark presets).
+        warmup_steps: length of that warm-up (``K_CG``). Default 10.
+        damping_schedule: ``"constant"``, ``"linear"`` or ``"cosine"`` decay of the damping to
+            ``damping_min`` over ``damping_decay_steps`` steps (``RHO_DECAY``); only with
+            ``trust_region=False``. Default ``"constant"``.
+        damping_decay_steps: the schedule's length :math:`K`. Default 10, as the original.
+        preconditioner: diagonal CG preconditioner
+            :math:`M = (\hat m^2 + \rho)^{-\text{exponent}}` (``CG_PREC``). Default off.
+        preconditioner_exponent: its exponent (``ALPHA_EXP``). Default 1.
+        warm_start: start CG from this factor times the previous step's CG solution (Martens,
+            2010); 0 starts from zero as the original does. Default 0.
+        ls_c: Armijo constant (``C_LS``). Default ``1e-4`` (Nocedal & Wright).
+        ls_shrink: backtracking factor (``RHO_LS``). Default 0.5.
+        ls_max_evals: most loss evaluations in one line search (``MAX_LS_ITERS``). Default 10.
+        keep_grad: write the mini-batch gradient into each parameter's ``.grad``. Default off:
+            SGN leaves ``.grad`` untouched.
+
+    Example:
+        >>> opt = SGN(model, loss="cross_entropy", cg_iters=5)
+        >>> for x, y in loader:
+        ...     info = opt.step(x, y)
+        ...     print(info.loss, info.damping)
+
+    .. note::
+        The trust-region ratio is evaluated at the full step :math:`\alpha d` before the line
+        search, as in the original, and its loss is reused as the line search's first trial.
+        The predicted change is the damped quadratic model
+        :math:`g^\top s + \tfrac12 s^\top (G + \rho I) s`, with ``g`` the gradient; with
+        ``momentum=0`` this is the original's :math:`\tfrac12 (r + g)^\top d`.
+
+    .. note::
+        A step is atomic: if it raises (non-finite loss or gradient, bad targets), the
+        parameters, buffers, optimizer state and random state are as they were.
+
+    References:
+        M. Gargiani, A. Zanelli, M. Diehl, F. Hutter. On the Promise of the Stochastic
+        Generalized Gauss-Newton Method for Training DNNs. arXiv:2006.02409, 2020.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss: LossSpec = "cross_entropy",
+        *,
+        lr: float = 1.0,
+        damping: float = 1e-4,
+        damping_min: float = 1e-6,
+        cg_iters: int = 10,
+        cg_tol: float = 1e-6,
+        line_search: bool = True,
+        trust_region: bool = True,
+        momentum: float = 0.0,
+        warmup_cg_iters: Optional[int] = None,
+        warmup_steps: int = 10,
+        damping_schedule: str = "constant",
+        damping_decay_steps: int = 10,
+        preconditioner: bool = False,
+        preconditioner_exponent: float = 1.0,
+        warm_start: float = 0.0,
+        ls_c: float = 1e-4,
+        ls_shrink: float = 0.5,
+        ls_max_evals: int = 10,
+        keep_grad: bool = False,
+    ):
+        _check(lr > 0, "lr", lr, "must be > 0")
+        _check(damping > 0, "damping", damping, "must be > 0")
+        _check(0 <= damping_min <= damping, "damping_min", damping_min, "must be in [0, damping]")
+        _check(_is_int(cg_iters) and cg_iters >= 1, "cg_iters", cg_iters, "must be an int >= 1")
+        _check(cg_tol >= 0, "cg_tol", cg_tol, "must be >= 0")
+        _check(0 <= momentum < 1, "momentum", momentum, "must be in [0, 1)")
+        _check(
+            warmup_cg_iters is None or (_is_int(warmup_cg_iters) and warmup_cg_iters >= 1),
+            "warmup_cg_iters",
+            warmup_cg_iters,
+            "must be None or an int >= 1",
+        )
+        _check(
+            _is_int(warmup_steps) and warmup_steps >= 0,
+            "warmup_steps",
+            warmup_steps,
+            "must be an int >= 0",
+        )
+        _check(
+            damping_schedule in DAMPING_SCHEDULES,
+            "damping_schedule",
+            damping_schedule,
+            f"must be one of {DAMPING_SCHEDULES}",
+        )
+        _check(
+            not (trust_region and damping_schedule != "constant"),
+            "damping_schedule",
+            damping_schedule,
+            "needs trust_region=False (the trust region adapts the damping)",
+        )
+        _check(
+            _is_int(damping_decay_steps) and damping_decay_steps >= 1,
+            "damping_decay_steps",
+            damping_decay_steps,
+            "must be an int >= 1",
+        )
+        _check(
+            preconditioner_exponent > 0,
+            "preconditioner_exponent",
+            preconditioner_exponent,
+            "must be > 0",
+        )
+        _check(0 <= warm_start <= 1, "warm_start", warm_start, "must be in [0, 1]")
+        _check(0 < ls_c < 1, "ls_c", ls_c, "must be in (0, 1)")
+        _check(0 < ls_shrink < 1, "ls_shrink", ls_shrink, "must be in (0, 1)")
+        _check(
+            _is_int(ls_max_evals) and ls_max_evals >= 1,
+            "ls_max_evals",
+            ls_max_evals,
+            "must be an int >= 1",
+        )
+
+        self._fmodel = _FunctionalModel(model)
+        self._loss = resolve_loss(loss)
+        defaults = dict(
+            lr=lr, damping=damping, damping_min=damping_min, cg_iters=cg_iters, cg_tol=cg_tol,
+            line_search=line_search, trust_region=trust_region, momentum=momentum,
+            warmup_cg_iters=warmup_cg_iters, warmup_steps=warmup_steps,
+            damping_schedule=damping_schedule, damping_decay_steps=damping_decay_steps,
+            preconditioner=preconditioner, preconditioner_exponent=preconditioner_exponent,
+            warm_start=warm_start, ls_c=ls_c, ls_shrink=ls_shrink, ls_max_evals=ls_max_evals,
+            keep_grad=keep_grad,
+        )  # fmt: skip
+        super().__init__(self._fmodel.params, defaults)
+        if len(self.param_groups) != 1:  # pragma: no cover - guarded by add_param_group
+            raise ValueError("SGN doesn't support per-parameter options (parameter groups)")
+        self._linearize = _linearize
+        self._global_state()  # created now, so that a failed first step changes nothing
+
+    def add_param_group(self, param_group: dict) -> None:
+        if self.param_groups:
+            raise ValueError(
+                "SGN optimizes the whole model given to it and doesn't support parameter groups"
+            )
+        super().add_param_group(param_group)
+
+    # --- state -------------------------------------------------------------------------------
+    def _global_state(self) -> dict:
+        """SGN's state, kept on the first parameter so that load_state_dict casts it."""
+        state = self.state[self._fmodel.params[0]]
+        if not state:
+            state["step"] = 0
+            state["damping"] = float(self.param_groups[0]["damping"])
+        return state
+
+    # --- one step ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, inputs: Inputs, targets: Tensor) -> StepInfo:  # type: ignore[override]
+        """Performs one SGN iteration on the mini-batch ``(inputs, targets)``.
+
+        Args:
+            inputs: the model's input: a tensor, or a tuple of tensors passed positionally.
+            targets: the loss's targets for this batch.
+
+        Returns:
+            A :class:`StepInfo` describing the step.
+
+        Raises:
+            ValueError: non-finite inputs or targets, or targets that do not fit the loss.
+            FloatingPointError: the loss or its gradient is not finite at the current point.
+        """
+        group = self.param_groups[0]
+        state = self._global_state()
+        _check_batch(inputs, targets)
+        t = state["step"]
+        theta = self._fmodel.flat()
+        buffers: dict = {}
+        with self._fmodel.consistent():
+            lin = self._linearize(self._fmodel, self._loss, theta, inputs, targets, buffers)
+            loss0 = _finite_loss(lin)
+            damping = self._damping(state, t)
+            rhs, momentum_buffer = self._momentum(lin.grad, state, t)
+            cg = self._solve(lin, rhs, damping, state, t)
+            direction = cg.x
+            step = group["lr"] * direction
+
+            def loss_at(a: float) -> float:
+                value = self._loss_at(theta + a * step, inputs, targets)
+                logger.debug("  line search: a=%.4g loss=%.6g", a, value)
+                return value
+
+            predicted = _predicted_change(lin.grad, rhs, cg, group["lr"])
+            moved = bool(direction.any())
+            loss_full = loss_at(1.0) if moved else loss0
+            evals = int(moved)
+            ratio = None
+            next_damping = damping
+            if group["trust_region"]:
+                ratio = (loss_full - loss0) / predicted if predicted < 0 else math.nan
+                next_damping = trust_region_update(damping, ratio, group["damping_min"])
+            search = LineSearchResult(1.0, loss_full, 1, math.isfinite(loss_full))
+            if group["line_search"] and moved:
+                search = backtracking(
+                    loss_at, loss0, torch.dot(rhs, step).item(), c=group["ls_c"],
+                    shrink=group["ls_shrink"], max_evals=group["ls_max_evals"], first=loss_full,
+                )  # fmt: skip
+                evals = search.evaluations
+        take = moved and math.isfinite(search.loss)
+        a = search.step if take else 0.0
+
+        # Commit: nothing above has touched the model or the optimizer's state.
+        if take:
+            self._fmodel.write(theta + a * step)
+        self._fmodel.write_buffers(buffers)
+        if group["keep_grad"]:
+            self._write_grad(lin.grad)
+        state["step"] = t + 1
+        state["damping"] = next_damping
+        if momentum_buffer is not None:
+            state["momentum_buffer"] = momentum_buffer
+        if group["warm_start"] > 0:
+            state["prev_direction"] = direction
+
+        info = StepInfo(
+            loss=loss0,
+            loss_after=search.loss if take else loss0,
+            grad_norm=lin.grad.norm().item(),
+            cg_iters=cg.iterations,
+            cg_residual=cg.residual.norm().item(),
+            cg_stop=cg.reason,
+            damping=damping,
+            next_damping=next_damping,
+            step_size=group["lr"] * a,
+            tr_ratio=ratio,
+            predicted_change=predicted,
+            loss_evals=evals,
+            line_search_ok=search.success,
+        )
+        self._log(t, info)
+        return info
+
+    # --- the step's parts --------------------------------------------------------------------
+    def _damping(self, state: dict, t: int) -> float:
+        group = self.param_groups[0]
+        if group["trust_region"]:
+            return state["damping"]
+        return scheduled_damping(
+            group["damping_schedule"], group["damping"], group["damping_min"], t,
+            group["damping_decay_steps"],
+        )  # fmt: skip
+
+    def _momentum(self, grad: Tensor, state: dict, t: int) -> tuple[Tensor, Optional[Tensor]]:
+        """The CG right-hand side ``m_hat`` and the new moving average (None without momentum)."""
+        beta = self.param_groups[0]["momentum"]
+        if beta == 0:
+            return grad, None
+        m = state.get("momentum_buffer")
+        m = (1 - beta) * grad if m is None else beta * m + (1 - beta) * grad
+        return m / (1 - beta ** (t + 1)), m
+
+    def _solve(
+        self, lin: _Linearization, rhs: Tensor, damping: float, state: dict, t: int
+    ) -> CGResult:
+        group = self.param_groups[0]
+        iters = group["cg_iters"]
+        if group["warmup_cg_iters"] is not None and t < group["warmup_steps"]:
+            iters = group["warmup_cg_iters"]
+        precond = None
+        if group["preconditioner"]:
+            precond = (rhs.square() + damping).pow(-group["preconditioner_exponent"])
+        x0 = None
+        previous = state.get("prev_direction")
+        if group["warm_start"] > 0 and previous is not None:
+            x0 = group["warm_start"] * previous
+
+        def damped(v: Tensor) -> Tensor:
+            return lin.ggn_vp(v) + damping * v
+
+        result = conjugate_gradient(
+            damped, -rhs, max_iters=iters, tol=group["cg_tol"], x0=x0, preconditioner=precond
+        )
+        if result.breakdown:
+            logger.warning(
+                "CG stopped early (%s) after %d iterations; using its last good iterate",
+                result.reason, result.iterations,
+            )  # fmt: skip
+        return result
+
+    def _loss_at(self, flat: Tensor, inputs: Inputs, targets: Tensor) -> float:
+        return self._loss.value(self._fmodel(flat, inputs), targets).item()
+
+    def _write_grad(self, grad: Tensor) -> None:
+        fm = self._fmodel
+        for p, g, shape in zip(fm.params, grad.split(fm.numels), fm.shapes):
+            p.grad = g.view(shape).clone()
+
+    def _log(self, t: int, info: StepInfo) -> None:
+        logger.info(
+            "step %d: loss %.6g -> %.6g, damping %.3g, step %.3g",
+            t, info.loss, info.loss_after, info.damping, info.step_size,
+        )  # fmt: skip
+        logger.debug(
+            "  |g| %.4g, CG %d it (%s), |r| %.3g, ratio %s, %d loss evals",
+            info.grad_norm, info.cg_iters, info.cg_stop, info.cg_residual,
+            "-" if info.tr_ratio is None else f"{info.tr_ratio:.3g}", info.loss_evals,
+        )  # fmt: skip
+
+
+def _predicted_change(grad: Tensor, rhs: Tensor, cg: CGResult, lr: float) -> float:
+    r"""The damped quadratic model's change :math:`g^\top s + \frac12 s^\top A s` at ``s = lr d``.
+
+    CG's residual gives :math:`A d = r - \hat m` without another product.
+    """
+    d = cg.x
+    g_d, curv = torch.stack([torch.dot(grad, d), torch.dot(d, cg.residual - rhs)]).tolist()
+    return lr * g_d + 0.5 * lr * lr * curv
+
+
+def _finite_loss(lin: _Linearization) -> float:
+    loss = lin.loss.item()
+    if not math.isfinite(loss):
+        raise FloatingPointError(
+            f"the loss is {loss} at the current parameters on this batch; the parameters were "
+            "not changed. Check the data and the model's output (e.g. lower the learning rate "
+            "of an earlier optimizer, or raise `damping`)"
+        )
+    if not bool(torch.isfinite(lin.grad).all()):
+        raise FloatingPointError(
+            "the gradient has non-finite entries at the current parameters; the parameters "
+            "were not changed"
+        )
+    return loss
+
+
+def _check_batch(inputs: Inputs, targets: Tensor) -> None:
+    items = inputs if isinstance(inputs, tuple) else (inputs,)
+    for i, x in enumerate(items):
+        if not isinstance(x, Tensor):
+            raise TypeError(
+                f"inputs must be a tensor or a tuple of tensors; item {i} is {type(x).__name__}"
+            )
+        if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+            where = "inputs" if not isinstance(inputs, tuple) else f"inputs[{i}]"
+            raise ValueError(f"{where} contain NaN or infinite values; clean the batch first")
+    if not isinstance(targets, Tensor):
+        raise TypeError(f"targets must be a tensor, got {type(targets).__name__}")
+    if targets.is_floating_point() and not bool(torch.isfinite(targets).all()):
+        raise ValueError("targets contain NaN or infinite values; clean the batch first")
+
+
+def _check(ok: bool, name: str, value: object, what: str) -> None:
+    if not ok:
+        raise ValueError(f"invalid {name}={value!r}: {what}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

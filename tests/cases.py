@@ -1,0 +1,122 @@
+"""One shared table of models x losses for the core tests, with independent dense references."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.autograd.functional import hessian, jacobian
+from torch.func import functional_call
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    name: str
+    build: Callable[[], nn.Module]
+    input_shape: tuple
+    output_kind: str  # "flat": (N, C); "seq": (N, C, L)
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+def _cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 2, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(18, 3)
+    )
+
+
+def _seq() -> nn.Module:
+    # (N, 2, 5) -> (N, 3, 4): outputs with an extra dimension (per-position classes).
+    return nn.Sequential(nn.Conv1d(2, 3, 2), nn.Sigmoid(), nn.Conv1d(3, 3, 1))
+
+
+MODELS = [
+    ModelCase("mlp", _mlp, (6, 4), "flat"),
+    ModelCase("cnn", _cnn, (5, 1, 8, 8), "flat"),
+    ModelCase("seq", _seq, (4, 2, 5), "seq"),
+]
+
+
+def _log_cosh(outputs: Tensor, targets: Tensor) -> Tensor:
+    return torch.log(torch.cosh(outputs - targets)).mean()
+
+
+@dataclass(frozen=True)
+class LossCase:
+    name: str
+    make: Callable[[], object]
+    targets: str  # "real", "index", "binary", "probs"
+
+
+LOSSES = [
+    LossCase("mse", lambda: "mse", "real"),
+    LossCase("MSELoss-sum", lambda: nn.MSELoss(reduction="sum"), "real"),
+    LossCase("cross_entropy", lambda: "cross_entropy", "index"),
+    LossCase(
+        "CE-sum-smooth", lambda: nn.CrossEntropyLoss(reduction="sum", label_smoothing=0.1), "index"
+    ),
+    LossCase("CE-mean-smooth", lambda: nn.CrossEntropyLoss(label_smoothing=0.2), "index"),
+    LossCase("CE-probs", lambda: "cross_entropy", "probs"),
+    LossCase(
+        "CE-weight",
+        lambda: nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64)),
+        "index",
+    ),
+    LossCase("bce_with_logits", lambda: "bce_with_logits", "binary"),
+    LossCase("BCE-sum", lambda: nn.BCEWithLogitsLoss(reduction="sum"), "binary"),
+    LossCase("log-cosh callable", lambda: _log_cosh, "real"),
+]
+
+
+def make_batch(model_case: ModelCase, loss_case: LossCase, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = model_case.build().to(dtype)
+    x = torch.randn(model_case.input_shape, generator=g, dtype=dtype)
+    with torch.no_grad():
+        out_shape = model(x).shape
+    n, c = out_shape[0], out_shape[1]
+    if loss_case.targets == "real":
+        y = torch.randn(out_shape, generator=g, dtype=dtype)
+    elif loss_case.targets == "binary":
+        y = torch.rand(out_shape, generator=g, dtype=dtype)
+    elif loss_case.targets == "probs":
+        y = torch.softmax(torch.randn(out_shape, generator=g, dtype=dtype), dim=1)
+    else:
+        y = torch.randint(0, c, (n, *out_shape[2:]), generator=g)
+    return model, x, y
+
+
+def loss_fn(loss) -> Callable[[Tensor, Tensor], Tensor]:
+    """The loss as a plain function, independent of torch_sgn.losses."""
+    if isinstance(loss, str):
+        return {
+            "mse": F.mse_loss,
+            "cross_entropy": F.cross_entropy,
+            "bce_with_logits": F.binary_cross_entropy_with_logits,
+        }[loss]
+    return loss
+
+
+def dense_ggn(model: nn.Module, loss, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(G, g, theta) built from full Jacobians and the output-space Hessian by autograd."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = [p.detach() for n, p in model.named_parameters() if p.requires_grad]
+    theta = torch.cat([p.reshape(-1) for p in params])
+    sizes = [p.numel() for p in params]
+
+    def f(flat: Tensor) -> Tensor:
+        chunks = [c.view(p.shape) for c, p in zip(flat.split(sizes), params)]
+        return functional_call(model, dict(zip(names, chunks)), (x,))
+
+    out = f(theta)
+    fn = loss_fn(loss)
+    J = jacobian(f, theta).reshape(out.numel(), -1)
+    H = hessian(lambda z: fn(z.view(out.shape), y), out.detach().reshape(-1))
+    g = torch.func.grad(lambda t: fn(f(t), y))(theta)
+    return J.T @ H @ J, g, theta

@@ -1,0 +1,143 @@
+import math
+
+import pytest
+import torch
+
+from cases import LOSSES, MODELS, make_batch
+from torch_sgn import GGN, conjugate_gradient
+from torch_sgn.damping import scheduled_damping, trust_region_update
+from torch_sgn.line_search import backtracking
+
+
+def _spd(n: int, seed: int = 0, cond: float = 100.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    eigs = torch.logspace(0, math.log10(cond), n, dtype=torch.float64)
+    return q @ torch.diag(eigs) @ q.T
+
+
+def test_cg_solves_spd_system_in_n_iterations():
+    A = _spd(12)
+    b = torch.randn(12, dtype=torch.float64)
+    res = conjugate_gradient(lambda v: A @ v, b, max_iters=12)
+    torch.testing.assert_close(res.x, torch.linalg.solve(A, b), rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(res.residual, A @ res.x - b, rtol=1e-6, atol=1e-9)
+    assert res.iterations <= 12 and not res.breakdown
+
+
+def test_cg_on_damped_ggn_matches_linalg_solve():
+    model, x, y = make_batch(MODELS[1], LOSSES[2])
+    G = GGN(model, "cross_entropy", x, y)
+    rho = 1e-3
+    A = G.to_dense() + rho * torch.eye(G.shape[0], dtype=torch.float64)
+    b = -G.gradient
+    res = conjugate_gradient(lambda v: G @ v + rho * v, b, max_iters=10 * G.shape[0], tol=1e-13)
+    assert res.reason == "converged"
+    torch.testing.assert_close(res.x, torch.linalg.solve(A, b), rtol=1e-6, atol=1e-9)
+
+
+def test_preconditioned_cg_reaches_the_same_solution():
+    A = _spd(10, seed=3, cond=1e4)
+    b = torch.randn(10, dtype=torch.float64)
+    m = 1.0 / torch.diagonal(A)
+    res = conjugate_gradient(lambda v: A @ v, b, max_iters=50, tol=1e-12, preconditioner=m)
+    assert res.reason == "converged"
+    torch.testing.assert_close(res.x, torch.linalg.solve(A, b), rtol=1e-7, atol=1e-9)
+
+
+def test_cg_stops_at_max_iters_and_at_tolerance():
+    A = _spd(20, seed=1)
+    b = torch.randn(20, dtype=torch.float64)
+    res = conjugate_gradient(lambda v: A @ v, b, max_iters=3)
+    assert (res.iterations, res.reason) == (3, "max_iters")
+    res = conjugate_gradient(lambda v: A @ v, b, max_iters=100, tol=1e-4)
+    assert res.reason == "converged" and res.residual.abs().max() <= 1e-4
+    # the residual is monotone in the A^{-1} norm: tighter tol, more iterations
+    tight = conjugate_gradient(lambda v: A @ v, b, max_iters=100, tol=1e-10)
+    assert tight.iterations > res.iterations
+
+
+def test_cg_quadratic_model_decreases_monotonically():
+    A = _spd(15, seed=2, cond=1e3)
+    b = torch.randn(15, dtype=torch.float64)
+    values = []
+    for k in range(1, 16):
+        x = conjugate_gradient(lambda v: A @ v, b, max_iters=k).x
+        values.append(float(0.5 * x @ A @ x - b @ x))
+    assert all(v2 <= v1 + 1e-12 for v1, v2 in zip(values, values[1:]))
+
+
+def test_cg_warm_start_from_the_solution_stops_at_once():
+    A = _spd(8)
+    b = torch.randn(8, dtype=torch.float64)
+    x_star = torch.linalg.solve(A, b)
+    res = conjugate_gradient(lambda v: A @ v, b, max_iters=8, tol=1e-9, x0=x_star)
+    assert res.iterations == 0 and res.reason == "converged"
+    torch.testing.assert_close(res.x, x_star)
+
+
+def test_cg_flags_non_positive_curvature_and_keeps_last_good_iterate():
+    A = torch.diag(torch.tensor([1.0, -1.0], dtype=torch.float64))
+    b = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    res = conjugate_gradient(lambda v: A @ v, b, max_iters=5)
+    assert res.reason == "non_positive_curvature" and res.breakdown
+    assert torch.isfinite(res.x).all()
+
+
+def test_cg_flags_non_finite_products():
+    calls = []
+
+    def matvec(v):
+        calls.append(1)
+        scale = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+        return v * (float("nan") if len(calls) > 1 else scale)
+
+    b = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    res = conjugate_gradient(matvec, b, max_iters=5)
+    assert res.reason == "non_finite" and res.iterations == 1
+    assert torch.isfinite(res.x).all() and res.x.abs().sum() > 0
+
+
+def test_trust_region_rules():
+    assert trust_region_update(1.0, 0.1, 1e-6) == 1.5
+    assert trust_region_update(1.0, -5.0, 1e-6) == 1.5
+    assert trust_region_update(1.0, float("nan"), 1e-6) == 1.5
+    assert trust_region_update(1.0, 0.5, 1e-6) == 1.0
+    assert trust_region_update(1.0, 0.9, 1e-6) == pytest.approx(2 / 3)
+    assert trust_region_update(1e-6, 0.9, 1e-6) == 1e-6  # floored at damping_min
+    assert trust_region_update(1.0, 0.25, 0.0) == 1.0 and trust_region_update(1.0, 0.75, 0) == 1.0
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_damping_schedules_decay_to_the_floor(schedule):
+    rho0, rho_min, K = 1e-2, 1e-4, 20
+    values = [scheduled_damping(schedule, rho0, rho_min, t, K) for t in range(K + 5)]
+    assert values[0] == pytest.approx(rho0)
+    assert all(a >= b for a, b in zip(values, values[1:]))
+    assert all(v == rho_min for v in values[K:])
+    mid = scheduled_damping(schedule, rho0, rho_min, K // 2, K)
+    expected = 0.5 if schedule == "linear" else math.cos(math.pi / 4)
+    assert mid == pytest.approx(rho_min + (rho0 - rho_min) * expected)
+    assert scheduled_damping("constant", rho0, rho_min, 100, K) == rho0
+
+
+def test_backtracking_returns_largest_armijo_step():
+    # f(a) = (a - 0.2)^2 along the step: slope -0.4 at a = 0, f(0) = 0.04
+    def f(a):
+        return (a - 0.2) ** 2
+
+    res = backtracking(f, f(0.0), -0.4, c=1e-4)
+    assert res.success
+    assert res.loss <= f(0.0) + 1e-4 * res.step * -0.4
+    assert f(2 * res.step) > f(0.0) + 1e-4 * 2 * res.step * -0.4  # the previous trial failed
+    assert res.step == 0.25 and res.evaluations == 3
+
+
+def test_backtracking_gives_up_after_max_evals():
+    res = backtracking(lambda a: 1.0 + a, 0.5, -1.0, max_evals=4)
+    assert not res.success and res.evaluations == 4 and res.step == 0.125
+
+
+def test_backtracking_rejects_non_finite_trials():
+    res = backtracking(lambda a: float("nan") if a > 0.3 else -a, 0.0, -1.0)
+    assert res.success and res.step == 0.25

@@ -1,0 +1,188 @@
+"""Bad input: a clear error, and the step leaves everything as it was."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from cases import LOSSES, MODELS, make_batch
+from torch_sgn import GGN, SGN
+
+
+def _snapshot(model, opt):
+    return (
+        copy.deepcopy(model.state_dict()),
+        copy.deepcopy(opt.state_dict()),
+        torch.get_rng_state(),
+    )
+
+
+def _assert_unchanged(model, opt, snap):
+    params, state, rng = snap
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, params[k]), k
+    assert _state_equal(opt.state_dict(), state)
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def _state_equal(a, b):
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_state_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_state_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return a == b
+
+
+def _trained(model_case=MODELS[0], loss_case=LOSSES[0], loss="mse", **kw):
+    """A model and optimizer that already took two steps, so the state is not empty."""
+    model, x, y = make_batch(model_case, loss_case)
+    model = nn.Sequential(*model, nn.Dropout(0.1))  # training-mode randomness too
+    opt = SGN(model, loss, momentum=0.5, warm_start=0.5, **kw)
+    opt.step(x, y)
+    opt.step(x, y)
+    return model, opt, x, y
+
+
+@pytest.mark.parametrize("where", ["inputs", "targets"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_batch_is_rejected_and_nothing_changes(where, bad):
+    model, opt, x, y = _trained()
+    x, y = x.clone(), y.clone()
+    (x if where == "inputs" else y)[0, 0] = bad
+    snap = _snapshot(model, opt)
+    with pytest.raises(ValueError, match=f"{where} contain NaN or infinite"):
+        opt.step(x, y)
+    _assert_unchanged(model, opt, snap)
+
+
+def test_non_finite_loss_is_rejected_and_nothing_changes():
+    model, opt, x, y = _trained()
+    snap = _snapshot(model, opt)
+    with pytest.raises(FloatingPointError, match="loss is (inf|nan)"):
+        opt.step(x, y * 1e200)  # finite targets, but the squared error overflows
+    _assert_unchanged(model, opt, snap)
+
+
+class _NanGrad(nn.Module):
+    def forward(self, h):
+        return h + torch.sqrt(h * 0)  # the identity, but its derivative is 1 + inf * 0 = nan
+
+
+def test_non_finite_gradient_is_rejected_and_nothing_changes():
+    model, opt, x, y = _trained()
+    model.insert(1, _NanGrad())
+    snap = _snapshot(model, opt)
+    with pytest.raises(FloatingPointError, match="gradient has non-finite"):
+        opt.step(x, y)
+    _assert_unchanged(model, opt, snap)
+
+
+def test_batchnorm_buffers_untouched_by_a_failed_step():
+    model = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.Linear(5, 3)).double()
+    x = torch.randn(6, 4, dtype=torch.float64)
+    opt = SGN(model, "cross_entropy")
+    snap = _snapshot(model, opt)
+    with pytest.raises(ValueError, match="class index out of range"):
+        opt.step(x, torch.tensor([0, 1, 2, 3, 0, 1]))
+    _assert_unchanged(model, opt, snap)
+
+
+@pytest.mark.parametrize(
+    "targets,match",
+    [
+        (torch.rand(6), "expects integer class indices of shape \\(6,\\)"),
+        (torch.tensor([0, 1, 2, 3, 0, 1]), "class index out of range.*valid indices 0..2"),
+        (torch.tensor([0, 1, -1, 0, 0, 1]), "class index out of range"),
+        (torch.zeros(6, 1, dtype=torch.long), "class indices of shape \\(6,\\)"),
+    ],
+    ids=["float", "too-large", "negative", "wrong-shape"],
+)
+def test_bad_cross_entropy_targets(targets, match):
+    model, opt, x, y = _trained(MODELS[0], LOSSES[2], loss="cross_entropy")
+    snap = _snapshot(model, opt)
+    with pytest.raises(ValueError, match=match):
+        opt.step(x, targets)
+    _assert_unchanged(model, opt, snap)
+
+
+@pytest.mark.parametrize(
+    "loss,targets,match",
+    [
+        ("mse", torch.randn(6), "mse expects targets of the outputs' shape \\(6, 3\\)"),
+        ("mse", torch.zeros(6, 3, dtype=torch.long), "mse expects floating-point targets"),
+        ("bce_with_logits", torch.ones(6, 3, dtype=torch.long), "floating-point targets"),
+        ("bce_with_logits", 2 * torch.ones(6, 3), "targets in \\[0, 1\\]"),
+    ],
+)
+def test_bad_regression_and_binary_targets(loss, targets, match):
+    model, x, _ = make_batch(MODELS[0], LOSSES[0])
+    opt = SGN(model, loss)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=match):
+        opt.step(x, targets.to(torch.float64) if targets.is_floating_point() else targets)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(lr=0.0), "invalid lr=0.0"),
+        (dict(lr=-1.0), "invalid lr=-1.0"),
+        (dict(damping=0.0), "invalid damping=0.0"),
+        (dict(damping=1e-4, damping_min=1e-3), "invalid damping_min=0.001"),
+        (dict(cg_iters=0), "invalid cg_iters=0"),
+        (dict(cg_iters=2.5), "invalid cg_iters=2.5"),
+        (dict(cg_tol=-1.0), "invalid cg_tol"),
+        (dict(momentum=1.0), "invalid momentum=1.0"),
+        (dict(warmup_cg_iters=0), "invalid warmup_cg_iters=0"),
+        (dict(damping_schedule="exp"), "invalid damping_schedule='exp'"),
+        (dict(damping_schedule="linear"), "needs trust_region=False"),
+        (dict(damping_decay_steps=0, trust_region=False), "invalid damping_decay_steps=0"),
+        (dict(preconditioner_exponent=0.0), "invalid preconditioner_exponent"),
+        (dict(warm_start=1.5), "invalid warm_start=1.5"),
+        (dict(ls_c=1.0), "invalid ls_c=1.0"),
+        (dict(ls_shrink=1.0), "invalid ls_shrink=1.0"),
+        (dict(ls_max_evals=0), "invalid ls_max_evals=0"),
+    ],
+)
+def test_invalid_hyperparameters_raise_in_the_constructor(kwargs, match):
+    model, _, _ = make_batch(MODELS[0], LOSSES[0])
+    with pytest.raises(ValueError, match=match):
+        SGN(model, "mse", **kwargs)
+
+
+def test_bad_loss_and_model_arguments():
+    model, x, y = make_batch(MODELS[0], LOSSES[0])
+    with pytest.raises(ValueError, match="unknown loss 'hinge'"):
+        SGN(model, "hinge")
+    with pytest.raises(ValueError, match="reduction must be 'mean' or 'sum'"):
+        SGN(model, nn.MSELoss(reduction="none"))
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        SGN([p for p in model.parameters()], "mse")
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        SGN(frozen, "mse")
+    with pytest.raises(ValueError, match="doesn't support parameter groups"):
+        SGN(model, "mse").add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
+
+
+def test_custom_loss_must_return_a_scalar():
+    model, x, y = make_batch(MODELS[0], LOSSES[0])
+    with pytest.raises(ValueError, match="must return a scalar"):
+        GGN(model, lambda z, t: (z - t) ** 2, x, y)
+
+
+def test_model_returning_a_tuple_is_rejected_with_advice():
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.lin(x), x
+
+    with pytest.raises(TypeError, match="forward returns one tensor"):
+        SGN(Two(), "mse").step(torch.randn(4, 3), torch.randn(4, 2))

@@ -1,0 +1,74 @@
+import pytest
+import torch
+from torch import nn
+
+from cases import LOSSES, MODELS, dense_ggn, make_batch
+from torch_sgn import GGN
+
+CASES = [(m, lc) for m in MODELS for lc in LOSSES]
+IDS = [f"{m.name}-{lc.name}" for m, lc in CASES]
+
+
+@pytest.mark.parametrize("model_case,loss_case", CASES, ids=IDS)
+def test_ggn_matches_dense_jacobian_reference(model_case, loss_case):
+    model, x, y = make_batch(model_case, loss_case)
+    loss = loss_case.make()
+    G_ref, g_ref, _ = dense_ggn(model, loss, x, y)
+    G = GGN(model, loss, x, y)
+    assert G.shape == G_ref.shape
+    torch.testing.assert_close(G.gradient, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(G.to_dense(), G_ref, rtol=1e-9, atol=1e-11)
+    v = torch.randn(G.shape[0], dtype=torch.float64)
+    torch.testing.assert_close(G @ v, G_ref @ v, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("model_case,loss_case", CASES, ids=IDS)
+def test_ggn_is_symmetric_positive_semidefinite(model_case, loss_case):
+    model, x, y = make_batch(model_case, loss_case, seed=1)
+    dense = GGN(model, loss_case.make(), x, y).to_dense()
+    torch.testing.assert_close(dense, dense.T, rtol=1e-10, atol=1e-12)
+    eigs = torch.linalg.eigvalsh(dense)
+    assert eigs.min() >= -1e-10 * max(1.0, eigs.max().item())
+
+
+def test_ggn_vector_order_matches_parameters_to_vector():
+    model, x, y = make_batch(MODELS[0], LOSSES[0])
+    G = GGN(model, "mse", x, y)
+    g = torch.func.grad(
+        lambda p: torch.nn.functional.mse_loss(torch.func.functional_call(model, p, (x,)), y)
+    )(dict(model.named_parameters()))
+    expected = nn.utils.parameters_to_vector(g.values())
+    torch.testing.assert_close(G.gradient, expected)
+
+
+def test_ggn_skips_frozen_parameters():
+    model, x, y = make_batch(MODELS[0], LOSSES[0])
+    model[0].weight.requires_grad_(False)
+    G = GGN(model, "mse", x, y)
+    assert G.shape[0] == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_ggn_rejects_wrong_vector_length():
+    model, x, y = make_batch(MODELS[0], LOSSES[0])
+    G = GGN(model, "mse", x, y)
+    with pytest.raises(ValueError, match="cannot multiply"):
+        G @ torch.ones(3, dtype=torch.float64)
+
+
+def test_ggn_with_dropout_uses_one_mask_for_every_product():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Tanh(), nn.Linear(8, 2)).double()
+    x, y = torch.randn(10, 4, dtype=torch.float64), torch.randn(10, 2, dtype=torch.float64)
+    dense = GGN(model, "mse", x, y).to_dense()
+    # Different masks for J and J^T would break symmetry.
+    torch.testing.assert_close(dense, dense.T, rtol=1e-10, atol=1e-12)
+
+
+def test_ggn_leaves_batchnorm_buffers_alone():
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)).double()
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+    before = {k: b.clone() for k, b in model.named_buffers()}
+    G = GGN(model, "mse", x, y)
+    G @ torch.randn(G.shape[0], dtype=torch.float64)
+    for k, b in model.named_buffers():
+        assert torch.equal(b, before[k]), k

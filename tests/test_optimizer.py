@@ -1,0 +1,342 @@
+import copy
+import logging
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cases import LOSSES, MODELS, dense_ggn, make_batch
+from torch_sgn import SGN, StepInfo
+
+EXACT = dict(line_search=False, trust_region=False, lr=1.0, momentum=0.0, cg_tol=0.0)
+
+
+def _flat(model):
+    return nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+
+
+def _exact_step(model, loss, x, y, damping):
+    G, g, theta = dense_ggn(model, loss, x, y)
+    A = G + damping * torch.eye(len(theta), dtype=G.dtype)
+    return theta - torch.linalg.solve(A, g), G, g
+
+
+@pytest.mark.parametrize(
+    "model_case,loss_case",
+    [
+        (MODELS[0], LOSSES[0]),
+        (MODELS[1], LOSSES[2]),
+        (MODELS[2], LOSSES[7]),
+        (MODELS[0], LOSSES[9]),
+    ],
+    ids=["mlp-mse", "cnn-ce", "seq-bce", "mlp-callable"],
+)
+def test_exactness_contract(model_case, loss_case):
+    model, x, y = make_batch(model_case, loss_case)
+    loss = loss_case.make()
+    damping = 1e-2
+    expected, _, _ = _exact_step(model, loss, x, y, damping)
+    n = expected.numel()
+    opt = SGN(model, loss, damping=damping, cg_iters=n, **EXACT)
+    info = opt.step(x, y)
+    torch.testing.assert_close(_flat(model), expected, rtol=1e-8, atol=1e-10)
+    assert info.step_size == 1.0 and info.tr_ratio is None
+
+
+def test_huge_damping_gives_a_scaled_gradient_step():
+    model, x, y = make_batch(MODELS[0], LOSSES[0])
+    _, _, g = dense_ggn(model, "mse", x, y)
+    theta = _flat(model)
+    damping = 1e8
+    SGN(model, "mse", damping=damping, cg_iters=3, **EXACT).step(x, y)
+    torch.testing.assert_close(_flat(model), theta - g / damping, rtol=1e-6, atol=1e-15)
+
+
+def test_linear_least_squares_model_is_exact_so_ratio_is_one():
+    torch.manual_seed(0)
+    model = nn.Linear(5, 2).double()
+    x, y = torch.randn(20, 5, dtype=torch.float64), torch.randn(20, 2, dtype=torch.float64)
+    opt = SGN(model, "mse", damping=1e-9, damping_min=1e-12, cg_iters=3, line_search=False)
+    info = opt.step(x, y)
+    assert info.tr_ratio == pytest.approx(1.0, abs=1e-6)
+    assert info.next_damping == pytest.approx(info.damping * 2 / 3)  # ratio > 3/4: expand
+    assert info.loss_after == pytest.approx(F.mse_loss(model(x), y).item(), rel=1e-12)
+
+
+def test_armijo_condition_holds_after_line_search():
+    model, x, y = make_batch(MODELS[0], LOSSES[2])
+    expected_full, _, g = _exact_step(model, "cross_entropy", x, y, 1e-3)
+    theta = _flat(model)
+    d = expected_full - theta
+    lr = 64.0  # far too long: the line search must cut it back
+    opt = SGN(
+        model,
+        "cross_entropy",
+        damping=1e-3,
+        cg_iters=d.numel(),
+        cg_tol=0.0,
+        lr=lr,
+        trust_region=False,
+    )
+    info = opt.step(x, y)
+    assert info.line_search_ok and info.step_size < lr and info.loss_evals > 1
+    torch.testing.assert_close(_flat(model), theta + info.step_size * d, rtol=1e-7, atol=1e-9)
+
+    def loss_at(s):
+        torch.nn.utils.vector_to_parameters(theta + s * d, model.parameters())
+        return F.cross_entropy(model(x), y).item()
+
+    slope = float(g @ d)
+    assert loss_at(info.step_size) <= info.loss + 1e-4 * info.step_size * slope
+    assert loss_at(2 * info.step_size) > info.loss + 1e-4 * 2 * info.step_size * slope
+    assert info.loss_after == pytest.approx(loss_at(info.step_size), rel=1e-10)
+
+
+def test_trust_region_raises_damping_after_a_bad_prediction():
+    model, x, y = make_batch(MODELS[0], LOSSES[0])
+    # tiny damping, many CG iterations: the step trusts a poor Gauss-Newton model
+    opt = SGN(model, "mse", damping=1e-4, cg_iters=50)
+    info = opt.step(x, y)
+    assert info.predicted_change < 0 and info.loss_after - info.loss > 0.25 * info.predicted_change
+    assert info.tr_ratio < 0.25 and info.next_damping == pytest.approx(1.5e-4)
+    assert opt.state_dict()["state"][0]["damping"] == info.next_damping
+    assert opt.step(x, y).damping == info.next_damping
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_damping_schedule_drives_the_damping_without_trust_region(schedule):
+    from torch_sgn.damping import scheduled_damping
+
+    model, x, y = make_batch(MODELS[0], LOSSES[0])
+    opt = SGN(
+        model,
+        "mse",
+        trust_region=False,
+        damping=1e-2,
+        damping_min=1e-4,
+        damping_schedule=schedule,
+        damping_decay_steps=4,
+        cg_iters=2,
+    )
+    used = [opt.step(x, y).damping for _ in range(6)]
+    assert used == [scheduled_damping(schedule, 1e-2, 1e-4, t, 4) for t in range(6)]
+    assert used[-1] == 1e-4
+
+
+def test_cg_iteration_warmup_schedule():
+    model, x, y = make_batch(MODELS[1], LOSSES[2])
+    opt = SGN(model, "cross_entropy", cg_iters=2, warmup_cg_iters=6, warmup_steps=3, cg_tol=0.0)
+    iters = [opt.step(x, y).cg_iters for _ in range(5)]
+    assert iters == [6, 6, 6, 2, 2]
+
+
+def test_momentum_uses_bias_corrected_average_as_right_hand_side():
+    model, x, y = make_batch(MODELS[0], LOSSES[0])
+    x2 = x.flip(0) * 0.5
+    beta, damping = 0.9, 1e-2
+    twin = copy.deepcopy(model)
+    opt = SGN(model, "mse", damping=damping, cg_iters=200, **{**EXACT, "momentum": beta})
+    opt.step(x, y)
+    # first step: m_hat = (1 - beta) g / (1 - beta) = g, so it is the plain step
+    expected, _, g1 = _exact_step(twin, "mse", x, y, damping)
+    torch.testing.assert_close(_flat(model), expected, rtol=1e-8, atol=1e-10)
+    nn.utils.vector_to_parameters(expected, twin.parameters())
+    G2, g2, theta2 = dense_ggn(twin, "mse", x2, y)
+    m_hat = (beta * (1 - beta) * g1 + (1 - beta) * g2) / (1 - beta**2)
+    expected2 = theta2 - torch.linalg.solve(
+        G2 + damping * torch.eye(len(g2), dtype=G2.dtype), m_hat
+    )
+    opt.step(x2, y)
+    torch.testing.assert_close(_flat(model), expected2, rtol=1e-8, atol=1e-10)
+
+
+def test_preconditioned_full_cg_keeps_the_exact_step():
+    model, x, y = make_batch(MODELS[0], LOSSES[2])
+    expected, _, _ = _exact_step(model, "cross_entropy", x, y, 1e-2)
+    opt = SGN(
+        model,
+        "cross_entropy",
+        damping=1e-2,
+        cg_iters=500,
+        preconditioner=True,
+        **{**EXACT, "cg_tol": 1e-14},
+    )
+    opt.step(x, y)
+    torch.testing.assert_close(_flat(model), expected, rtol=1e-7, atol=1e-9)
+
+
+def test_warm_start_starts_cg_from_the_scaled_previous_direction():
+    model, x, y = make_batch(MODELS[0], LOSSES[0])
+    opt = SGN(model, "mse", warm_start=0.5, cg_iters=3, cg_tol=0.0)
+    opt.step(x, y)
+    prev = opt.state[opt.param_groups[0]["params"][0]]["prev_direction"].clone()
+    calls = []
+    from torch_sgn import optimizer as optmod
+
+    real = optmod.conjugate_gradient
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["x0"])
+        return real(*args, **kwargs)
+
+    optmod.conjugate_gradient = spy
+    try:
+        opt.step(x, y)
+    finally:
+        optmod.conjugate_gradient = real
+    torch.testing.assert_close(calls[0], 0.5 * prev)
+
+
+def _run(model, opt, batches):
+    return [opt.step(x, y) for x, y in batches]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(momentum=0.9, warm_start=0.7, preconditioner=True),
+        dict(trust_region=False, damping_schedule="cosine", damping_decay_steps=3),
+    ],
+    ids=["paper", "momentum-warmstart-precond", "cosine"],
+)
+def test_state_dict_round_trip_continues_bit_identically(options):
+    model, x, y = make_batch(MODELS[1], LOSSES[2], dtype=torch.float32)
+    batches = [(x + 0.1 * k, y) for k in range(6)]
+    opt = SGN(model, "cross_entropy", cg_iters=3, **options)
+    _run(model, opt, batches[:3])
+    saved_model = copy.deepcopy(model.state_dict())
+    saved_opt = copy.deepcopy(opt.state_dict())
+    reference = _run(model, opt, batches[3:])
+
+    resumed = MODELS[1].build()
+    resumed.load_state_dict(saved_model)
+    opt2 = SGN(resumed, "cross_entropy", cg_iters=3, **options)
+    opt2.load_state_dict(saved_opt)
+    again = _run(resumed, opt2, batches[3:])
+    assert again == reference
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_lr_lives_in_param_groups_and_schedulers_drive_it():
+    model, x, y = make_batch(MODELS[0], LOSSES[0])
+    opt = SGN(model, "mse", line_search=False, trust_region=False, lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    sizes = []
+    for _ in range(3):
+        sizes.append(opt.step(x, y).step_size)
+        sched.step()
+    assert sizes == [1.0, 0.5, 0.25]
+
+
+def test_no_grad_left_behind_unless_asked():
+    model, x, y = make_batch(MODELS[0], LOSSES[0])
+    SGN(model, "mse").step(x, y)
+    assert all(p.grad is None for p in model.parameters())
+    _, g, _ = dense_ggn(model, "mse", x, y)
+    SGN(model, "mse", keep_grad=True).step(x, y)
+    torch.testing.assert_close(
+        nn.utils.parameters_to_vector([p.grad for p in model.parameters()]), g
+    )
+
+
+def test_step_info_fields_are_consistent():
+    model, x, y = make_batch(MODELS[1], LOSSES[2])
+    info = SGN(model, "cross_entropy", cg_iters=4).step(x, y)
+    assert isinstance(info, StepInfo)
+    assert info.loss_after <= info.loss
+    assert info.loss_after == pytest.approx(F.cross_entropy(model(x), y).item(), rel=1e-12)
+    assert 1 <= info.cg_iters <= 4 and info.cg_stop in ("max_iters", "converged")
+    assert info.predicted_change < 0 and info.grad_norm > 0 and info.loss_evals >= 1
+    assert math.isfinite(info.cg_residual)
+
+
+def test_training_on_a_small_regression_problem_beats_its_start():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1))
+    x = torch.linspace(-1, 1, 64).unsqueeze(1)
+    y = torch.sin(3 * x)
+    opt = SGN(model, "mse", cg_iters=5)
+    first = opt.step(x, y).loss
+    for _ in range(30):
+        last = opt.step(x, y).loss_after
+    assert last < 0.01 * first
+
+
+def test_batchnorm_buffers_update_once_and_dropout_masks_are_consistent():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(3, 6), nn.BatchNorm1d(6), nn.Dropout(0.3), nn.Tanh(), nn.Linear(6, 1)
+    ).double()
+    x, y = torch.randn(16, 3, dtype=torch.float64), torch.randn(16, 1, dtype=torch.float64)
+    twin = copy.deepcopy(model)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        twin(x)  # one ordinary training-mode forward pass
+    after_one_forward = torch.get_rng_state()
+    torch.manual_seed(5)
+    SGN(model, "mse", cg_iters=4).step(x, y)
+    bn, bn_twin = model[1], twin[1]
+    assert bn.num_batches_tracked.item() == 1
+    torch.testing.assert_close(bn.running_mean, bn_twin.running_mean)
+    torch.testing.assert_close(bn.running_var, bn_twin.running_var)
+    assert torch.equal(torch.get_rng_state(), after_one_forward)
+
+
+def test_dropout_step_equals_exact_step_with_the_same_mask():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 6), nn.Dropout(0.5), nn.Tanh(), nn.Linear(6, 2)).double()
+    x, y = torch.randn(12, 3, dtype=torch.float64), torch.randn(12, 2, dtype=torch.float64)
+    twin = copy.deepcopy(model)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        mask_probe = model[1](torch.ones(12, 6, dtype=torch.float64))
+    # rebuild the twin with the mask baked in: dropout(h) = h * mask_probe
+    twin[1] = _FixedMask(mask_probe)
+    expected, _, _ = _exact_step(twin, "mse", x, y, 1e-2)
+    torch.manual_seed(7)
+    SGN(model, "mse", damping=1e-2, cg_iters=200, **EXACT).step(x, y)
+    torch.testing.assert_close(_flat(model), expected, rtol=1e-8, atol=1e-10)
+
+
+class _FixedMask(nn.Module):
+    def __init__(self, mask):
+        super().__init__()
+        self.register_buffer("mask", mask)
+
+    def forward(self, h):
+        return h * self.mask
+
+
+def test_logging_reports_loss_and_cg(caplog):
+    model, x, y = make_batch(MODELS[0], LOSSES[0])
+    opt = SGN(model, "mse", cg_iters=2)
+    with caplog.at_level(logging.INFO, logger="torch_sgn"):
+        opt.step(x, y)
+    assert any("loss" in r.getMessage() for r in caplog.records)
+    assert not any("CG" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="torch_sgn"):
+        opt.step(x, y)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("CG 2 it" in m for m in messages) and any("line search" in m for m in messages)
+
+
+def test_float32_training_works():
+    model, x, y = make_batch(MODELS[1], LOSSES[2], dtype=torch.float32)
+    opt = SGN(model, "cross_entropy", cg_iters=3)
+    infos = [opt.step(x, y) for _ in range(5)]
+    assert infos[-1].loss_after < infos[0].loss
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_step_matches_cpu_step():
+    model, x, y = make_batch(MODELS[1], LOSSES[2])
+    gpu = copy.deepcopy(model).cuda()
+    SGN(model, "cross_entropy", cg_iters=3).step(x, y)
+    SGN(gpu, "cross_entropy", cg_iters=3).step(x.cuda(), y.cuda())
+    torch.testing.assert_close(_flat(gpu).cpu(), _flat(model), rtol=1e-8, atol=1e-10)
