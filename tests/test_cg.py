@@ -133,6 +133,15 @@ def test_backtracking_returns_largest_armijo_step():
     assert res.step == 0.25 and res.evaluations == 3
 
 
+def test_backtracking_sufficient_decrease_constant_matters():
+    def f(a):
+        return (a - 0.2) ** 2
+
+    # with c = 0.9 plain decrease is not enough: 0.25 and 0.125 decrease f but fail Armijo
+    res = backtracking(f, f(0.0), -0.4, c=0.9)
+    assert res.success and res.step == 1 / 32 and res.evaluations == 6
+
+
 def test_backtracking_gives_up_after_max_evals():
     res = backtracking(lambda a: 1.0 + a, 0.5, -1.0, max_evals=4)
     assert not res.success and res.evaluations == 4 and res.step == 0.125

@@ -47,11 +47,12 @@ def test_exactness_contract(model_case, loss_case):
 
 def test_huge_damping_gives_a_scaled_gradient_step():
     model, x, y = make_batch(MODELS[0], LOSSES[0])
-    _, _, g = dense_ggn(model, "mse", x, y)
+    _, g, _ = dense_ggn(model, "mse", x, y)
     theta = _flat(model)
     damping = 1e8
     SGN(model, "mse", damping=damping, cg_iters=3, **EXACT).step(x, y)
-    torch.testing.assert_close(_flat(model), theta - g / damping, rtol=1e-6, atol=1e-15)
+    step = _flat(model) - theta
+    torch.testing.assert_close(step * damping, -g, rtol=1e-6, atol=1e-12)
 
 
 def test_linear_least_squares_model_is_exact_so_ratio_is_one():
@@ -63,6 +64,35 @@ def test_linear_least_squares_model_is_exact_so_ratio_is_one():
     assert info.tr_ratio == pytest.approx(1.0, abs=1e-6)
     assert info.next_damping == pytest.approx(info.damping * 2 / 3)  # ratio > 3/4: expand
     assert info.loss_after == pytest.approx(F.mse_loss(model(x), y).item(), rel=1e-12)
+
+
+@pytest.mark.parametrize("lr", [1.0, 0.5])
+def test_linear_model_ratio_is_one_for_any_step_size(lr):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    x, y = torch.randn(30, 4, dtype=torch.float64), torch.randn(30, 3, dtype=torch.float64)
+    opt = SGN(model, "mse", lr=lr, damping=1e-9, damping_min=1e-12, cg_iters=2, line_search=False)
+    assert opt.step(x, y).tr_ratio == pytest.approx(1.0, abs=1e-6)
+
+
+def test_one_preconditioned_cg_iteration_points_along_the_preconditioned_gradient():
+    model, x, y = make_batch(MODELS[0], LOSSES[0])
+    _, g, _ = dense_ggn(model, "mse", x, y)
+    theta = _flat(model)
+    damping, exponent = 1e-3, 0.75
+    SGN(
+        model,
+        "mse",
+        damping=damping,
+        cg_iters=1,
+        preconditioner=True,
+        preconditioner_exponent=exponent,
+        **EXACT,
+    ).step(x, y)
+    step = _flat(model) - theta
+    direction = -(g.square() + damping).pow(-exponent) * g
+    cosine = torch.dot(step, direction) / (step.norm() * direction.norm())
+    assert cosine.item() == pytest.approx(1.0, abs=1e-12)
 
 
 def test_armijo_condition_holds_after_line_search():
@@ -169,9 +199,21 @@ def test_preconditioned_full_cg_keeps_the_exact_step():
 
 def test_warm_start_starts_cg_from_the_scaled_previous_direction():
     model, x, y = make_batch(MODELS[0], LOSSES[0])
-    opt = SGN(model, "mse", warm_start=0.5, cg_iters=3, cg_tol=0.0)
+    theta = _flat(model)
+    opt = SGN(
+        model,
+        "mse",
+        warm_start=0.5,
+        cg_iters=3,
+        cg_tol=0.0,
+        lr=0.5,
+        line_search=False,
+        trust_region=False,
+    )
     opt.step(x, y)
     prev = opt.state[opt.param_groups[0]["params"][0]]["prev_direction"].clone()
+    # the CG direction, not the step taken (which is lr times it)
+    torch.testing.assert_close(theta + 0.5 * prev, _flat(model))
     calls = []
     from torch_sgn import optimizer as optmod
 
