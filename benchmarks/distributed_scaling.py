@@ -116,6 +116,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--procs", default="1,2", help="process counts, the first the baseline")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/distributed_scaling.json"))
     args = parser.parse_args()
     if args.worker:
@@ -123,12 +124,13 @@ def main() -> None:
 
     import torch
 
-    configs = [("1 proc x 1 thread", 1, 1), ("2 procs x 1 thread", 2, 1)]
+    counts = [int(c) for c in args.procs.split(",")]
+    configs = [(f"{c} proc{'s' if c > 1 else ''} x 1 thread", c, 1) for c in counts]
     scratch = Path(args.out).with_suffix(".run.json")
     scratch.parent.mkdir(parents=True, exist_ok=True)
     report = dict(
         command="PYTHONPATH=src python benchmarks/distributed_scaling.py "
-        f"--steps {args.steps} --repeats {args.repeats}",
+        f"--steps {args.steps} --repeats {args.repeats} --procs {args.procs}",
         workloads=[asdict(w) for w in WORKLOADS],
         torch=torch.__version__,
         python=platform.python_version(),
@@ -158,9 +160,10 @@ def main() -> None:
                         r[key] for r in results
                     )
                 summary[label]["params"] = results[0]["params"]
-        one = summary["1 proc x 1 thread"]["median_step_ms"]
-        two = summary["2 procs x 1 thread"]["median_step_ms"]
-        summary["speedup_2_procs_over_1"] = one / two
+        base = summary[configs[0][0]]["median_step_ms"]
+        for label, procs, _ in configs[1:]:
+            ratio = base / summary[label]["median_step_ms"]
+            summary[f"speedup_{procs}_procs_over_{counts[0]}"] = ratio
         report["results"][work.name] = summary
         print(work.name, json.dumps(summary, indent=1))
     scratch.unlink(missing_ok=True)
