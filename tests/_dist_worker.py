@@ -138,6 +138,16 @@ def consistency_checks(rank: int) -> dict:
         opt.step(x, y)
     except RuntimeError as e:
         errors["params"] = str(e)
+    model.load_state_dict(build_model(0).state_dict())  # identical again
+    opt.load_state_dict(old)
+    before = flat(model)
+    try:  # bad targets on rank 1 only: its local computation raises inside the step
+        opt.step(x, y[:, :2] if rank == 1 else y)
+    except (RuntimeError, ValueError) as e:
+        errors["local"] = f"{type(e).__name__}: {e}"
+    errors["local_unchanged"] = torch.equal(flat(model), before)
+    opt.step(x, y)  # and the ranks go on together
+    errors["after"] = flat(model)
     return errors
 
 

@@ -99,10 +99,14 @@ def test_construction_broadcasts_rank_0s_model(equivalence):
         assert torch.equal(r0["constructed"], r0["before"])
 
 
-def test_disagreeing_ranks_raise_on_every_rank(equivalence):
+def test_disagreeing_or_failing_ranks_raise_on_every_rank(equivalence):
     for e in equivalence:
         assert "step counts differ across ranks" in e["checks"]["state"]
         assert "parameters differ across ranks" in e["checks"]["params"]
+        assert e["checks"]["local_unchanged"]
+    assert equivalence[1]["checks"]["local"].startswith("ValueError: mse expects targets")
+    assert "1 other rank(s) of 2 failed" in equivalence[0]["checks"]["local"]
+    assert torch.equal(equivalence[0]["checks"]["after"], equivalence[1]["checks"]["after"])
 
 
 def test_a_rank_that_exits_mid_step_makes_the_other_fail_fast(tmp_path):
