@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from .cg import CGResult, conjugate_gradient
 from .damping import DAMPING_SCHEDULES, scheduled_damping, trust_region_update
+from .distributed import ProcessGroup, _communicator
 from .ggn import Inputs, _FunctionalModel, _Linearization, _linearize
 from .line_search import LineSearchResult, backtracking
 from .losses import LossSpec, resolve_loss
@@ -117,6 +118,10 @@ class SGN(torch.optim.Optimizer):
         ls_max_evals: most loss evaluations in one line search (``MAX_LS_ITERS``). Default 10.
         keep_grad: write the mini-batch gradient into each parameter's ``.grad``. Default off:
             SGN leaves ``.grad`` untouched.
+        process_group: the ranks that train this model data-parallel, each on its shard of
+            every mini-batch (see :mod:`torch_sgn.distributed`). Default ``None``: the default
+            group if ``torch.distributed`` is initialised, else one process. Parameters and
+            buffers are broadcast from the group's rank 0 here.
 
     Example:
         >>> opt = SGN(model, loss="cross_entropy", cg_iters=5)
@@ -164,6 +169,7 @@ class SGN(torch.optim.Optimizer):
         ls_shrink: float = 0.5,
         ls_max_evals: int = 10,
         keep_grad: bool = False,
+        process_group: ProcessGroup = None,
     ):
         _check(lr > 0, "lr", lr, "must be > 0")
         _check(damping > 0, "damping", damping, "must be > 0")
@@ -219,6 +225,7 @@ class SGN(torch.optim.Optimizer):
 
         self._fmodel = _FunctionalModel(model)
         self._loss = resolve_loss(loss)
+        self._comm = _communicator(self._fmodel, self._loss, process_group)
         defaults = dict(
             lr=lr, damping=damping, damping_min=damping_min, cg_iters=cg_iters, cg_tol=cg_tol,
             line_search=line_search, trust_region=trust_region, momentum=momentum,
@@ -273,7 +280,9 @@ class SGN(torch.optim.Optimizer):
         theta = self._fmodel.flat()
         buffers: dict = {}
         with self._fmodel.consistent():
-            lin = self._linearize(self._fmodel, self._loss, theta, inputs, targets, buffers)
+            lin = self._comm.linearize(
+                t, self._linearize, self._fmodel, self._loss, theta, inputs, targets, buffers
+            )
             loss0 = _finite_loss(lin)
             damping = self._damping(state, t)
             rhs, momentum_buffer = self._momentum(lin.grad, state, t)
@@ -384,7 +393,7 @@ class SGN(torch.optim.Optimizer):
         return result
 
     def _loss_at(self, flat: Tensor, inputs: Inputs, targets: Tensor) -> float:
-        return self._loss.value(self._fmodel(flat, inputs), targets).item()
+        return self._comm.loss_value(self._loss.value(self._fmodel(flat, inputs), targets))
 
     def _write_grad(self, grad: Tensor) -> None:
         fm = self._fmodel

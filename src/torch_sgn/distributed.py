@@ -1,0 +1,368 @@
+r"""Data-parallel SGN on ``torch.distributed``.
+
+Every rank holds the same model and one shard of the mini-batch. The full batch's loss
+:math:`L = \sum_r w_r L_r` is a weighted sum of the shards' losses, with :math:`w_r = c_r / \sum_s
+c_s` for a mean-reduced loss (:math:`c_r` the number of terms the shard's mean divides by:
+samples, elements, or the class weights of its targets) and :math:`w_r = 1` for a sum. Since
+gradients and Gauss-Newton products are linear in the loss,
+
+.. math::
+    g = \sum_r w_r\, g_r,\qquad G v = \sum_r w_r\, G_r v,
+
+so SGN needs one all-reduce for the gradient (with the loss and the counts riding along), one
+per CG product ``G v``, and one scalar all-reduce per trial-point loss (trust region and line
+search). Every rank then holds the same reduced vectors and runs the same CG, trust-region and
+line-search arithmetic on them, so every decision and every parameter is bit-identical across
+ranks, provided the all-reduce returns the same bits everywhere (ring and tree all-reduces in
+gloo and NCCL do: each element is reduced once and the result is copied to every rank) and
+the ranks run the same kernels.
+
+Per step, with ``k`` CG products and ``e`` trial-point losses::
+
+    1 all-reduce (max) of 6 float64: step number and parameter fingerprint (overlapped with the
+      forward and backward pass)
+    1 all-reduce (sum) of n + 4 (+ float buffers in training mode): gradient, loss, counts
+    k all-reduces (sum) of n: the products G v (each needs the previous one: not overlappable)
+    e all-reduces (sum) of 1: trial-point losses
+
+The first of these also makes failures collective: a rank whose local computation raises
+(bad targets, say) still takes part, flagging its failure, and every rank raises. A rank that
+dies, hangs, or does not call :meth:`SGN.step <torch_sgn.SGN.step>` makes the others fail in
+their next collective: at once if its process exited, otherwise after the process group's
+timeout (``init_process_group(timeout=...)``; the default is 30 minutes for gloo and 10 for
+NCCL), with an error naming the step and the likely cause.
+
+The helpers :func:`init_from_env`, :func:`shard`, :func:`is_main_process`, :func:`rank` and
+:func:`world_size` are what a training loop needs around :class:`~torch_sgn.SGN`; see
+``examples/distributed_train.py`` and ``docs/DISTRIBUTED.md``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import replace
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .ggn import Inputs, _FunctionalModel, _Linearization
+from .losses import OutputLoss
+
+__all__ = ["init_from_env", "is_main_process", "rank", "shard", "world_size"]
+
+ProcessGroup = Optional["dist.ProcessGroup"]
+_Linearize = Callable[..., _Linearization]
+
+
+# --- helpers for training loops and runners -------------------------------------------------
+def init_from_env(timeout: float = 300.0, backend: Optional[str] = None) -> bool:
+    """Initialises the default process group if launched by ``torchrun``; else does nothing.
+
+    Args:
+        timeout: seconds a collective waits for the other ranks before failing; it bounds how
+            long a dead or hung rank can stall the others. Default 300 (torch's own default is
+            30 minutes for gloo).
+        backend: ``"gloo"`` or ``"nccl"``; ``None`` picks NCCL when CUDA is available, else gloo.
+
+    Returns:
+        Whether this process is part of a multi-process job (``WORLD_SIZE`` > 1 in the
+        environment, as ``torchrun`` sets it).
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    if not dist.is_initialized():
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl" and "LOCAL_RANK" in os.environ:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    return True
+
+
+def _active(group: ProcessGroup = None) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def rank(group: ProcessGroup = None) -> int:
+    """This process's rank in ``group`` (default: the world); 0 when not distributed."""
+    return dist.get_rank(group) if _active(group) else 0
+
+
+def world_size(group: ProcessGroup = None) -> int:
+    """The number of processes in ``group`` (default: the world); 1 when not distributed."""
+    return dist.get_world_size(group) if _active(group) else 1
+
+
+def is_main_process(group: ProcessGroup = None) -> bool:
+    """Whether this process should write files and show progress (rank 0, or no job)."""
+    return rank(group) == 0
+
+
+def shard(*tensors: Tensor, group: ProcessGroup = None) -> tuple[Tensor, ...]:
+    """This rank's contiguous slice of each batch tensor, along the first dimension.
+
+    Slices are as equal as possible (the first ``N % world_size`` ranks get one example more,
+    as :func:`torch.tensor_split`); SGN weights each rank by its share, so unequal slices give
+    the full batch's step exactly. Every rank must pass the same full batch (draw the batch
+    order from a generator seeded identically on every rank).
+
+    Example:
+        >>> x_r, y_r = shard(x, y)
+        >>> info = opt.step(x_r, y_r)
+    """
+    r, w = rank(group), world_size(group)
+    return tuple(torch.tensor_split(t, w)[r] for t in tensors)
+
+
+# --- the communicator SGN uses ----------------------------------------------------------------
+class _SingleProcess:
+    """The communicator of a single process: no communication at all."""
+
+    def linearize(
+        self,
+        step: int,
+        linearize: _Linearize,
+        fmodel: _FunctionalModel,
+        loss: OutputLoss,
+        flat: Tensor,
+        inputs: Inputs,
+        targets: Tensor,
+        buffers_out: dict | None = None,
+    ) -> _Linearization:
+        return linearize(fmodel, loss, flat, inputs, targets, buffers_out)
+
+    def loss_value(self, value: Tensor) -> float:
+        return value.item()
+
+
+def _communicator(
+    fmodel: _FunctionalModel, loss: OutputLoss, process_group: ProcessGroup
+) -> _SingleProcess | _DataParallel:
+    """The data-parallel communicator if a group of more than one process applies."""
+    if process_group is None and not (dist.is_available() and dist.is_initialized()):
+        return _SingleProcess()
+    group = process_group if process_group is not None else dist.group.WORLD
+    if dist.get_world_size(group) == 1:
+        return _SingleProcess()
+    return _DataParallel(fmodel, loss, group)
+
+
+class _DataParallel:
+    """All-reduces what SGN's decisions depend on, weighted by each rank's share of the batch.
+
+    It wraps one step's :class:`~torch_sgn.ggn._Linearization` (loss, gradient and every ``G v``)
+    and reduces trial-point losses with the same weights. See the module's docstring.
+    """
+
+    def __init__(self, fmodel: _FunctionalModel, loss: OutputLoss, group: dist.ProcessGroup):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.sum_reduction = _reduction(loss) == "sum"
+        self._loss = loss
+        self._fmodel = fmodel
+        self._step = -1
+        self._scale: Tensor | None = None  # this rank's c_r in the current step
+        self._total: Tensor | None = None  # sum of c_r (1 for a sum-reduced loss)
+        self._broadcast_model()
+
+    # --- construction: every rank starts from rank 0's model ------------------------------------
+    @torch.no_grad()
+    def _broadcast_model(self) -> None:
+        fm = self._fmodel
+        others = [p for p in fm.model.parameters() if not p.requires_grad]
+        others += list(fm.model.buffers())
+        shape = [float(fm.numel), float(len(others)), float(sum(t.numel() for t in others))]
+        self._agree(shape, "the model (trainable size, number and size of other tensors)", None)
+        src = dist.get_global_rank(self.group, 0)
+        flat = fm.flat()
+        self._collective(lambda: dist.broadcast(flat, src, group=self.group), "parameters", None)
+        fm.write(flat)
+        for t in others:  # buffers and frozen parameters: once, at construction
+            self._collective(lambda t=t: dist.broadcast(t, src, group=self.group), "buffers", None)
+
+    def _agree(self, values: list, what: str, step: Optional[int]) -> None:
+        """Raises on every rank unless ``values`` are equal on all ranks (one max all-reduce)."""
+        both = torch.tensor(values + [-v for v in values], dtype=torch.float64)
+        both = both.to(self._fmodel.device)
+        self._collective(lambda: dist.all_reduce(both, dist.ReduceOp.MAX, self.group), what, step)
+        high, low = both[: len(values)], -both[len(values) :]
+        if not torch.equal(high, low):
+            raise RuntimeError(
+                f"SGN (rank {self.rank} of {self.world}): {what} differ across ranks: "
+                f"between {low.tolist()} and {high.tolist()}; every rank must build the same model"
+            )
+
+    # --- one step ------------------------------------------------------------------------------
+    def linearize(
+        self,
+        step: int,
+        linearize: _Linearize,
+        fmodel: _FunctionalModel,
+        loss: OutputLoss,
+        flat: Tensor,
+        inputs: Inputs,
+        targets: Tensor,
+        buffers_out: dict | None = None,
+    ) -> _Linearization:
+        """The full batch's linearization from this rank's shard: 2 all-reduces, 1 overlapped."""
+        self._step = step
+        header = self._start_header(step, flat)  # runs during the forward and backward pass
+        n = fmodel.numel
+        names = _float_buffer_names(fmodel) if buffers_out is not None else []
+        error: BaseException | None = None
+        lin = None
+        try:
+            count = targets.shape[0] if targets.dim() else 1
+            if count == 0:  # an empty shard contributes nothing
+                lin, scale = _Linearization(flat.new_zeros(()), flat.new_zeros(n), None), 0.0
+                if buffers_out is not None:
+                    buffers_out.update({k: b.clone() for k, b in fmodel.model.named_buffers()})
+            else:
+                lin = linearize(fmodel, loss, flat, inputs, targets, buffers_out)
+                scale = _share(loss, targets)
+            payload = [
+                lin.grad * scale,
+                (lin.loss * scale).reshape(1).to(flat.dtype),
+                flat.new_tensor([scale, count, 0.0]),
+            ]
+            if names:
+                payload += [buffers_out[k].reshape(-1).to(flat.dtype) * count for k in names]
+            payload = torch.cat(payload)
+        except Exception as e:  # take part anyway, so that every rank raises
+            error, scale, count = e, 0.0, 0
+            own = dict(fmodel.model.named_buffers())
+            size = n + 4 + sum(own[k].numel() for k in names)
+            payload = flat.new_zeros(size)
+            payload[n + 3] = 1.0
+        self._collective(
+            lambda: dist.all_reduce(payload, group=self.group), "the gradient and loss", step
+        )
+        self._finish_header(header, step)
+        failed = int(payload[n + 3].item())
+        if failed:
+            if error is not None:
+                raise error
+            raise RuntimeError(
+                f"SGN step {step}: {failed} other rank(s) of {self.world} failed in their local "
+                "computation (see their error); the parameters were not changed"
+            )
+        total = payload[n + 1] if not self.sum_reduction else payload.new_ones(())
+        self._scale = flat.new_tensor(float(scale))
+        self._total = total
+        if names:
+            samples = payload[n + 2]
+            chunks = payload[n + 4 :].split([buffers_out[k].numel() for k in names])
+            for k, c in zip(names, chunks):
+                buffers_out[k] = (c / samples).view_as(buffers_out[k]).to(buffers_out[k].dtype)
+        return replace(
+            lin,
+            loss=payload[n] / total,
+            grad=payload[:n] / total,
+            ggn_vp=self._reduced_ggn_vp(lin.ggn_vp, step, n, flat),
+        )
+
+    def _reduced_ggn_vp(
+        self, local: Callable[[Tensor], Tensor] | None, step: int, n: int, flat: Tensor
+    ) -> Callable[[Tensor], Tensor]:
+        scale, total = self._scale, self._total
+
+        def ggn_vp(v: Tensor) -> Tensor:
+            gv = flat.new_zeros(n) if local is None else local(v) * scale
+            self._collective(lambda: dist.all_reduce(gv, group=self.group), "a G v product", step)
+            return gv / total
+
+        return ggn_vp
+
+    def loss_value(self, value: Tensor) -> float:
+        """The full batch's loss from this shard's ``value`` at a trial point: 1 all-reduce."""
+        assert self._scale is not None, "loss_value before linearize"
+        local = value.detach().reshape(1).to(self._scale.dtype) * self._scale
+        if not bool(self._scale):  # an empty shard's mean is NaN: it counts for nothing
+            local = torch.zeros_like(local)
+        self._collective(
+            lambda: dist.all_reduce(local, group=self.group), "a trial-point loss", self._step
+        )
+        return (local / self._total).item()
+
+    # --- the step-number and parameter check ---------------------------------------------------
+    def _start_header(self, step: int, flat: Tensor):
+        theta = flat.detach().double()
+        fingerprint = torch.stack([theta.sum(), theta.square().sum()]).nan_to_num(0.0, 1e300)
+        values = torch.cat([theta.new_tensor([float(step)]), fingerprint])
+        header = torch.cat([values, -values])
+        work = self._collective(
+            lambda: dist.all_reduce(header, dist.ReduceOp.MAX, self.group, async_op=True),
+            "the step number",
+            step,
+        )
+        return work, header
+
+    def _finish_header(self, started, step: int) -> None:
+        work, header = started
+        self._collective(work.wait, "the step number", step)
+        high, low = header[:3], -header[3:]
+        if high[0] != low[0]:
+            raise RuntimeError(
+                f"SGN's step counts differ across ranks: this is step {step} on rank {self.rank}, "
+                f"the ranks are between steps {int(low[0])} and {int(high[0])}. Every rank must "
+                "call step once per global batch, and load the same optimizer state"
+            )
+        if not torch.equal(high, low):
+            raise RuntimeError(
+                f"SGN step {step}: the parameters differ across ranks (fingerprints between "
+                f"{low[1:].tolist()} and {high[1:].tolist()}). Change the model only through "
+                "SGN, or identically on every rank (e.g. load a checkpoint on all ranks)"
+            )
+
+    def _collective(self, run: Callable, what: str, step: Optional[int]):
+        try:
+            return run()
+        except RuntimeError as e:
+            where = "construction" if step is None else f"step {step}"
+            raise RuntimeError(
+                f"SGN {where}, rank {self.rank} of {self.world}: the collective for {what} "
+                "failed. Another rank probably crashed, hung past the process group's timeout, "
+                "or did not call SGN.step (every rank must call it once per global batch). "
+                f"Check the other ranks' logs. Cause: {e}"
+            ) from e
+
+
+def _reduction(loss: OutputLoss) -> str:
+    reduction = getattr(loss, "reduction", None)
+    if reduction is None:
+        reduction = getattr(getattr(loss, "fn", None), "reduction", "mean")
+    return reduction
+
+
+def _share(loss: OutputLoss, targets: Tensor) -> float:
+    """What this shard's mean-reduced loss divides by: its weight in the full batch's mean.
+
+    Exact for the built-in losses (elements for MSE and BCE; non-ignored targets, or their
+    class weights, for cross-entropy). A custom callable is assumed to be a mean over samples.
+    """
+    if _reduction(loss) == "sum":
+        return 1.0
+    name = loss.name
+    if name in ("mse", "bce_with_logits"):
+        return float(targets.numel())
+    if name == "cross_entropy":
+        if targets.is_floating_point():  # class probabilities: a mean over all but dim 1
+            return float(targets.numel() // targets.shape[1])
+        fn = getattr(loss, "fn", None)
+        keep = targets != getattr(fn, "ignore_index", -100)
+        weight = getattr(fn, "weight", None)
+        if weight is None:
+            return float(keep.sum())
+        return float(weight[targets[keep]].sum())
+    return float(targets.shape[0])
+
+
+def _float_buffer_names(fmodel: _FunctionalModel) -> list[str]:
+    """The buffers a training-mode step updates and the ranks average (batch-norm statistics)."""
+    if not fmodel.model.training:
+        return []
+    return [k for k, b in fmodel.model.named_buffers() if b.is_floating_point()]

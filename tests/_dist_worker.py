@@ -1,0 +1,192 @@
+"""One rank of the distributed tests: ``python _dist_worker.py SCENARIO RANK WORLD STORE OUT``.
+
+Run by ``test_distributed.py`` in separate processes (gloo, file store, float64). Each rank saves
+what it saw to ``OUT/SCENARIO_RANK.pt``; the test compares it with one process on the full batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torch_sgn import SGN
+from torch_sgn.distributed import shard
+
+STEPS = 5
+SETTINGS = dict(cg_iters=6, cg_tol=0.0, line_search=True, trust_region=True)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    loss: Callable[[], object]
+    sizes: tuple  # examples per rank; None: torch_sgn.distributed.shard
+    targets: str  # "real" or "index"
+    lr: float = 1.0
+    # Cross-entropy on a tiny batch is ill-conditioned: with less damping, merely reversing the
+    # batch's order moves one process's result by 1e-8 (the test checks the order-sensitivity).
+    damping: float = 1e-3
+
+
+CASES = [
+    Case("mse-equal-shards", lambda: "mse", None, "real"),
+    Case("ce-unequal-shards", lambda: "cross_entropy", (9, 4), "index", lr=4.0, damping=0.1),
+    Case("mse-sum-unequal", lambda: nn.MSELoss(reduction="sum"), (3, 8), "real"),
+    Case(
+        "ce-class-weights-unequal",
+        lambda: nn.CrossEntropyLoss(weight=torch.tensor([1.0, 3.0, 0.5], dtype=torch.float64)),
+        (7, 5),
+        "index",
+        lr=4.0,
+        damping=0.1,
+    ),
+]
+
+
+def build_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 6), nn.Sigmoid(), nn.Linear(6, 3)).double()
+
+
+def batch(case: Case, step: int, reverse: bool = False) -> tuple:
+    g = torch.Generator().manual_seed(1000 * step + len(case.name))
+    n = 12 if case.sizes is None else sum(case.sizes)
+    x = torch.randn(n, 4, generator=g, dtype=torch.float64)
+    if case.targets == "real":
+        y = torch.randn(n, 3, generator=g, dtype=torch.float64)
+    else:
+        y = torch.randint(0, 3, (n,), generator=g)
+    return (x.flip(0), y.flip(0)) if reverse else (x, y)
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    return nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+
+
+def run_case(case: Case, rank: int = 0, world: int = 1, reverse: bool = False) -> dict:
+    """``world == 1``: one process on the full batch (the reference); else this rank's shard.
+
+    ``reverse`` feeds each batch in reverse order: the same problem with other rounding.
+    """
+    model = build_model(100 + rank)  # ranks start different: the broadcast must fix that
+    before = flat(model)
+    opt = SGN(model, case.loss(), lr=case.lr, damping=case.damping, **SETTINGS)
+    after_construction = flat(model)
+    infos = []
+    for step in range(STEPS):
+        x, y = batch(case, step, reverse)
+        if world > 1:
+            if case.sizes is None:
+                x, y = shard(x, y)
+            else:
+                x, y = x.split(case.sizes)[rank], y.split(case.sizes)[rank]
+        infos.append(opt.step(x, y))
+    return dict(before=before, constructed=after_construction, final=flat(model), infos=infos)
+
+
+def main() -> None:
+    scenario, rank, world, store, out = sys.argv[1:6]
+    rank, world = int(rank), int(world)
+    timeout = float(os.environ.get("SGN_TEST_PG_TIMEOUT", "30"))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+    result = {}
+    if scenario == "equivalence":
+        result = {case.name: run_case(case, rank, world) for case in CASES}
+        result["checks"] = consistency_checks(rank)
+    elif scenario in ("rank_exits", "step_on_one_rank"):
+        result = failure(scenario, rank, os.path.join(out, f"{scenario}_0.pt"))
+    torch.save(result, os.path.join(out, f"{scenario}_{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def consistency_checks(rank: int) -> dict:
+    """Ranks whose optimizer state or parameters disagree: every rank must raise."""
+    case = CASES[0]
+    model = build_model(0)
+    opt = SGN(model, case.loss(), **SETTINGS)
+    x, y = shard(*batch(case, 0))
+    opt.step(x, y)
+    old = copy.deepcopy(opt.state_dict())
+    opt.step(x, y)
+    if rank == 1:
+        opt.load_state_dict(old)  # one rank resumes from an older checkpoint
+    errors = {}
+    try:
+        opt.step(x, y)
+    except RuntimeError as e:
+        errors["state"] = str(e)
+    opt.load_state_dict(old)  # now every rank is at the same step again
+    if rank == 1:
+        with torch.no_grad():
+            model[0].bias.add_(1e-3)  # changed outside SGN on one rank only
+    try:
+        opt.step(x, y)
+    except RuntimeError as e:
+        errors["params"] = str(e)
+    model.load_state_dict(build_model(0).state_dict())  # identical again
+    opt.load_state_dict(old)
+    before = flat(model)
+    try:  # bad targets on rank 1 only: its local computation raises inside the step
+        opt.step(x, y[:, :2] if rank == 1 else y)
+    except (RuntimeError, ValueError) as e:
+        errors["local"] = f"{type(e).__name__}: {e}"
+    errors["local_unchanged"] = torch.equal(flat(model), before)
+    opt.step(x, y)  # and the ranks go on together
+    errors["after"] = flat(model)
+    return errors
+
+
+def failure(scenario: str, rank: int, survivor: str) -> dict:
+    case = CASES[0]
+    model = build_model(0)
+    opt = SGN(model, case.loss(), **SETTINGS)
+    x, y = shard(*batch(case, 0))
+    opt.step(x, y)  # one good step first
+    if rank == 1 and scenario == "rank_exits":
+        local = opt._linearize
+
+        def dying(*args):
+            lin = local(*args)
+            calls = []
+
+            def ggn_vp(v):
+                calls.append(1)
+                if len(calls) == 3:
+                    os._exit(3)  # dies inside CG, between two all-reduces
+                return lin.ggn_vp(v)
+
+            lin.ggn_vp = ggn_vp
+            return lin
+
+        opt._linearize = dying
+    if rank == 1 and scenario == "step_on_one_rank":
+        for _ in range(600):  # alive but never calls step, until rank 0 has reported
+            if os.path.exists(survivor):
+                os._exit(0)
+            time.sleep(0.1)
+        os._exit(1)
+    start = time.monotonic()
+    try:
+        opt.step(x, y)
+        return dict(error=None, seconds=time.monotonic() - start)
+    except RuntimeError as e:
+        return dict(error=str(e), seconds=time.monotonic() - start)
+
+
+if __name__ == "__main__":
+    main()
