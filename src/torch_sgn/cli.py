@@ -114,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--time", type=float, nargs="+", help="T of the 'after T seconds' table")
     r.add_argument("--epochs", type=int, nargs="+", help="E of the 'after E epochs' table")
     r.add_argument("--title", help="title of the plots")
+    r.add_argument(
+        "--train-metric",
+        choices=("full", "batch"),
+        default="full",
+        help="train loss on the whole training set after each epoch (full), or the mean "
+        "mini-batch loss during the epoch, as the original (batch)",
+    )
     _add_common(r)
     return parser
 
@@ -176,6 +183,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         times=ns.time,
         epochs=ns.epochs,
         title=ns.title,
+        train_metric=ns.train_metric,
         quiet=ns.quiet,
     )
     return 0
