@@ -468,25 +468,34 @@ def run(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    wanted = _jsonable(cfg.to_dict())
+    old = read_json(out / "config.json")
+    if old is not None and old.get("config") != wanted:
+        raise RuntimeError(
+            f"{out} holds a run of another configuration; choose another directory or "
+            f"delete it.\n  there: {old.get('config')}\n  asked: {wanted}"
+        )
+    done = read_json(out / "results.json")
+    if done is not None and done.get("status") not in (None, "running"):
+        logger.info("%s: finished already, skipped", out)
+        return done
+
+    threads = torch.get_num_threads()
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    try:
+        return _train(cfg, out, data, on_epoch, quiet, position)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(cfg, out, data, on_epoch, quiet, position) -> dict:
     config_path, results_path, ckpt_path = (
         out / "config.json",
         out / "results.json",
         out / "checkpoint.pt",
     )
     wanted = _jsonable(cfg.to_dict())
-    old = read_json(config_path)
-    if old is not None and old.get("config") != wanted:
-        raise RuntimeError(
-            f"{out} holds a run of another configuration; choose another directory or "
-            f"delete it.\n  there: {old.get('config')}\n  asked: {wanted}"
-        )
-    done = read_json(results_path)
-    if done is not None and done.get("status") not in (None, "running"):
-        logger.info("%s: finished already, skipped", out)
-        return done
-
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads)
     device = torch.device(cfg.device)
     dtype = getattr(torch, cfg.dtype)
     preset = PRESETS[cfg.preset]
