@@ -299,7 +299,7 @@ def tables(curves: Sequence[Curve], times: Sequence[float], epochs: Sequence[int
 def _plot(ax, runs: Sequence[Curve], attr: str, x_attr: str, **style) -> None:
     y = _stack(runs, attr)
     x = _stack(runs, x_attr)
-    with np.errstate(all="ignore"), _quiet_nan_warnings():
+    with np.errstate(all="ignore"):
         xm = np.nanmean(x, axis=0)
         mean = y.mean(axis=0)
         lo, hi = y.min(axis=0), y.max(axis=0)
@@ -334,6 +334,11 @@ def plots(
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    with _quiet_nan_warnings():  # diverged runs: nan and overflow on log axes
+        return _plots(plt, curves, out, reference, title)
+
+
+def _plots(plt, curves, out: Path, reference, title) -> list[Path]:
     classification = curves[0].task == "classification"
     test_attr, test_name = (
         ("test_acc", "test accuracy") if classification else ("test_loss", "test loss")

@@ -731,7 +731,7 @@ GRIDS: dict[str, Grid] = {
             seeds=(1, 2, 3),
             time_budget=4.0,
             report_times=(1.0, 4.0),
-            report_epochs=(30,),
+            report_epochs=(10,),
             description="Boston housing, a few minutes on 2 CPU cores: 7 settings x 3 seeds x 4 s",
         ),
         Grid(
