@@ -296,7 +296,7 @@ def tables(curves: Sequence[Curve], times: Sequence[float], epochs: Sequence[int
 # --------------------------------------------------------------------------- plots
 
 
-def _plot(ax, runs: Sequence[Curve], attr: str, x_attr: str, **style) -> None:
+def _plot(ax, runs: Sequence[Curve], attr: str, x_attr: str, **style) -> np.ndarray:
     y = _stack(runs, attr)
     x = _stack(runs, x_attr)
     with np.errstate(all="ignore"):
@@ -306,6 +306,7 @@ def _plot(ax, runs: Sequence[Curve], attr: str, x_attr: str, **style) -> None:
     (line,) = ax.plot(xm, mean, **style)
     if len(runs) > 1 and not style.get("color") == "0.55":
         ax.fill_between(xm, lo, hi, color=line.get_color(), alpha=0.15, linewidth=0)
+    return mean
 
 
 class _quiet_nan_warnings:
@@ -351,6 +352,7 @@ def _plots(plt, curves, out: Path, reference, title) -> list[Path]:
     for attr, y_name in (("train_loss", "train loss"), (test_attr, test_name)):
         for x_attr, x_name in (("time", "seconds"), ("epoch", "epochs")):
             fig, ax = plt.subplots(figsize=(6.4, 4.2))
+            means = []
             for label, runs in ref_groups.items():
                 _plot(ax, runs, attr, x_attr, color="0.55", linewidth=0.8,
                       linestyle="--" if label.startswith("SGN") else "-")  # fmt: skip
@@ -361,12 +363,21 @@ def _plots(plt, curves, out: Path, reference, title) -> list[Path]:
                     ax.annotate(runs[0].label, (x[ok[-1]], y[ok[-1]]), fontsize=6, color="0.45")
             for label, runs in groups.items():
                 style = "--" if label.startswith("SGN") else "-"
-                _plot(ax, runs, attr, x_attr, color=color[label], linestyle=style,
-                      linewidth=1.5, label=f"{label} ({len(runs)} seeds)")  # fmt: skip
+                means.append(
+                    _plot(ax, runs, attr, x_attr, color=color[label], linestyle=style,
+                          linewidth=1.5, label=f"{label} ({len(runs)} seeds)")
+                )  # fmt: skip
             if ref_groups:
                 ax.plot([], [], color="0.55", linewidth=0.8, label="original (published)")
             if attr != "test_acc":
                 ax.set_yscale("log")
+                # From the best mean to the worst starting point: diverging runs leave the plot.
+                finite = [m[np.isfinite(m) & (m > 0)] for m in means]
+                finite = [m for m in finite if len(m)]
+                if finite:
+                    low = min(m.min() for m in finite)
+                    high = max(m[0] for m in finite)
+                    ax.set_ylim(0.8 * low, 1.5 * max(high, low))
             ax.set_xlabel(f"training {x_name}" if x_name == "seconds" else x_name)
             ax.set_ylabel(y_name)
             ax.grid(True, alpha=0.3)
