@@ -230,6 +230,9 @@ def test_finished_run_is_skipped_and_other_configs_refused(tmp_path, boston_data
     stamp = os.stat(tmp_path / "results.json").st_mtime_ns
     assert run(cfg, tmp_path, quiet=True, data=boston_data) == first
     assert os.stat(tmp_path / "results.json").st_mtime_ns == stamp
+    # Threads and checkpoint frequency do not make another run: still skipped.
+    again = dataclasses.replace(cfg, threads=2, checkpoint_every=0)
+    assert run(again, tmp_path, quiet=True, data=boston_data) == first
     with pytest.raises(RuntimeError, match="another configuration"):
         run(dataclasses.replace(cfg, seed=2), tmp_path, quiet=True, data=boston_data)
 

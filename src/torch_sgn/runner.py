@@ -255,6 +255,18 @@ def _jsonable(obj: Any) -> Any:
     return obj
 
 
+_NOT_IDENTITY = ("threads", "checkpoint_every", "data_root")
+
+
+def same_run(a: Optional[dict], b: Optional[dict]) -> bool:
+    """Whether two configs (as dicts) describe the same run: how many threads, how often to
+    checkpoint and where the data files lie do not change the results."""
+    if a is None or b is None:
+        return False
+    strip = lambda d: {k: v for k, v in d.items() if k not in _NOT_IDENTITY}  # noqa: E731
+    return strip(a) == strip(b)
+
+
 def read_json(path: PathLike) -> Optional[dict]:
     """A JSON file's content, or ``None`` when it is missing or unreadable."""
     try:
@@ -470,7 +482,7 @@ def run(
     out.mkdir(parents=True, exist_ok=True)
     wanted = _jsonable(cfg.to_dict())
     old = read_json(out / "config.json")
-    if old is not None and old.get("config") != wanted:
+    if old is not None and not same_run(old.get("config"), wanted):
         raise RuntimeError(
             f"{out} holds a run of another configuration; choose another directory or "
             f"delete it.\n  there: {old.get('config')}\n  asked: {wanted}"
@@ -517,7 +529,7 @@ def _train(cfg, out, data, on_epoch, quiet, position) -> dict:
             ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
         except Exception as e:  # a checkpoint from an older torch, or damaged by hand
             logger.warning("%s: unreadable checkpoint (%s); restarting the run", ckpt_path, e)
-    if ckpt is not None and ckpt.get("config") == wanted:
+    if ckpt is not None and same_run(ckpt.get("config"), wanted):
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
         if scheduler is not None:
@@ -804,7 +816,7 @@ def run_grid(
         done = read_json(run_dir / "results.json")
         if done is not None and done.get("status") not in (None, "running"):
             old = read_json(run_dir / "config.json") or {}
-            if old.get("config") == _jsonable(cfg.to_dict()):
+            if same_run(old.get("config"), _jsonable(cfg.to_dict())):
                 results.append(done)
                 continue
         key = (cfg.preset, cfg.data_root)
