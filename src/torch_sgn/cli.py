@@ -114,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--time", type=float, nargs="+", help="T of the 'after T seconds' table")
     r.add_argument("--epochs", type=int, nargs="+", help="E of the 'after E epochs' table")
     r.add_argument("--title", help="title of the plots")
+    r.add_argument("--max-epochs", type=float, help="cut the epoch axes here")
+    r.add_argument("--max-time", type=float, help="cut the time axes here (seconds)")
     r.add_argument(
         "--train-metric",
         choices=("full", "batch"),
@@ -184,6 +186,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         epochs=ns.epochs,
         title=ns.title,
         train_metric=ns.train_metric,
+        max_epochs=ns.max_epochs,
+        max_time=ns.max_time,
         quiet=ns.quiet,
     )
     return 0

@@ -326,8 +326,12 @@ def plots(
     out: PathLike,
     reference: Sequence[Curve] = (),
     title: Optional[str] = None,
+    max_epochs: Optional[float] = None,
+    max_time: Optional[float] = None,
 ) -> list[Path]:
-    """Write the four figures as PNG and SVG into ``out``; returns the written paths."""
+    """Write the four figures as PNG and SVG into ``out``; returns the written paths.
+
+    ``max_epochs`` and ``max_time`` cut the x axes (the data beyond is still plotted)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -336,10 +340,10 @@ def plots(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     with _quiet_nan_warnings():  # diverged runs: nan and overflow on log axes
-        return _plots(plt, curves, out, reference, title)
+        return _plots(plt, curves, out, reference, title, {"epoch": max_epochs, "time": max_time})
 
 
-def _plots(plt, curves, out: Path, reference, title) -> list[Path]:
+def _plots(plt, curves, out: Path, reference, title, xmax: dict) -> list[Path]:
     classification = curves[0].task == "classification"
     test_attr, test_name = (
         ("test_acc", "test accuracy") if classification else ("test_loss", "test loss")
@@ -369,6 +373,8 @@ def _plots(plt, curves, out: Path, reference, title) -> list[Path]:
                 )  # fmt: skip
             if ref_groups:
                 ax.plot([], [], color="0.55", linewidth=0.8, label="original (published)")
+            if xmax[x_attr] is not None:
+                ax.set_xlim(0, xmax[x_attr])
             if attr != "test_acc":
                 ax.set_yscale("log")
                 # From the best mean to the worst starting point: diverging runs leave the plot.
@@ -416,6 +422,8 @@ def main(
     epochs: Optional[Sequence[int]] = None,
     title: Optional[str] = None,
     train_metric: str = "full",
+    max_epochs: Optional[float] = None,
+    max_time: Optional[float] = None,
     quiet: bool = False,
 ) -> str:
     """Write the plots and ``table.md`` for the runs under ``results``; returns the tables.
@@ -429,6 +437,8 @@ def main(
         epochs: ``E`` values of the tables; default the grid's, else the fewest epochs run.
         title: Title of the figures.
         train_metric: ``"full"`` or ``"batch"``, see :func:`load_results`.
+        max_epochs: Cut the epoch axes here.
+        max_time: Cut the time axes here (seconds).
         quiet: Do not print the tables.
     """
     results = Path(results)
@@ -444,7 +454,7 @@ def main(
     default_times, default_epochs = _default_points(results, curves)
     times = list(times) if times else default_times
     epochs = list(epochs) if epochs else default_epochs
-    written = plots(curves, out, ref, title)
+    written = plots(curves, out, ref, title, max_epochs, max_time)
     text = tables(list(curves) + list(ref), times, epochs)
     header = f"# Results under `{results}`\n\n"
     (out / "table.md").write_text(header + text)
