@@ -30,7 +30,6 @@ This module is the only part of torch-sgn that prints (progress bars, unless ``q
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -263,7 +262,10 @@ def same_run(a: Optional[dict], b: Optional[dict]) -> bool:
     checkpoint and where the data files lie do not change the results."""
     if a is None or b is None:
         return False
-    strip = lambda d: {k: v for k, v in d.items() if k not in _NOT_IDENTITY}  # noqa: E731
+
+    def strip(d: dict) -> dict:
+        return {k: v for k, v in d.items() if k not in _NOT_IDENTITY}
+
     return strip(a) == strip(b)
 
 
@@ -586,7 +588,8 @@ def _train(cfg, out, data, on_epoch, quiet, position) -> dict:
                     loss.backward()
                     per_iter["lr"].append(opt.param_groups[0]["lr"])
                     opt.step()
-                    scheduler.step() if scheduler is not None else None
+                    if scheduler is not None:
+                        scheduler.step()
                     value = loss.item()  # synchronises; the original printed it too
                     batch_losses.append(value)
                     per_iter["loss"].append(value)
@@ -825,9 +828,3 @@ def run_grid(
         results.append(run(cfg, run_dir, quiet=quiet, data=datasets[key], position=1))
     bar.close()
     return results
-
-
-def replace_options(cfg: RunConfig, **changes: Any) -> RunConfig:
-    """A copy of ``cfg`` with its chosen optimizer's options changed."""
-    opts = dataclasses.replace(cfg.options, **changes)
-    return dataclasses.replace(cfg, **{cfg.optimizer: opts})
