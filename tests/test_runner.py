@@ -186,7 +186,9 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, boston_data, o
         run(cfg, tmp_path / "cut", quiet=True, data=boston_data, on_epoch=kill_after(3))
     assert (tmp_path / "cut" / "checkpoint.pt").exists()
     assert not (tmp_path / "cut" / "results.json").exists()
-    resumed = run(cfg, tmp_path / "cut", quiet=True, data=boston_data)
+    seen = []
+    resumed = run(cfg, tmp_path / "cut", quiet=True, data=boston_data, on_epoch=seen.append)
+    assert seen == [4, 5]  # continued after epoch 3, not restarted
 
     assert resumed["status"] == "finished"
     assert resumed["iterations"] == whole["iterations"]
@@ -205,7 +207,9 @@ def test_damaged_checkpoint_restarts_cleanly(tmp_path, boston_data):
         run(cfg, tmp_path / "cut", quiet=True, data=boston_data, on_epoch=kill_after(2))
     ckpt = tmp_path / "cut" / "checkpoint.pt"
     ckpt.write_bytes(ckpt.read_bytes()[:100])  # as if torn (atomic writes prevent this)
-    resumed = run(cfg, tmp_path / "cut", quiet=True, data=boston_data)
+    seen = []
+    resumed = run(cfg, tmp_path / "cut", quiet=True, data=boston_data, on_epoch=seen.append)
+    assert seen == [1, 2, 3, 4]  # restarted from scratch
     assert resumed["iterations"] == whole["iterations"]
     assert resumed["epochs"]["test_loss"] == whole["epochs"]["test_loss"]
 

@@ -528,7 +528,7 @@ def _train(cfg, out, data, on_epoch, quiet, position) -> dict:
     ckpt = None
     if ckpt_path.exists():
         try:
-            ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
+            ckpt = torch.load(ckpt_path, map_location=device, weights_only=True)
         except Exception as e:  # a checkpoint from an older torch, or damaged by hand
             logger.warning("%s: unreadable checkpoint (%s); restarting the run", ckpt_path, e)
     if ckpt is not None and same_run(ckpt.get("config"), wanted):
