@@ -356,10 +356,11 @@ def _plots(plt, curves, out: Path, reference, title, xmax: dict) -> list[Path]:
     for attr, y_name in (("train_loss", "train loss"), (test_attr, test_name)):
         for x_attr, x_name in (("time", "seconds"), ("epoch", "epochs")):
             fig, ax = plt.subplots(figsize=(6.4, 4.2))
-            means = []
+            means, ref_means = [], []
             for label, runs in ref_groups.items():
-                _plot(ax, runs, attr, x_attr, color="0.55", linewidth=0.8,
-                      linestyle="--" if label.startswith("SGN") else "-")  # fmt: skip
+                style = "--" if label.startswith("SGN") else "-"
+                ref_means.append(_plot(ax, runs, attr, x_attr, color="0.55", linewidth=0.8,
+                                       linestyle=style))  # fmt: skip
                 y = _stack(runs, attr).mean(axis=0)
                 x = np.nanmean(_stack(runs, x_attr), axis=0)
                 ok = np.nonzero(np.isfinite(y) & np.isfinite(x))[0]
@@ -378,11 +379,13 @@ def _plots(plt, curves, out: Path, reference, title, xmax: dict) -> list[Path]:
             if attr != "test_acc":
                 ax.set_yscale("log")
                 # From the best mean to the worst starting point: diverging runs leave the plot.
-                finite = [m[np.isfinite(m) & (m > 0)] for m in means]
-                finite = [m for m in finite if len(m)]
-                if finite:
-                    low = min(m.min() for m in finite)
-                    high = max(m[0] for m in finite)
+                ours = [m[np.isfinite(m) & (m > 0)] for m in means]
+                ours = [m for m in ours if len(m)]
+                theirs = [m[np.isfinite(m) & (m > 0)] for m in ref_means]
+                theirs = [m for m in theirs if len(m)]
+                if ours or theirs:
+                    low = min(m.min() for m in ours + theirs)
+                    high = max(m[0] for m in (ours or theirs))
                     ax.set_ylim(0.8 * low, 1.5 * max(high, low))
             ax.set_xlabel(f"training {x_name}" if x_name == "seconds" else x_name)
             ax.set_ylabel(y_name)
