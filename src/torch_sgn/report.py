@@ -206,7 +206,8 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float, int]:
     v = np.asarray([x for x in values if np.isfinite(x)], dtype=float)
     if len(v) == 0:
         return math.nan, math.nan, 0
-    return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else math.nan, len(v)
+    with np.errstate(over="ignore"):  # runs on their way to diverging
+        return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else math.nan, len(v)
 
 
 def _after_time(c: Curve, t: float) -> Optional[int]:
