@@ -278,6 +278,8 @@ def read_json(path: PathLike) -> Optional[dict]:
 
 
 def _git_commit() -> Optional[str]:
+    """HEAD of the checkout this module was imported from, ``-dirty`` when the package's own
+    files differ from it (untracked files included), or ``None`` outside a git checkout."""
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],
@@ -292,13 +294,18 @@ def _git_commit() -> Optional[str]:
         return None
     commit = out.stdout.strip()
     dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"],
+        ["git", "status", "--porcelain", "--", "."],
         cwd=Path(__file__).parent,
         capture_output=True,
         text=True,
         timeout=5,
     ).stdout.strip()
     return commit + ("-dirty" if dirty else "")
+
+
+# Read once, when the code is imported: a long run records the code it runs, not the state of
+# the checkout when it ends.
+_GIT_COMMIT = _git_commit()
 
 
 def device_name(device: torch.device) -> str:
@@ -324,7 +331,7 @@ def _environment(device: torch.device) -> dict:
         "device_name": device_name(device),
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
-        "git_commit": _git_commit(),
+        "git_commit": _GIT_COMMIT,
     }
 
 
