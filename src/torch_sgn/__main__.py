@@ -1,0 +1,7 @@
+"""``python -m torch_sgn``: the same as the ``torch-sgn`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,837 @@
+"""Training runs and grids of runs for the paper's benchmarks (Section 4).
+
+A run trains one preset network (:data:`torch_sgn.models.PRESETS`) with one optimizer and one
+seed, and writes two files into its own directory:
+
+* ``config.json``: the full :class:`RunConfig`, the versions of torch-sgn, torch, numpy and
+  Python, the device's name, the git commit, the number of threads;
+* ``results.json``: per epoch (epoch 0 is the untrained network) the cumulative training
+  time, train loss (and accuracy) on the whole training set, the mean mini-batch loss of the
+  epoch (the original's ``avg_loss``), test loss (and accuracy); per iteration the mini-batch
+  loss, and for SGN the damping, step size and CG iterations, for the baselines the learning
+  rate.
+
+The training clock covers only the optimizer steps and drawing the mini-batches: it stops for
+evaluation, checkpoints and data loading, and synchronises the device before every reading.
+
+Runs are resumable. Every ``checkpoint_every`` seconds (at an epoch's end) the model,
+optimizer, scheduler, RNG states and the results so far are saved to ``checkpoint.pt``; every
+file is written to a temporary name and renamed, so a run killed at any moment leaves either
+the old or the new file, never a torn one. Calling :func:`run` again continues from the last
+checkpoint; a finished run (``results.json`` with ``"status"`` not ``"running"``) is skipped.
+
+Grids (:data:`GRIDS`) name the paper's settings per benchmark: SGN with 2, 3, 5 and 10 CG
+iterations (10 iterations for the first 10 steps, as the paper's runs), SGD with the learning
+rates of the original's published results for that data set, and Adam at its default 1e-3,
+over seeds 1 to 5.
+
+This module is the only part of torch-sgn that prints (progress bars, unless ``quiet``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional, Sequence, Union
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import __version__
+from .data import Dataset, load
+from .models import PRESETS
+from .optimizer import SGN
+
+__all__ = [
+    "GRIDS",
+    "AdamOptions",
+    "Grid",
+    "RunConfig",
+    "SGDOptions",
+    "SGNOptions",
+    "Setting",
+    "run",
+    "run_grid",
+]
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "torch-sgn/results-1"
+"""Value of ``"format"`` in every ``results.json`` this module writes."""
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+# --------------------------------------------------------------------------- configs
+
+
+@dataclass
+class SGNOptions:
+    """Options of :class:`torch_sgn.SGN` for a run; defaults are the paper's runs."""
+
+    cg_iters: int = 10
+    damping: float = 1e-4
+    damping_min: float = 1e-6
+    cg_tol: float = 1e-6
+    lr: float = 1.0
+    line_search: bool = True
+    trust_region: bool = True
+    momentum: float = 0.0
+    warmup_cg_iters: Optional[int] = 10
+    warmup_steps: int = 10
+    preconditioner: bool = False
+
+
+@dataclass
+class SGDOptions:
+    """SGD (:class:`torch.optim.SGD`) with the original's learning-rate schedules.
+
+    ``schedule``: ``"const"``; ``"step"`` (multiply by ``gamma`` every ``decay_steps``
+    iterations); ``"cos"`` and ``"linear"`` (from ``lr`` to ``lr_final`` over ``decay_steps``
+    iterations, then constant). The paper's runs: constant, no momentum.
+    """
+
+    lr: float = 0.1
+    momentum: float = 0.0
+    schedule: Literal["const", "step", "cos", "linear"] = "const"
+    lr_final: float = 1e-3
+    decay_steps: int = 1000
+    gamma: float = 0.1
+
+
+@dataclass
+class AdamOptions:
+    """Adam (:class:`torch.optim.Adam`); defaults are PyTorch's."""
+
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+
+
+@dataclass
+class RunConfig:
+    """One training run.
+
+    Attributes:
+        preset: Name in :data:`torch_sgn.models.PRESETS` (network, data set, loss, batch).
+        optimizer: ``"sgn"``, ``"sgd"`` or ``"adam"``; only its options are used.
+        seed: Seed of the mini-batch order (the network's initialisation has the paper's fixed
+            seed unless ``init_seed`` is given).
+        epochs: Epoch budget; ``None`` for none.
+        time_budget: Training-time budget in seconds, checked at the end of each epoch (as the
+            original did); ``None`` for none. At least one budget is required.
+        batch_size: Mini-batch size; ``None`` for the preset's.
+        init: ``"paper"`` or ``"torch"`` initialisation.
+        init_seed: Initialisation seed; ``None`` for the paper's.
+        device: Torch device.
+        dtype: ``"float32"`` or ``"float64"``.
+        threads: ``torch.set_num_threads`` for the run; ``None`` leaves it.
+        data_root: Directory with the file-based data sets; ``None`` for the default lookup.
+        checkpoint_every: Seconds of wall time between checkpoints (taken at epoch ends);
+            0 checkpoints after every epoch.
+        sgn: Options when ``optimizer == "sgn"``.
+        sgd: Options when ``optimizer == "sgd"``.
+        adam: Options when ``optimizer == "adam"``.
+    """
+
+    preset: str = "boston"
+    optimizer: Literal["sgn", "sgd", "adam"] = "sgn"
+    seed: int = 1
+    epochs: Optional[int] = None
+    time_budget: Optional[float] = None
+    batch_size: Optional[int] = None
+    init: Literal["paper", "torch"] = "paper"
+    init_seed: Optional[int] = None
+    device: str = "cpu"
+    dtype: Literal["float32", "float64"] = "float32"
+    threads: Optional[int] = None
+    data_root: Optional[str] = None
+    checkpoint_every: float = 60.0
+    sgn: SGNOptions = field(default_factory=SGNOptions)
+    sgd: SGDOptions = field(default_factory=SGDOptions)
+    adam: AdamOptions = field(default_factory=AdamOptions)
+
+    def __post_init__(self) -> None:
+        for name in ("sgn", "sgd", "adam"):  # accept the dicts of a config.json
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                cls = {"sgn": SGNOptions, "sgd": SGDOptions, "adam": AdamOptions}[name]
+                setattr(self, name, cls(**value))
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; expected one of {sorted(PRESETS)}")
+        if self.optimizer not in ("sgn", "sgd", "adam"):
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; expected sgn, sgd or adam")
+        if self.epochs is None and self.time_budget is None:
+            raise ValueError("give an epoch budget, a time budget, or both")
+        if self.sgd.schedule not in ("const", "step", "cos", "linear"):
+            raise ValueError(f"unknown SGD schedule {self.sgd.schedule!r}")
+
+    @property
+    def options(self) -> Any:
+        """The options of the chosen optimizer."""
+        return getattr(self, self.optimizer)
+
+    @property
+    def label(self) -> str:
+        """The setting as the paper names it: ``SGN(5)``, ``SGD(0.1)``, ``Adam(0.001)``."""
+        if self.optimizer == "sgn":
+            return f"SGN({self.sgn.cg_iters})"
+        if self.optimizer == "sgd":
+            extra = "" if self.sgd.schedule == "const" else f", {self.sgd.schedule}"
+            extra += f", m={self.sgd.momentum:g}" if self.sgd.momentum else ""
+            return f"SGD({self.sgd.lr:g}{extra})"
+        return f"Adam({self.adam.lr:g})"
+
+    @property
+    def name(self) -> str:
+        """Directory name of the run: ``sgn_5_seed1``, ``sgd_0.1_seed1``, ``adam_0.001_seed1``."""
+        if self.optimizer == "sgn":
+            key = f"sgn_{self.sgn.cg_iters}"
+        elif self.optimizer == "sgd":
+            key = f"sgd_{self.sgd.lr:g}"
+            key += "" if self.sgd.schedule == "const" else f"_{self.sgd.schedule}"
+            key += f"_m{self.sgd.momentum:g}" if self.sgd.momentum else ""
+        else:
+            key = f"adam_{self.adam.lr:g}"
+        return f"{key}_seed{self.seed}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RunConfig:
+        return cls(**d)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _atomic_write_bytes(path: Path, content: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _atomic_write_json(path: Path, obj: Any) -> None:
+    _atomic_write_bytes(path, (json.dumps(_jsonable(obj), indent=1) + "\n").encode())
+
+
+def _atomic_torch_save(path: Path, obj: Any) -> None:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    _atomic_write_bytes(path, buffer.getvalue())
+
+
+def _jsonable(obj: Any) -> Any:
+    # JSON has no NaN or infinity: write them as null (a diverged run's losses).
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+_NOT_IDENTITY = ("threads", "checkpoint_every", "data_root")
+
+
+def same_run(a: Optional[dict], b: Optional[dict]) -> bool:
+    """Whether two configs (as dicts) describe the same run: how many threads, how often to
+    checkpoint and where the data files lie do not change the results."""
+    if a is None or b is None:
+        return False
+
+    def strip(d: dict) -> dict:
+        return {k: v for k, v in d.items() if k not in _NOT_IDENTITY}
+
+    return strip(a) == strip(b)
+
+
+def read_json(path: PathLike) -> Optional[dict]:
+    """A JSON file's content, or ``None`` when it is missing or unreadable."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _git_commit() -> Optional[str]:
+    """HEAD of the checkout this module was imported from, ``-dirty`` when the package's own
+    files differ from it (untracked files included), or ``None`` outside a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    commit = out.stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--", "."],
+        cwd=Path(__file__).parent,
+        capture_output=True,
+        text=True,
+        timeout=5,
+    ).stdout.strip()
+    return commit + ("-dirty" if dirty else "")
+
+
+# Read once, when the code is imported: a long run records the code it runs, not the state of
+# the checkout when it ends.
+_GIT_COMMIT = _git_commit()
+
+
+def device_name(device: torch.device) -> str:
+    """A human name of the device: the GPU's name, or the CPU's model name."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _environment(device: torch.device) -> dict:
+    return {
+        "torch_sgn": __version__,
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+        "device": str(device),
+        "device_name": device_name(device),
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "git_commit": _GIT_COMMIT,
+    }
+
+
+# --------------------------------------------------------------------------- training
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def _lr_lambda(opts: SGDOptions) -> Callable[[int], float]:
+    ratio = opts.lr_final / opts.lr
+    k = max(opts.decay_steps, 1)
+
+    def factor(t: int) -> float:
+        if opts.schedule == "const":
+            return 1.0
+        if opts.schedule == "step":
+            return opts.gamma ** (t // k)
+        s = min(t, k) / k
+        if opts.schedule == "linear":
+            return 1.0 + (ratio - 1.0) * s
+        return ratio + (1.0 - ratio) * 0.5 * (1.0 + math.cos(math.pi * s))  # "cos"
+
+    return factor
+
+
+def _make_optimizer(cfg: RunConfig, model: nn.Module, loss: str):
+    if cfg.optimizer == "sgn":
+        o = cfg.sgn
+        opt = SGN(
+            model,
+            loss,
+            lr=o.lr,
+            damping=o.damping,
+            damping_min=o.damping_min,
+            cg_iters=o.cg_iters,
+            cg_tol=o.cg_tol,
+            line_search=o.line_search,
+            trust_region=o.trust_region,
+            momentum=o.momentum,
+            warmup_cg_iters=o.warmup_cg_iters,
+            warmup_steps=o.warmup_steps,
+            preconditioner=o.preconditioner,
+        )
+        return opt, None
+    if cfg.optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=cfg.sgd.lr, momentum=cfg.sgd.momentum)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg.sgd))
+    a = cfg.adam
+    opt = torch.optim.Adam(model.parameters(), lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps)
+    return opt, None
+
+
+def _loss_fn(name: str) -> Callable[[Tensor, Tensor], Tensor]:
+    return F.mse_loss if name == "mse" else F.cross_entropy
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, loss: str, x: Tensor, y: Tensor, chunk: int = 10000
+) -> tuple[float, Optional[float]]:
+    """Mean loss and, for classification, accuracy of ``model`` on ``(x, y)``."""
+    fn = _loss_fn(loss)
+    total, correct = 0.0, 0
+    was_training = model.training
+    model.eval()
+    for i in range(0, x.shape[0], chunk):
+        out = model(x[i : i + chunk])
+        target = y[i : i + chunk]
+        total += fn(out, target, reduction="sum").item()
+        if loss == "cross_entropy":
+            correct += (out.argmax(1) == target).sum().item()
+    model.train(was_training)
+    n = x.shape[0]
+    # F.mse_loss averages over every element; the presets' regression outputs have one.
+    mean = total / (n * (y[0].numel() if loss == "mse" else 1))
+    return mean, (correct / n if loss == "cross_entropy" else None)
+
+
+def _new_results(cfg: RunConfig) -> dict:
+    per_iter = ["loss", "damping", "step_size", "cg_iters"] if cfg.optimizer == "sgn" else []
+    per_iter = per_iter or ["loss", "lr"]
+    return {
+        "format": FORMAT,
+        "status": "running",
+        "label": cfg.label,
+        "task": None,
+        "epochs": {
+            "epoch": [],
+            "time": [],
+            "iterations": [],
+            "train_loss": [],
+            "train_acc": [],
+            "batch_loss": [],
+            "test_loss": [],
+            "test_acc": [],
+        },
+        "iterations": {k: [] for k in per_iter},
+    }
+
+
+def _record_epoch(res, epoch, elapsed, iters, model, loss, data, batch_losses) -> None:
+    train_loss, train_acc = evaluate(model, loss, data.x_train, data.y_train)
+    test_loss, test_acc = evaluate(model, loss, data.x_test, data.y_test)
+    e = res["epochs"]
+    e["epoch"].append(epoch)
+    e["time"].append(elapsed)
+    e["iterations"].append(iters)
+    e["train_loss"].append(train_loss)
+    e["train_acc"].append(train_acc)
+    e["batch_loss"].append(float(np.mean(batch_losses)) if batch_losses else None)
+    e["test_loss"].append(test_loss)
+    e["test_acc"].append(test_acc)
+
+
+def load_data(cfg: RunConfig) -> Dataset:
+    """The data set of ``cfg``'s preset, on the CPU; sine is the original's exact data."""
+    name = PRESETS[cfg.preset].dataset
+    if name == "sine":
+        return load(name, original=True)
+    if name == "boston":
+        return load(name)
+    return load(name, root=cfg.data_root)
+
+
+def run(
+    cfg: RunConfig,
+    out_dir: PathLike,
+    *,
+    quiet: bool = False,
+    data: Optional[Dataset] = None,
+    on_epoch: Optional[Callable[[int], None]] = None,
+    position: int = 0,
+) -> dict:
+    """Train one run, resuming from its checkpoint if there is one; returns the results.
+
+    Args:
+        cfg: The run.
+        out_dir: The run's directory; created if needed.
+        quiet: No progress bar.
+        data: The data set, already loaded (grids share it between runs); ``None`` loads it.
+        on_epoch: Called with the epoch number after each epoch's checkpoint (if any) is
+            written: a hook for tests that simulate a kill.
+        position: tqdm position of the epoch bar (below the grid's bar).
+
+    Returns:
+        The content of ``results.json``.
+
+    Raises:
+        RuntimeError: When ``out_dir`` holds a run of another configuration.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    wanted = _jsonable(cfg.to_dict())
+    old = read_json(out / "config.json")
+    if old is not None and not same_run(old.get("config"), wanted):
+        raise RuntimeError(
+            f"{out} holds a run of another configuration; choose another directory or "
+            f"delete it.\n  there: {old.get('config')}\n  asked: {wanted}"
+        )
+    done = read_json(out / "results.json")
+    if done is not None and done.get("status") not in (None, "running"):
+        logger.info("%s: finished already, skipped", out)
+        return done
+
+    threads = torch.get_num_threads()
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    try:
+        return _train(cfg, out, data, on_epoch, quiet, position)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(cfg, out, data, on_epoch, quiet, position) -> dict:
+    config_path, results_path, ckpt_path = (
+        out / "config.json",
+        out / "results.json",
+        out / "checkpoint.pt",
+    )
+    wanted = _jsonable(cfg.to_dict())
+    device = torch.device(cfg.device)
+    dtype = getattr(torch, cfg.dtype)
+    preset = PRESETS[cfg.preset]
+    if data is None:
+        data = load_data(cfg)
+    data = data.to(device, dtype)
+    batch_size = cfg.batch_size or preset.batch_size
+    batch_size = min(batch_size, data.n_train)
+
+    model = preset.build(cfg.init, cfg.init_seed).to(device=device, dtype=dtype)
+    opt, scheduler = _make_optimizer(cfg, model, preset.loss)
+    gen = torch.Generator(device).manual_seed(cfg.seed)
+    loss_fn = _loss_fn(preset.loss)
+    _atomic_write_json(config_path, {"config": wanted, "environment": _environment(device)})
+
+    ckpt = None
+    if ckpt_path.exists():
+        try:
+            ckpt = torch.load(ckpt_path, map_location=device, weights_only=True)
+        except Exception as e:  # a checkpoint from an older torch, or damaged by hand
+            logger.warning("%s: unreadable checkpoint (%s); restarting the run", ckpt_path, e)
+    if ckpt is not None and same_run(ckpt.get("config"), wanted):
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        if scheduler is not None:
+            scheduler.load_state_dict(ckpt["scheduler"])
+        gen.set_state(ckpt["generator"].to(gen.get_state().device))
+        torch.set_rng_state(ckpt["cpu_rng"])
+        res, epoch, elapsed, iters = ckpt["results"], ckpt["epoch"], ckpt["time"], ckpt["iters"]
+        logger.info("%s: resuming after epoch %d (%.1f s)", out, epoch, elapsed)
+    else:
+        res, epoch, elapsed, iters = _new_results(cfg), 0, 0.0, 0
+        res["task"] = data.task
+        _record_epoch(res, 0, 0.0, 0, model, preset.loss, data, [])
+
+    def budget_left() -> bool:
+        if cfg.epochs is not None and epoch >= cfg.epochs:
+            return False
+        return cfg.time_budget is None or elapsed < cfg.time_budget
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(
+        total=cfg.epochs,
+        initial=epoch,
+        desc=f"{cfg.preset} {cfg.label} seed {cfg.seed}",
+        unit="ep",
+        leave=False,
+        disable=quiet,
+        position=position,
+        dynamic_ncols=True,
+    )
+    last_ckpt = time.monotonic()
+    status = "running"
+    per_iter = res["iterations"]
+    try:
+        while budget_left():
+            batch_losses: list[float] = []
+            _synchronize(device)
+            start = time.perf_counter()
+            for x, y in data.batches(batch_size, gen):
+                if cfg.optimizer == "sgn":
+                    try:
+                        info = opt.step(x, y)
+                    except FloatingPointError:
+                        status = "diverged"
+                        break
+                    batch_losses.append(info.loss)
+                    per_iter["loss"].append(info.loss)
+                    per_iter["damping"].append(info.damping)
+                    per_iter["step_size"].append(info.step_size)
+                    per_iter["cg_iters"].append(info.cg_iters)
+                else:
+                    opt.zero_grad(set_to_none=True)
+                    loss = loss_fn(model(x), y)
+                    loss.backward()
+                    per_iter["lr"].append(opt.param_groups[0]["lr"])
+                    opt.step()
+                    if scheduler is not None:
+                        scheduler.step()
+                    value = loss.item()  # synchronises; the original printed it too
+                    batch_losses.append(value)
+                    per_iter["loss"].append(value)
+                    if not math.isfinite(value):
+                        status = "diverged"
+                        break
+                iters += 1
+            _synchronize(device)
+            elapsed += time.perf_counter() - start
+            epoch += 1
+            _record_epoch(res, epoch, elapsed, iters, model, preset.loss, data, batch_losses)
+            bar.update(1)
+            bar.set_postfix(loss=f"{res['epochs']['train_loss'][-1]:.4g}", t=f"{elapsed:.1f}s")
+            if status == "diverged":
+                break
+            if time.monotonic() - last_ckpt >= cfg.checkpoint_every and budget_left():
+                _atomic_torch_save(
+                    ckpt_path,
+                    {
+                        "config": wanted,
+                        "model": model.state_dict(),
+                        "optimizer": opt.state_dict(),
+                        "scheduler": None if scheduler is None else scheduler.state_dict(),
+                        "generator": gen.get_state(),
+                        "cpu_rng": torch.get_rng_state(),
+                        "results": res,
+                        "epoch": epoch,
+                        "time": elapsed,
+                        "iters": iters,
+                    },
+                )
+                last_ckpt = time.monotonic()
+            if on_epoch is not None:
+                on_epoch(epoch)
+    finally:
+        bar.close()
+    res["status"] = "finished" if status == "running" else status
+    res["total_time"] = elapsed
+    res["total_iterations"] = iters
+    res["total_epochs"] = epoch
+    _atomic_write_json(results_path, res)
+    ckpt_path.unlink(missing_ok=True)
+    return read_json(results_path)
+
+
+# --------------------------------------------------------------------------- grids
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One line of a grid: an optimizer with its options, and optional budget overrides."""
+
+    optimizer: Literal["sgn", "sgd", "adam"]
+    options: dict = field(default_factory=dict)
+    epochs: Optional[int] = None
+    time_budget: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A paper benchmark: a preset, its settings, seeds, budgets and report points.
+
+    Attributes:
+        name: Key in :data:`GRIDS`.
+        preset: Network and data set.
+        settings: The optimizers compared.
+        seeds: Seeds of the mini-batch order.
+        epochs: Epoch budget of every setting without its own.
+        time_budget: Time budget (seconds) of every setting without its own.
+        report_times: Default ``T`` of the report's "after T seconds" table.
+        report_epochs: Default ``E`` of the report's "after E epochs" table.
+        description: One line for humans.
+    """
+
+    name: str
+    preset: str
+    settings: tuple[Setting, ...]
+    seeds: tuple[int, ...] = (1, 2, 3, 4, 5)
+    epochs: Optional[int] = None
+    time_budget: Optional[float] = None
+    report_times: tuple[float, ...] = ()
+    report_epochs: tuple[int, ...] = ()
+    description: str = ""
+
+    def configs(
+        self,
+        seeds: Optional[Sequence[int]] = None,
+        only: Optional[Sequence[str]] = None,
+        epochs: Optional[int] = None,
+        time_budget: Optional[float] = None,
+        **overrides: Any,
+    ) -> list[RunConfig]:
+        """The grid's runs, setting by setting, seed by seed.
+
+        Args:
+            seeds: Replace the grid's seeds.
+            only: Keep only settings whose run-name prefix (``sgn_5``, ``sgd_0.1``,
+                ``adam_0.001``) or label (``SGN(5)``) is listed.
+            epochs: Replace every epoch budget.
+            time_budget: Replace every time budget.
+            **overrides: Other :class:`RunConfig` fields (device, threads, ...).
+        """
+        out = []
+        for s in self.settings:
+            for seed in seeds or self.seeds:
+                opts = {s.optimizer: _options(s.optimizer, s.options)}
+                cfg = RunConfig(
+                    preset=self.preset,
+                    optimizer=s.optimizer,
+                    seed=seed,
+                    epochs=epochs if epochs is not None else (s.epochs or self.epochs),
+                    time_budget=time_budget
+                    if time_budget is not None
+                    else (s.time_budget or self.time_budget),
+                    **opts,
+                    **overrides,
+                )
+                if only and not any(
+                    cfg.name.rsplit("_seed", 1)[0] == o or cfg.label == o for o in only
+                ):
+                    continue
+                out.append(cfg)
+        return out
+
+
+def _options(optimizer: str, options: dict) -> Any:
+    cls = {"sgn": SGNOptions, "sgd": SGDOptions, "adam": AdamOptions}[optimizer]
+    return cls(**options)
+
+
+def _paper_settings(sgd_lrs: Sequence[float], sgd_epochs=None, sgn_epochs=None, adam_epochs=None):
+    sgn = [Setting("sgn", {"cg_iters": k}, epochs=sgn_epochs) for k in (2, 3, 5, 10)]
+    sgd = [Setting("sgd", {"lr": lr}, epochs=sgd_epochs) for lr in sgd_lrs]
+    return tuple(sgn + sgd + [Setting("adam", {"lr": 1e-3}, epochs=adam_epochs)])
+
+
+# The SGD learning rates are those of the original's published results for each data set.
+GRIDS: dict[str, Grid] = {
+    g.name: g
+    for g in [
+        Grid(
+            "boston",
+            "boston",
+            _paper_settings([0.001, 0.01, 0.1, 1.0]),
+            time_budget=10.0,
+            report_times=(2.0, 10.0),
+            report_epochs=(30,),
+            description="Boston housing, 10 s of training per run as the paper",
+        ),
+        Grid(
+            "boston-quick",
+            "boston",
+            _paper_settings([0.01, 0.1]),
+            seeds=(1, 2, 3),
+            time_budget=4.0,
+            report_times=(1.0, 4.0),
+            report_epochs=(10,),
+            description="Boston housing, a few minutes on 2 CPU cores: 7 settings x 3 seeds x 4 s",
+        ),
+        Grid(
+            "sine",
+            "sine",
+            _paper_settings([0.001, 0.01, 0.1, 1.0]),
+            time_budget=100.0,
+            report_times=(10.0, 100.0),
+            report_epochs=(50,),
+            description="Sine wave (frequency 10, the original's data), 100 s per run as the paper",
+        ),
+        Grid(
+            "mnist",
+            "mnist",
+            _paper_settings([0.001, 0.01, 0.1, 1.0, 10.0], sgd_epochs=600, adam_epochs=600),
+            epochs=100,
+            report_times=(25.0, 100.0),
+            report_epochs=(8, 33),
+            description="MNIST: SGN 100 epochs, SGD and Adam 600, as the original's runs",
+        ),
+        Grid(
+            "fashion_mnist",
+            "fashion_mnist",
+            _paper_settings([0.001, 0.01, 0.1, 1.0], sgd_epochs=100, adam_epochs=100),
+            epochs=10,
+            report_times=(50.0, 150.0),
+            report_epochs=(5, 10),
+            description="Fashion-MNIST: SGN 10 epochs, SGD and Adam 100, as the original's runs",
+        ),
+        Grid(
+            "cifar10",
+            "cifar10",
+            _paper_settings([0.001, 0.01, 0.1, 1.0], sgd_epochs=100, adam_epochs=100),
+            epochs=10,
+            report_times=(650.0, 2000.0),
+            report_epochs=(3, 9),
+            description="CIFAR-10: SGN 10 epochs, SGD and Adam 100, as the original's runs",
+        ),
+    ]
+}
+"""The paper's benchmarks, by name."""
+
+
+def run_grid(
+    configs: Sequence[RunConfig],
+    out_dir: PathLike,
+    *,
+    grid: Optional[str] = None,
+    quiet: bool = False,
+) -> list[dict]:
+    """Run every configuration into ``out_dir/<preset>/<run name>/``; finished runs are skipped.
+
+    The data set is loaded once per preset and shared. A ``grid.json`` beside the runs names
+    the grid (the report reads its default report points from it).
+
+    Returns:
+        The results of every run, in order.
+    """
+    from tqdm.auto import tqdm
+
+    out = Path(out_dir)
+    results = []
+    datasets: dict[tuple, Dataset] = {}
+    bar = tqdm(configs, desc="grid", unit="run", disable=quiet, dynamic_ncols=True)
+    for cfg in bar:
+        run_dir = out / cfg.preset / cfg.name
+        if grid is not None:
+            _atomic_write_json(out / cfg.preset / "grid.json", {"grid": grid})
+        bar.set_postfix_str(f"{cfg.preset} {cfg.label} seed {cfg.seed}")
+        done = read_json(run_dir / "results.json")
+        if done is not None and done.get("status") not in (None, "running"):
+            old = read_json(run_dir / "config.json") or {}
+            if same_run(old.get("config"), _jsonable(cfg.to_dict())):
+                results.append(done)
+                continue
+        key = (cfg.preset, cfg.data_root)
+        if key not in datasets:
+            datasets[key] = load_data(cfg)
+        results.append(run(cfg, run_dir, quiet=quiet, data=datasets[key], position=1))
+    bar.close()
+    return results
