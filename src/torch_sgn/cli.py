@@ -7,6 +7,7 @@ Examples::
     torch-sgn grid boston-quick --out runs            # the paper's grid, resumable
     torch-sgn grid fashion_mnist --seeds 1 2 --only sgn_5 sgd_0.1 --epochs 5 --out runs
     torch-sgn report runs/boston --reference ../shared/seed/original/results/boston
+    torchrun --nproc-per-node 2 -m torch_sgn run --preset boston --epochs 30 --out runs/b2
 
 The options of :class:`~torch_sgn.runner.RunConfig` and of each optimizer's dataclass
 (``--sgn-*``, ``--sgd-*``, ``--adam-*``) are generated from the dataclasses' fields.
@@ -17,10 +18,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import typing
 from pathlib import Path
 from typing import Any, Optional, Sequence
+
+import torch.distributed
 
 from . import runner
 from .runner import GRIDS, AdamOptions, RunConfig, SGDOptions, SGNOptions
@@ -85,7 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("run", help="one training run")
+    p = sub.add_parser(
+        "run",
+        help="one training run",
+        description="One training run. Under torchrun (torchrun --nproc-per-node N -m "
+        "torch_sgn run ...) it trains data-parallel: each rank trains on its slice of every "
+        "mini-batch, only rank 0 writes files and prints; across nodes --out must be on a "
+        "shared file system (every rank resumes from rank 0's checkpoint).",
+    )
     p.add_argument("--out", required=True, help="the run's directory")
     _add_fields(p, RunConfig, "")
     _add_fields(p, SGNOptions, "sgn_")
@@ -93,7 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_fields(p, AdamOptions, "adam_")
     _add_common(p)
 
-    g = sub.add_parser("grid", help="a paper benchmark's grid of runs (resumable)")
+    g = sub.add_parser(
+        "grid",
+        help="a paper benchmark's grid of runs (resumable)",
+        description="A paper benchmark's grid of runs (resumable). Single-process only: "
+        "not under torchrun (launch distributed runs one by one with 'run').",
+    )
     g.add_argument("name", choices=sorted(GRIDS), help="the benchmark")
     g.add_argument("--out", default="runs", help="results root (default: runs)")
     g.add_argument("--seeds", type=int, nargs="+", help="replace the grid's seeds")
@@ -140,8 +156,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             sgd=SGDOptions(**_collect(ns, SGDOptions, "sgd_")),
             adam=AdamOptions(**_collect(ns, AdamOptions, "adam_")),
         )
-        res = runner.run(cfg, ns.out, quiet=ns.quiet)
-        if not ns.quiet:
+        from . import distributed
+
+        distributed.init_from_env()  # under torchrun; does nothing in one process
+        main = distributed.is_main_process()
+        try:
+            res = runner.run(cfg, ns.out, quiet=ns.quiet)
+        finally:
+            if distributed.world_size() > 1:
+                torch.distributed.destroy_process_group()
+        if not ns.quiet and main:
             e = res["epochs"]
             metric = "test_acc" if res["task"] == "classification" else "test_loss"
             print(
@@ -152,6 +176,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
 
     if ns.command == "grid":
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            print(
+                "torch-sgn grid is single-process; under torchrun launch each run with "
+                "'torch-sgn run' instead",
+                file=sys.stderr,
+            )
+            return 2
         grid = GRIDS[ns.name]
         overrides = _collect(ns, RunConfig, "")
         overrides = {k: v for k, v in overrides.items() if k in _SHARED}

@@ -26,6 +26,17 @@ rates of the original's published results for that data set, and Adam at its def
 over seeds 1 to 5.
 
 This module is the only part of torch-sgn that prints (progress bars, unless ``quiet``).
+
+Distributed runs. When ``torch.distributed`` is initialised with more than one process (the
+command line does it under ``torchrun``, see :func:`torch_sgn.distributed.init_from_env`),
+:func:`run` trains data-parallel: every rank draws the same mini-batch sequence (the same
+seeded generator) and trains on its slice (:func:`torch_sgn.distributed.shard`). SGN reduces
+across ranks by itself; the SGD and Adam baselines all-reduce their gradients (and the batch
+loss), each rank weighted by its share of the batch, so every rank takes the full batch's
+step. Every rank evaluates (the models are identical, so nobody waits on anybody); only rank
+0 writes files and shows progress. The training clock is the slowest rank's. On resume every
+rank loads ``checkpoint.pt``, which rank 0 wrote: across nodes, ``out_dir`` must be on a file
+system that every node sees. :func:`run_grid` is single-process.
 """
 
 from __future__ import annotations
@@ -44,10 +55,12 @@ from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import __version__
+from . import distributed as sgn_dist
 from .data import Dataset, load
 from .models import PRESETS
 from .optimizer import SGN
@@ -332,6 +345,8 @@ def _environment(device: torch.device) -> dict:
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "git_commit": _GIT_COMMIT,
+        "world_size": sgn_dist.world_size(),
+        "backend": dist.get_backend() if sgn_dist.world_size() > 1 else None,
     }
 
 
@@ -391,6 +406,35 @@ def _make_optimizer(cfg: RunConfig, model: nn.Module, loss: str):
 
 def _loss_fn(name: str) -> Callable[[Tensor, Tensor], Tensor]:
     return F.mse_loss if name == "mse" else F.cross_entropy
+
+
+def _baseline_step(model: nn.Module, opt, loss_fn, x: Tensor, y: Tensor, total: int) -> float:
+    """One SGD or Adam step on this rank's shard ``(x, y)`` of a batch of ``total`` examples.
+
+    In a distributed run the gradients and the loss are all-reduced in one flat vector, each
+    rank's weighted by its share ``len(x) / total`` of the batch: the presets' losses are means
+    over examples (MSE over one output each, cross-entropy without class weights), so this is
+    the full batch's gradient and loss, for unequal (or empty) shards too. Returns the batch's
+    loss.
+    """
+    opt.zero_grad(set_to_none=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if x.shape[0]:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        value = loss.detach()
+    else:  # an empty shard: nothing to add (the mean of nothing would be NaN)
+        value = params[0].new_zeros(())
+    if sgn_dist.world_size() > 1:
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads] + [value.reshape(1)])
+        flat *= x.shape[0] / total
+        dist.all_reduce(flat)
+        for p, g in zip(params, flat[:-1].split([p.numel() for p in params])):
+            p.grad = g.view_as(p).clone()
+        value = flat[-1]
+    opt.step()
+    return value.item()
 
 
 @torch.no_grad()
@@ -530,7 +574,14 @@ def _train(cfg, out, data, on_epoch, quiet, position) -> dict:
     opt, scheduler = _make_optimizer(cfg, model, preset.loss)
     gen = torch.Generator(device).manual_seed(cfg.seed)
     loss_fn = _loss_fn(preset.loss)
-    _atomic_write_json(config_path, {"config": wanted, "environment": _environment(device)})
+    distributed = sgn_dist.world_size() > 1
+    main = sgn_dist.is_main_process()
+    if distributed and cfg.optimizer != "sgn":  # SGN broadcasts rank 0's model itself
+        with torch.no_grad():
+            for t in list(model.parameters()) + list(model.buffers()):
+                dist.broadcast(t, 0)
+    if main:
+        _atomic_write_json(config_path, {"config": wanted, "environment": _environment(device)})
 
     ckpt = None
     if ckpt_path.exists():
@@ -551,6 +602,8 @@ def _train(cfg, out, data, on_epoch, quiet, position) -> dict:
         res, epoch, elapsed, iters = _new_results(cfg), 0, 0.0, 0
         res["task"] = data.task
         _record_epoch(res, 0, 0.0, 0, model, preset.loss, data, [])
+    if distributed:  # every rank has read the checkpoint before rank 0 may replace it
+        dist.barrier()
 
     def budget_left() -> bool:
         if cfg.epochs is not None and epoch >= cfg.epochs:
@@ -565,7 +618,7 @@ def _train(cfg, out, data, on_epoch, quiet, position) -> dict:
         desc=f"{cfg.preset} {cfg.label} seed {cfg.seed}",
         unit="ep",
         leave=False,
-        disable=quiet,
+        disable=quiet or not main,
         position=position,
         dynamic_ncols=True,
     )
@@ -578,9 +631,10 @@ def _train(cfg, out, data, on_epoch, quiet, position) -> dict:
             _synchronize(device)
             start = time.perf_counter()
             for x, y in data.batches(batch_size, gen):
+                x_r, y_r = sgn_dist.shard(x, y)  # the whole batch in a single process
                 if cfg.optimizer == "sgn":
                     try:
-                        info = opt.step(x, y)
+                        info = opt.step(x_r, y_r)
                     except FloatingPointError:
                         status = "diverged"
                         break
@@ -590,14 +644,11 @@ def _train(cfg, out, data, on_epoch, quiet, position) -> dict:
                     per_iter["step_size"].append(info.step_size)
                     per_iter["cg_iters"].append(info.cg_iters)
                 else:
-                    opt.zero_grad(set_to_none=True)
-                    loss = loss_fn(model(x), y)
-                    loss.backward()
                     per_iter["lr"].append(opt.param_groups[0]["lr"])
-                    opt.step()
+                    # .item() inside synchronises; the original printed the loss too
+                    value = _baseline_step(model, opt, loss_fn, x_r, y_r, x.shape[0])
                     if scheduler is not None:
                         scheduler.step()
-                    value = loss.item()  # synchronises; the original printed it too
                     batch_losses.append(value)
                     per_iter["loss"].append(value)
                     if not math.isfinite(value):
@@ -605,14 +656,19 @@ def _train(cfg, out, data, on_epoch, quiet, position) -> dict:
                         break
                 iters += 1
             _synchronize(device)
-            elapsed += time.perf_counter() - start
+            took = time.perf_counter() - start
+            if distributed:  # the slowest rank's time, so that every rank sees the same budget
+                took_t = torch.tensor([took], dtype=torch.float64, device=device)
+                dist.all_reduce(took_t, dist.ReduceOp.MAX)
+                took = took_t.item()
+            elapsed += took
             epoch += 1
             _record_epoch(res, epoch, elapsed, iters, model, preset.loss, data, batch_losses)
             bar.update(1)
             bar.set_postfix(loss=f"{res['epochs']['train_loss'][-1]:.4g}", t=f"{elapsed:.1f}s")
             if status == "diverged":
                 break
-            if time.monotonic() - last_ckpt >= cfg.checkpoint_every and budget_left():
+            if main and time.monotonic() - last_ckpt >= cfg.checkpoint_every and budget_left():
                 _atomic_torch_save(
                     ckpt_path,
                     {
@@ -637,6 +693,8 @@ def _train(cfg, out, data, on_epoch, quiet, position) -> dict:
     res["total_time"] = elapsed
     res["total_iterations"] = iters
     res["total_epochs"] = epoch
+    if not main:
+        return _jsonable(res)
     _atomic_write_json(results_path, res)
     ckpt_path.unlink(missing_ok=True)
     return read_json(results_path)
