@@ -4,6 +4,7 @@ Command (from the repository root)::
 
     PYTHONPATH=src python benchmarks/ggn_cost.py                 # CPU, and CUDA when present
     PYTHONPATH=src python benchmarks/ggn_cost.py --devices cpu --models boston sine
+    PYTHONPATH=src python benchmarks/ggn_cost.py --threads 1      # a CPU shared with other jobs
 
 For each paper model at its batch size (random inputs and targets of the right shapes; the
 cost does not depend on the values) and each engine it prints:
@@ -60,6 +61,7 @@ class Config:
     repeats: int = 15
     warmup: int = 3
     memory: bool = True
+    threads: int = 0  # CPU threads; 0 keeps torch's default
     out: str = ""
 
 
@@ -136,18 +138,33 @@ def measure(name: str, device: torch.device, cfg: Config) -> Dict[str, object]:
         for k in cfg.ks
     }
 
+    fresh = {key: copy.deepcopy(opt.state_dict()) for key, opt in opts.items()}
+    cg_iters: Dict[str, List[int]] = {}
+
+    def step(key):
+        info = opts[key].step(x, y)
+        cg_iters.setdefault(f"{key[0]}/step{key[1]}", []).append(info.cg_iters)
+
+    def reset(key):
+        # Every timed step starts from the initial point and state, so that k CG iterations
+        # run on a well-conditioned problem (no drift to where CG stops early).
+        opts[key]._fmodel.write(flat)
+        opts[key].load_state_dict(fresh[key])
+
     tasks: Dict[str, Callable[[], object]] = {"grad": gradient}
+    prepare: Dict[str, Callable[[], object]] = {}
     for e in cfg.engines:
-        tasks[f"{e}/lin"] = lambda e=e: current.__setitem__(
-            e, lins[e](fmodel, loss, flat, x, y)
-        )
+        tasks[f"{e}/lin"] = lambda e=e: current.__setitem__(e, lins[e](fmodel, loss, flat, x, y))
         tasks[f"{e}/Gv"] = lambda e=e: current[e].ggn_vp(v)
         for k in cfg.ks:
-            tasks[f"{e}/step{k}"] = lambda e=e, k=k: opts[(e, k)].step(x, y)
+            tasks[f"{e}/step{k}"] = lambda e=e, k=k: step((e, k))
+            prepare[f"{e}/step{k}"] = lambda e=e, k=k: reset((e, k))
 
     times: Dict[str, List[float]] = {t: [] for t in tasks}
     for r in range(cfg.warmup + cfg.repeats):
         for t, fn in tasks.items():
+            if t in prepare:
+                prepare[t]()
             dt = _timed(fn, device)
             if r >= cfg.warmup:
                 times[t].append(dt)
@@ -156,6 +173,7 @@ def measure(name: str, device: torch.device, cfg: Config) -> Dict[str, object]:
 
     result: Dict[str, object] = {"model": name, "device": str(device), "median_s": med}
     result["range_s"] = spread
+    result["cg_iters_min"] = {t: min(its) for t, its in cg_iters.items()}
     if cfg.memory:
         mem = {"grad": _peak_mib(gradient, device)}
         for e in cfg.engines:
@@ -184,7 +202,11 @@ def _table(results: List[Dict[str, object]], cfg: Config) -> str:
             row = [f"{res['model']} ({res['device']})", e, f"{g * 1e3:.2f}"]
             row += [f"{lin * 1e3:.2f}", f"{gv * 1e3:.2f}", f"{gv / g:.2f}"]
             row.append(f"{(gv + max(lin - g, 0) / 2) / g:.2f}")
-            row += [f"{med[f'{e}/step{k}'] / g:.2f}" for k in cfg.ks]
+            row += [
+                f"{med[f'{e}/step{k}'] / g:.2f}"
+                + ("" if res["cg_iters_min"][f"{e}/step{k}"] == k else " (CG stopped early)")
+                for k in cfg.ks
+            ]
             if cfg.memory:
                 mem = res["peak_mib"]
                 row += [
@@ -231,6 +253,8 @@ def main(argv: List[str] | None = None) -> None:
         else:
             parser.add_argument(f"--{name}", type=type(default), default=default)
     cfg = Config(**vars(parser.parse_args(argv)))
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     env = _environment()
     print("command: PYTHONPATH=src python " + " ".join(["benchmarks/ggn_cost.py", *sys.argv[1:]]))
     print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))

@@ -9,6 +9,8 @@ from torch import nn
 from cases import LOSSES, MODELS, make_batch
 from torch_sgn import GGN, SGN
 
+pytestmark = pytest.mark.usefixtures("each_engine")  # every test, once per engine
+
 
 def _snapshot(model, opt):
     return (

@@ -219,7 +219,9 @@ def _leaves(module: nn.Module, path: str) -> List[Tuple[str, nn.Module]]:
         if type(module).forward is not nn.Sequential.forward:
             raise _Unsupported(f"{path or 'the model'} overrides Sequential.forward")
         out = []
-        for name, child in module.named_children():
+        for name, child in module._modules.items():  # named_children() skips repeated layers
+            if child is None:
+                continue
             out += _leaves(child, f"{path}.{name}" if path else name)
         return out
     return [(path, module)]
