@@ -46,6 +46,7 @@ def _runs() -> List[tuple]:
     return [
         ("SGN(10) fast", "sgn", dict(sgn, engine="fast")),
         ("SGN(10) functional", "sgn", dict(sgn, engine="functional")),
+        ("SGN(10) fast, G on 1/4 batch", "sgn", dict(sgn, engine="fast", curvature_fraction=0.25)),
         ("SGD lr 0.1", "sgd", dict(lr=0.1)),
         ("SGD lr 1", "sgd", dict(lr=1.0)),
         ("Adam lr 1e-3", "adam", dict(lr=1e-3)),
@@ -101,6 +102,7 @@ def main(argv: List[str] | None = None) -> None:
     parser.add_argument("--datasets", nargs="+", default=Config().datasets)
     parser.add_argument("--budget", type=float, default=Config().budget)
     parser.add_argument("--threads", type=int, default=Config().threads)
+    parser.add_argument("--only", nargs="*", default=[], help="run only these optimizer labels")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
     cfg = Config(datasets=args.datasets, budget=args.budget, threads=args.threads, out=args.out)
@@ -114,6 +116,8 @@ def main(argv: List[str] | None = None) -> None:
     results = []
     for name in cfg.datasets:
         for label, kind, options in _runs():
+            if args.only and label not in args.only:
+                continue
             train(name, kind, options, Config(budget=1e-9))  # warm-up: one untimed epoch
             r = train(name, kind, options, cfg)
             r.update(data=name, optimizer=label)
