@@ -162,7 +162,7 @@ class _Dropout(_Step):
         self.module = module
 
     def forward(self, a, params):
-        if not self.module.training or self.module.p == 0:
+        if not self.module.training:
             return a, None
         mask = self.module(torch.ones_like(a, requires_grad=False)).detach()
         return a * mask, mask
