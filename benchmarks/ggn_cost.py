@@ -64,6 +64,7 @@ class Config:
     memory: bool = True
     threads: int = 0  # CPU threads; 0 keeps torch's default
     out: str = ""
+    from_json: str = ""  # print the tables of a saved run instead of measuring
 
 
 def _sync(device: torch.device) -> None:
@@ -192,14 +193,14 @@ def measure(name: str, device: torch.device, cfg: Config) -> Dict[str, object]:
     return result
 
 
-def _table(results: List[Dict[str, object]], cfg: Config) -> str:
+def _table(results: List[Dict[str, object]], cfg: Config, stat: str = "median") -> str:
     head = ["model", "engine", "grad ms", "lin ms", "Gv ms", "Gv/grad", "CG it/grad (k=2)"]
     head += [f"step {k} (<= {1.3 * k + 1.5:.1f})" for k in cfg.ks]
     if cfg.memory:
         head += ["mem grad MiB", "mem step10 MiB (ratio)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for res in results:
-        med = res["median_s"]
+        med = res["median_s"] if stat == "median" else {t: r[0] for t, r in res["range_s"].items()}
         g = med["grad"]
         for e in cfg.engines:
             lin, gv = med[f"{e}/lin"], med[f"{e}/Gv"]
@@ -259,6 +260,15 @@ def main(argv: List[str] | None = None) -> None:
     cfg = Config(**vars(parser.parse_args(argv)))
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if cfg.from_json:
+        with open(cfg.from_json) as f:
+            saved = json.load(f)
+        run = Config(**{**saved["config"], "from_json": ""})
+        print(f"saved run: {saved['environment']}, config: {saved['config']}")
+        for stat in ("median", "min"):
+            print(f"{stat} over rounds:")
+            print(_table(saved["results"], run, stat))
+        return
     env = _environment()
     print("command: PYTHONPATH=src python " + " ".join(["benchmarks/ggn_cost.py", *sys.argv[1:]]))
     print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
@@ -270,6 +280,8 @@ def main(argv: List[str] | None = None) -> None:
             results.append(measure(name, device, cfg))
             print(f"  measured {name} on {device}", file=sys.stderr, flush=True)
     print(_table(results, cfg))
+    print("fastest round of each quantity (less sensitive to load from other processes):")
+    print(_table(results, cfg, "min"))
     if cfg.out:
         with open(cfg.out, "w") as f:
             json.dump({"config": asdict(cfg), "environment": env, "results": results}, f, indent=1)

@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.80)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--only", nargs="*", default=[], help="run only these optimizer labels")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -101,6 +102,8 @@ def main() -> None:
     print("|---|---|---|---|")
     results = []
     for label, kind, options in RUNS:
+        if args.only and label not in args.only:
+            continue
         r = run(ds, kind, options, args)
         r["optimizer"] = label
         results.append(r)
