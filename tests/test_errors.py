@@ -9,6 +9,8 @@ from torch import nn
 from cases import LOSSES, MODELS, make_batch
 from torch_sgn import GGN, SGN
 
+pytestmark = pytest.mark.usefixtures("each_engine")  # every test, once per engine
+
 
 def _snapshot(model, opt):
     return (
@@ -186,3 +188,12 @@ def test_model_returning_a_tuple_is_rejected_with_advice():
 
     with pytest.raises(TypeError, match="forward returns one tensor"):
         SGN(Two(), "mse").step(torch.randn(4, 3), torch.randn(4, 2))
+
+
+def test_finiteness_check_survives_an_overflowing_sum():
+    from torch_sgn.optimizer import _all_finite
+
+    big = torch.full((8,), 3e38)  # finite, but the float32 sum overflows
+    assert _all_finite(big)
+    assert not _all_finite(torch.tensor([1.0, float("nan")]))
+    assert not _all_finite(torch.tensor([1.0, float("-inf")]))

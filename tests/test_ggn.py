@@ -5,6 +5,8 @@ from torch import nn
 from cases import LOSSES, MODELS, dense_ggn, make_batch
 from torch_sgn import GGN
 
+pytestmark = pytest.mark.usefixtures("each_engine")  # every test, once per engine
+
 CASES = [(m, lc) for m in MODELS for lc in LOSSES]
 IDS = [f"{m.name}-{lc.name}" for m, lc in CASES]
 

@@ -10,6 +10,8 @@ from torch import nn
 from cases import LOSSES, MODELS, dense_ggn, make_batch
 from torch_sgn import SGN, StepInfo
 
+pytestmark = pytest.mark.usefixtures("each_engine")  # every test, once per engine
+
 EXACT = dict(line_search=False, trust_region=False, lr=1.0, momentum=0.0, cg_tol=0.0)
 
 

@@ -247,6 +247,7 @@ class GGN:
             module, or a callable ``loss(outputs, targets) -> scalar`` convex in ``outputs``.
         inputs: a tensor, or a tuple of tensors passed positionally.
         targets: the loss's targets.
+        engine: ``"auto"``, ``"fast"`` or ``"functional"``, as for :class:`~torch_sgn.SGN`.
 
     Example:
         >>> G = GGN(model, "mse", x, y)
@@ -256,13 +257,24 @@ class GGN:
     A training-mode model's buffers are not modified.
     """
 
-    def __init__(self, model: nn.Module, loss: LossSpec, inputs: Inputs, targets: Tensor):
+    def __init__(
+        self,
+        model: nn.Module,
+        loss: LossSpec,
+        inputs: Inputs,
+        targets: Tensor,
+        *,
+        engine: str = "auto",
+    ):
+        from .engine import _select_engine  # the engine module builds on this one
+
         self._fmodel = _FunctionalModel(model)
+        linearize = _select_engine(self._fmodel, engine)
         if model.training:
             self._fmodel.freeze_rng()  # every product sees the same dropout masks
         self._loss = resolve_loss(loss)
         self._flat = self._fmodel.flat()
-        self._lin = _linearize(self._fmodel, self._loss, self._flat, inputs, targets)
+        self._lin = linearize(self._fmodel, self._loss, self._flat, inputs, targets)
 
     @property
     def shape(self) -> torch.Size:

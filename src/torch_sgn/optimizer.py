@@ -13,7 +13,8 @@ from torch import Tensor, nn
 from .cg import CGResult, conjugate_gradient
 from .damping import DAMPING_SCHEDULES, scheduled_damping, trust_region_update
 from .distributed import ProcessGroup, _communicator
-from .ggn import Inputs, _FunctionalModel, _Linearization, _linearize
+from .engine import ENGINES, _curvature_subset, _select_engine
+from .ggn import Inputs, _FunctionalModel, _Linearization
 from .line_search import LineSearchResult, backtracking
 from .losses import LossSpec, resolve_loss
 
@@ -118,6 +119,15 @@ class SGN(torch.optim.Optimizer):
         ls_max_evals: most loss evaluations in one line search (``MAX_LS_ITERS``). Default 10.
         keep_grad: write the mini-batch gradient into each parameter's ``.grad``. Default off:
             SGN leaves ``.grad`` untouched.
+        engine: how ``G v`` products are computed. ``"fast"``: the layer-wise engine of
+            :mod:`torch_sgn.engine` for ``nn.Sequential`` chains of known layers (one forward
+            pass per step, about one gradient per product); raises if the model is not such a
+            chain. ``"functional"``: ``torch.func`` forward-mode AD, any model (re-runs the
+            forward pass at every product). ``"auto"``: fast where it applies, else functional
+            with a one-time warning. Default ``"auto"``.
+        curvature_fraction: compute ``G v`` on a random subset of this fraction of each batch
+            (redrawn every step from a generator seeded with 0), the loss and gradient on the
+            whole batch (Martens, 2010). Default 1 (the whole batch, as the paper).
         process_group: the ranks that train this model data-parallel, each on its shard of
             every mini-batch (see :mod:`torch_sgn.distributed`). Default ``None``: the default
             group if ``torch.distributed`` is initialised, else one process. Parameters and
@@ -169,6 +179,8 @@ class SGN(torch.optim.Optimizer):
         ls_shrink: float = 0.5,
         ls_max_evals: int = 10,
         keep_grad: bool = False,
+        engine: str = "auto",
+        curvature_fraction: float = 1.0,
         process_group: ProcessGroup = None,
     ):
         _check(lr > 0, "lr", lr, "must be > 0")
@@ -222,6 +234,13 @@ class SGN(torch.optim.Optimizer):
             ls_max_evals,
             "must be an int >= 1",
         )
+        _check(engine in ENGINES, "engine", engine, f"must be one of {ENGINES}")
+        _check(
+            0 < curvature_fraction <= 1,
+            "curvature_fraction",
+            curvature_fraction,
+            "must be in (0, 1]",
+        )
 
         self._fmodel = _FunctionalModel(model)
         self._loss = resolve_loss(loss)
@@ -238,7 +257,9 @@ class SGN(torch.optim.Optimizer):
         super().__init__(self._fmodel.params, defaults)
         if len(self.param_groups) != 1:  # pragma: no cover - guarded by add_param_group
             raise ValueError("SGN doesn't support per-parameter options (parameter groups)")
-        self._linearize = _linearize
+        self._linearize = _select_engine(self._fmodel, engine)
+        if curvature_fraction < 1:
+            self._linearize = _curvature_subset(self._linearize, curvature_fraction)
         self._global_state()  # created now, so that a failed first step changes nothing
 
     def add_param_group(self, param_group: dict) -> None:
@@ -445,13 +466,23 @@ def _check_batch(inputs: Inputs, targets: Tensor) -> None:
             raise TypeError(
                 f"inputs must be a tensor or a tuple of tensors; item {i} is {type(x).__name__}"
             )
-        if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+        if x.is_floating_point() and not _all_finite(x):
             where = "inputs" if not isinstance(inputs, tuple) else f"inputs[{i}]"
             raise ValueError(f"{where} contain NaN or infinite values; clean the batch first")
     if not isinstance(targets, Tensor):
         raise TypeError(f"targets must be a tensor, got {type(targets).__name__}")
-    if targets.is_floating_point() and not bool(torch.isfinite(targets).all()):
+    if targets.is_floating_point() and not _all_finite(targets):
         raise ValueError("targets contain NaN or infinite values; clean the batch first")
+
+
+def _all_finite(x: Tensor) -> bool:
+    """Whether every entry is finite, without temporaries the size of ``x``.
+
+    ``isfinite(x)`` allocates about twice the batch in temporaries, more than the rest of a
+    step on an input-heavy model; one sum is finite exactly when no entry is NaN or infinite,
+    unless finite entries overflow it, and then the exact test decides.
+    """
+    return bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
 
 
 def _check(ok: bool, name: str, value: object, what: str) -> None:

@@ -1,0 +1,291 @@
+"""Cost of a Gauss-Newton product and of an SGN step, in gradients, on the paper's five models.
+
+Command (from the repository root)::
+
+    PYTHONPATH=src python benchmarks/ggn_cost.py                 # CPU, and CUDA when present
+    PYTHONPATH=src python benchmarks/ggn_cost.py --devices cpu --models boston sine
+    PYTHONPATH=src python benchmarks/ggn_cost.py --threads 1      # a CPU shared with other jobs
+
+For each paper model at its batch size (random inputs and targets of the right shapes; the
+cost does not depend on the values) and each engine it prints:
+
+* ``grad``: one plain PyTorch gradient, ``autograd.grad(loss(model(x), y), params)``;
+* ``lin``: the engine's set-up for a step (loss, gradient and whatever the products reuse);
+* ``Gv``: one ``G v`` product after that set-up;
+* ``Gv/grad`` and ``CG it/grad``: the amortized cost of one CG iteration at k = 2, i.e.
+  ``(Gv + max(lin - grad, 0) / 2) / grad`` (the set-up beyond a gradient spread over the step);
+* ``step k``: a whole ``SGN.step`` with k CG iterations (``cg_tol=0``), line search off, trust
+  region on (one loss evaluation), in gradients; the target is ``1.3 k + 1.5``;
+* ``mem``: peak memory of one gradient / one step with k = 10, in MiB: the model's parameters
+  and the batch plus the peak of what the call allocates (CPU: torch profiler's memory
+  timeline; CUDA: ``torch.cuda.max_memory_allocated`` less what was allocated before). The
+  target is a ratio <= 2.
+
+Times are medians over ``--repeats`` rounds after ``--warmup`` rounds; in every round each
+quantity is measured once, in turn, so that load from other processes hits all alike. The
+device is synchronised around every timed call. The hardware, versions, config and git commit
+are printed first and saved with the results (``--out``).
+
+Results on this repository's CPU machine: see ``docs/PERFORMANCE.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List
+
+import torch
+
+from torch_sgn import SGN
+from torch_sgn.engine import _select_engine
+from torch_sgn.ggn import _FunctionalModel
+from torch_sgn.losses import resolve_loss
+from torch_sgn.models import PRESETS
+
+
+@dataclass
+class Config:
+    models: List[str] = field(
+        default_factory=lambda: ["boston", "sine", "mnist", "fashion_mnist", "cifar10"]
+    )
+    devices: List[str] = field(default_factory=lambda: ["cpu", "cuda"])
+    engines: List[str] = field(default_factory=lambda: ["functional", "fast"])
+    ks: List[int] = field(default_factory=lambda: [2, 3, 5, 10])
+    repeats: int = 15
+    warmup: int = 3
+    memory: bool = True
+    threads: int = 0  # CPU threads; 0 keeps torch's default
+    out: str = ""
+    from_json: str = ""  # print the tables of a saved run instead of measuring
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], object], device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _peak_mib(fn: Callable[[], object], device: torch.device, base: int) -> float:
+    """Peak memory while ``fn`` runs, in MiB: ``base`` bytes (model and batch) plus the peak of
+    what ``fn`` allocates."""
+    if device.type == "cuda":
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        _sync(device)
+        return (base + torch.cuda.max_memory_allocated(device) - before) / 2**20
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+    ) as prof:
+        fn()
+    current = peak = 0
+    for _, action, _, size in prof._memory_profile().timeline:
+        if action.name == "CREATE":
+            current += size
+        elif action.name == "DESTROY":
+            current -= size
+        peak = max(peak, current)
+    return (base + peak) / 2**20
+
+
+def _batch(name: str, device: torch.device):
+    p = PRESETS[name]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn((p.batch_size, *p.input_shape), generator=g)
+    model = p.build()
+    with torch.no_grad():
+        out = model(x)
+    if p.loss == "mse":
+        y = torch.randn(out.shape, generator=g)
+    else:
+        y = torch.randint(0, out.shape[1], (p.batch_size,), generator=g)
+    return model.to(device), x.to(device), y.to(device), p.loss
+
+
+def measure(name: str, device: torch.device, cfg: Config) -> Dict[str, object]:
+    model, x, y, loss_name = _batch(name, device)
+    loss = resolve_loss(loss_name)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def gradient():
+        return torch.autograd.grad(loss.value(model(x), y), params)
+
+    fmodel = _FunctionalModel(model)
+    flat = fmodel.flat()
+    v = torch.randn(flat.shape, generator=torch.Generator().manual_seed(1)).to(device)
+    lins = {e: _select_engine(fmodel, e) for e in cfg.engines}
+    current = {e: lins[e](fmodel, loss, flat, x, y) for e in cfg.engines}
+    opts = {
+        (e, k): SGN(
+            copy.deepcopy(model), loss_name, cg_iters=k, cg_tol=0.0, line_search=False, engine=e
+        )
+        for e in cfg.engines
+        for k in cfg.ks
+    }
+
+    fresh = {key: copy.deepcopy(opt.state_dict()) for key, opt in opts.items()}
+    cg_iters: Dict[str, List[int]] = {}
+
+    def step(key):
+        info = opts[key].step(x, y)
+        cg_iters.setdefault(f"{key[0]}/step{key[1]}", []).append(info.cg_iters)
+
+    def reset(key):
+        # Every timed step starts from the initial point and state, so that k CG iterations
+        # run on a well-conditioned problem (no drift to where CG stops early).
+        opts[key]._fmodel.write(flat)
+        opts[key].load_state_dict(fresh[key])
+
+    tasks: Dict[str, Callable[[], object]] = {"grad": gradient}
+    prepare: Dict[str, Callable[[], object]] = {}
+    for e in cfg.engines:
+        tasks[f"{e}/lin"] = lambda e=e: current.__setitem__(e, lins[e](fmodel, loss, flat, x, y))
+        tasks[f"{e}/Gv"] = lambda e=e: current[e].ggn_vp(v)
+        for k in cfg.ks:
+            tasks[f"{e}/step{k}"] = lambda e=e, k=k: step((e, k))
+            prepare[f"{e}/step{k}"] = lambda e=e, k=k: reset((e, k))
+
+    times: Dict[str, List[float]] = {t: [] for t in tasks}
+    for r in range(cfg.warmup + cfg.repeats):
+        for t, fn in tasks.items():
+            if t in prepare:
+                prepare[t]()
+            dt = _timed(fn, device)
+            if r >= cfg.warmup:
+                times[t].append(dt)
+    med = {t: statistics.median(ts) for t, ts in times.items()}
+    spread = {t: (min(ts), max(ts)) for t, ts in times.items()}
+
+    result: Dict[str, object] = {"model": name, "device": str(device), "median_s": med}
+    result["range_s"] = spread
+    result["cg_iters_min"] = {t: min(its) for t, its in cg_iters.items()}
+    if cfg.memory:
+        base = sum(t.numel() * t.element_size() for t in [x, y, *params])
+        mem = {"grad": _peak_mib(gradient, device, base)}
+        for e in cfg.engines:
+            mem[f"{e}/step10"] = _peak_mib(
+                lambda e=e: SGN(
+                    copy.deepcopy(model), loss_name, cg_iters=10, cg_tol=0.0,
+                    line_search=False, engine=e,
+                ).step(x, y),
+                device,
+                base,
+            )  # fmt: skip
+        result["peak_mib"] = mem
+    return result
+
+
+def _table(results: List[Dict[str, object]], cfg: Config, stat: str = "median") -> str:
+    head = ["model", "engine", "grad ms", "lin ms", "Gv ms", "Gv/grad", "CG it/grad (k=2)"]
+    head += [f"step {k} (<= {1.3 * k + 1.5:.1f})" for k in cfg.ks]
+    if cfg.memory:
+        head += ["mem grad MiB", "mem step10 MiB (ratio)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for res in results:
+        med = res["median_s"] if stat == "median" else {t: r[0] for t, r in res["range_s"].items()}
+        g = med["grad"]
+        for e in cfg.engines:
+            lin, gv = med[f"{e}/lin"], med[f"{e}/Gv"]
+            row = [f"{res['model']} ({res['device']})", e, f"{g * 1e3:.2f}"]
+            row += [f"{lin * 1e3:.2f}", f"{gv * 1e3:.2f}", f"{gv / g:.2f}"]
+            row.append(f"{(gv + max(lin - g, 0) / 2) / g:.2f}")
+            row += [
+                f"{med[f'{e}/step{k}'] / g:.2f}"
+                + ("" if res["cg_iters_min"][f"{e}/step{k}"] == k else " (CG stopped early)")
+                for k in cfg.ks
+            ]
+            if cfg.memory:
+                mem = res["peak_mib"]
+                row += [
+                    f"{mem['grad']:.1f}",
+                    f"{mem[f'{e}/step10']:.1f} ({mem[f'{e}/step10'] / mem['grad']:.2f})",
+                ]
+            lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def _environment() -> Dict[str, str]:
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": str(torch.get_num_threads()),
+        "cpu": platform.processor() or platform.machine(),
+    }
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+            if line.startswith("Model name:"):
+                env["cpu"] = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        env["cuda"] = torch.cuda.get_device_name(0)
+    try:
+        env["commit"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        pass
+    return env
+
+
+def main(argv: List[str] | None = None) -> None:
+    cfg = Config()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for name, default in asdict(cfg).items():
+        if isinstance(default, list):
+            kind = type(default[0])
+            parser.add_argument(f"--{name}", nargs="+", type=kind, default=default)
+        elif isinstance(default, bool):
+            parser.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=default)
+        else:
+            parser.add_argument(f"--{name}", type=type(default), default=default)
+    cfg = Config(**vars(parser.parse_args(argv)))
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if cfg.from_json:
+        with open(cfg.from_json) as f:
+            saved = json.load(f)
+        run = Config(**{**saved["config"], "from_json": ""})
+        print(f"saved run: {saved['environment']}, config: {saved['config']}")
+        for stat in ("median", "min"):
+            print(f"{stat} over rounds:")
+            print(_table(saved["results"], run, stat))
+        return
+    env = _environment()
+    print("command: PYTHONPATH=src python " + " ".join(["benchmarks/ggn_cost.py", *sys.argv[1:]]))
+    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    print(f"config: {asdict(cfg)}")
+    devices = [torch.device(d) for d in cfg.devices if d != "cuda" or torch.cuda.is_available()]
+    results = []
+    for device in devices:
+        for name in cfg.models:
+            results.append(measure(name, device, cfg))
+            print(f"  measured {name} on {device}", file=sys.stderr, flush=True)
+    print(_table(results, cfg))
+    print("fastest round of each quantity (less sensitive to load from other processes):")
+    print(_table(results, cfg, "min"))
+    if cfg.out:
+        with open(cfg.out, "w") as f:
+            json.dump({"config": asdict(cfg), "environment": env, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

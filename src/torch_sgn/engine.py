@@ -1,0 +1,413 @@
+r"""The fast curvature engine: ``G v`` for chains of known layers at about one gradient.
+
+The functional engine (:func:`torch_sgn.ggn._linearize`) works for any model but re-runs the
+forward pass with forward-mode AD at every product. For an :class:`~torch.nn.Sequential` of
+known layers this module runs **one** forward pass per step, keeps what each layer needs, and
+then per CG iteration only propagates
+
+* tangents forward by hand (``J v``): a linear layer maps ``(a, t)`` to
+  ``W t + dW a + db``, an activation multiplies by ``f'(z)`` computed once per step, max
+  pooling gathers with the stored indices, dropout multiplies by the stored mask;
+* cotangents backward (``J^T u``) through the autograd graph of that same forward pass, which
+  also gave the gradient.
+
+So a product costs a tangent forward plus one backward pass, against a forward plus a backward
+for a gradient.
+
+:func:`_select_engine` picks the implementation of the optimizer's ``_linearize`` interface:
+``"fast"`` (this module; raises where it cannot apply), ``"functional"`` (any model) or
+``"auto"`` (fast where it applies, else functional with a one-time warning).
+:func:`_curvature_subset` wraps either to take ``G v`` on a random subset of the batch.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .ggn import Inputs, _FunctionalModel, _Linearization, _linearize
+from .losses import OutputLoss
+
+ENGINES = ("auto", "fast", "functional")
+
+# A parameter slot of a layer: an index into the trainable parameters, a frozen tensor, or None.
+_Slot = Union[int, Tensor, None]
+_Linearize = Callable[..., _Linearization]
+
+
+class _Unsupported(Exception):
+    """The fast engine cannot evaluate this model; the message says why."""
+
+
+# --- layers ------------------------------------------------------------------------------------
+class _Step:
+    """One layer of the chain: a recorded forward pass and its tangent map."""
+
+    def forward(self, a: Tensor, params: Sequence[Tensor]) -> Tuple[Tensor, object]:
+        raise NotImplementedError
+
+    def tangent(self, ctx: object, t: Optional[Tensor], vs: Sequence[Tensor]) -> Optional[Tensor]:
+        raise NotImplementedError
+
+
+def _get(slot: _Slot, values: Sequence[Tensor]) -> Optional[Tensor]:
+    return values[slot] if isinstance(slot, int) else slot
+
+
+def _tangent_of(slot: _Slot, vs: Sequence[Tensor]) -> Optional[Tensor]:
+    return vs[slot] if isinstance(slot, int) else None  # frozen or absent: no tangent
+
+
+class _Affine(_Step):
+    """Linear and convolution layers: ``z = op(a, W) + b``, linear in ``a`` and in ``(W, b)``."""
+
+    def __init__(self, module: nn.Module, slots: Tuple[_Slot, _Slot]):
+        self.module = module
+        self.weight, self.bias = slots
+        if isinstance(module, nn.Linear):
+            self.op = F.linear
+        else:
+            self.op = module._conv_forward  # handles padding modes
+        self.bias_shape = (
+            (-1,) if isinstance(module, nn.Linear) else (-1,) + (1,) * (len(module.kernel_size))
+        )
+
+    def forward(self, a, params):
+        w = _get(self.weight, params)
+        z = self.op(a, w, _get(self.bias, params))
+        return z, (a.detach(), w.detach())
+
+    def tangent(self, ctx, t, vs):
+        a, w = ctx
+        dw, db = _tangent_of(self.weight, vs), _tangent_of(self.bias, vs)
+        out = None
+        if dw is not None:
+            out = self.op(a, dw, db)  # dW a + db
+        elif db is not None:
+            out = db.view(self.bias_shape)
+        if t is not None:
+            wt = self.op(t, w, None)  # W t
+            out = wt if out is None else out + wt
+        return out
+
+
+class _Elementwise(_Step):
+    """``y = f(z)`` elementwise: the tangent is ``f'(z) t``, ``f'`` evaluated once per step."""
+
+    def __init__(self, fn: Callable[[Tensor], Tensor], derivative: Optional[Callable]):
+        self.fn = fn
+        self.derivative = derivative  # (z, y) -> f'(z); None: by autograd
+
+    def forward(self, z, params):
+        y = self.fn(z)
+        with torch.no_grad():
+            if self.derivative is not None:
+                d = self.derivative(z.detach(), y.detach())
+            else:
+                with torch.enable_grad():
+                    zz = z.detach().requires_grad_(True)
+                    (d,) = torch.autograd.grad(self.fn(zz).sum(), zz)
+        return y, d
+
+    def tangent(self, d, t, vs):
+        return None if t is None else t * d
+
+
+class _MaxPool(_Step):
+    """Max pooling: the tangent is gathered at the stored argmax indices."""
+
+    def __init__(self, module: nn.Module, dims: int):
+        self.module = module
+        self.pool = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[dims]
+
+    def forward(self, a, params):
+        m = self.module
+        y, idx = self.pool(
+            a, m.kernel_size, m.stride, m.padding, m.dilation, ceil_mode=m.ceil_mode,
+            return_indices=True,
+        )  # fmt: skip
+        return y, idx
+
+    def tangent(self, idx, t, vs):
+        if t is None:
+            return None
+        return t.flatten(2).gather(2, idx.flatten(2)).view(idx.shape)
+
+
+class _Linear(_Step):
+    """A parameter-free linear map (flatten, average pooling, identity): the tangent is the map."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def forward(self, a, params):
+        return self.module(a), None
+
+    def tangent(self, ctx, t, vs):
+        return None if t is None else self.module(t)
+
+
+class _Dropout(_Step):
+    """Dropout: in training mode the mask is drawn once and applied to values and tangents.
+
+    ``module(ones)`` draws the same random numbers as ``module(a)`` would, so a step with this
+    engine leaves the random state where the functional engine leaves it.
+    """
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def forward(self, a, params):
+        if not self.module.training:
+            return a, None
+        mask = self.module(torch.ones_like(a, requires_grad=False)).detach()
+        return a * mask, mask
+
+    def tangent(self, mask, t, vs):
+        return t if mask is None or t is None else t * mask
+
+
+def _d_relu(z: Tensor, y: Tensor) -> Tensor:
+    return z > 0  # bool: a quarter of the memory, multiplies like 0/1
+
+
+_ACTIVATIONS: dict = {
+    nn.Sigmoid: lambda m: (torch.sigmoid, lambda z, y: y * (1 - y)),
+    nn.Tanh: lambda m: (torch.tanh, lambda z, y: 1 - y * y),
+    nn.ReLU: lambda m: (torch.relu, _d_relu),
+    nn.LeakyReLU: lambda m: (
+        lambda z: F.leaky_relu(z, m.negative_slope),
+        lambda z, y: torch.where(z > 0, 1.0, m.negative_slope).to(z.dtype),
+    ),
+    nn.ELU: lambda m: (
+        lambda z: F.elu(z, m.alpha),
+        lambda z, y: torch.where(z > 0, torch.ones_like(y), y + m.alpha),
+    ),
+    nn.Hardtanh: lambda m: (
+        lambda z: F.hardtanh(z, m.min_val, m.max_val),
+        lambda z, y: (z > m.min_val) & (z < m.max_val),
+    ),
+    nn.ReLU6: lambda m: (lambda z: F.hardtanh(z, 0.0, 6.0), lambda z, y: (z > 0) & (z < 6)),
+    # The rest: f' by autograd once per step.
+    nn.Softplus: lambda m: (lambda z: F.softplus(z, m.beta, m.threshold), None),
+    nn.GELU: lambda m: (lambda z: F.gelu(z, approximate=m.approximate), None),
+    nn.SiLU: lambda m: (F.silu, None),
+    nn.Mish: lambda m: (F.mish, None),
+    nn.Softsign: lambda m: (F.softsign, None),
+    nn.LogSigmoid: lambda m: (F.logsigmoid, None),
+    nn.Tanhshrink: lambda m: (F.tanhshrink, None),
+}
+_LINEAR_MAPS = (
+    nn.Flatten, nn.Unflatten, nn.Identity, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
+    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
+)  # fmt: skip
+_MAX_POOLS = {nn.MaxPool1d: 1, nn.MaxPool2d: 2, nn.MaxPool3d: 3}
+_AFFINE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+
+
+# --- the plan ----------------------------------------------------------------------------------
+def _leaves(module: nn.Module, path: str) -> List[Tuple[str, nn.Module]]:
+    """The layers of a (nested) plain Sequential, in order."""
+    if module._forward_hooks or module._forward_pre_hooks:
+        raise _Unsupported(f"{path or 'the model'} has forward hooks")
+    if isinstance(module, nn.Sequential):
+        if type(module).forward is not nn.Sequential.forward:
+            raise _Unsupported(f"{path or 'the model'} overrides Sequential.forward")
+        out = []
+        for name, child in module._modules.items():  # named_children() skips repeated layers
+            if child is None:
+                continue
+            out += _leaves(child, f"{path}.{name}" if path else name)
+        return out
+    return [(path, module)]
+
+
+def _plan(fmodel: _FunctionalModel) -> List[_Step]:
+    """The model as a list of :class:`_Step`; raises :class:`_Unsupported` with the reason."""
+    model = fmodel.model
+    if not isinstance(model, nn.Sequential) and type(model) not in _AFFINE:
+        raise _Unsupported(
+            f"the model is a {type(model).__name__}, not an nn.Sequential of supported layers"
+        )
+    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        raise _Unsupported("global forward hooks are registered")
+    index = {id(p): i for i, p in enumerate(fmodel.params)}
+    steps: List[_Step] = []
+    used = set()
+    for path, m in _leaves(model, ""):
+        kind = type(m)  # exact types: a subclass may change forward (e.g. parametrizations)
+        if kind in _AFFINE:
+            slots = []
+            for p in (m.weight, m.bias):
+                if p is None:
+                    slots.append(None)
+                elif id(p) in index:
+                    slots.append(index[id(p)])
+                    used.add(id(p))
+                else:
+                    slots.append(p.detach())
+            steps.append(_Affine(m, tuple(slots)))
+        elif kind in _ACTIVATIONS:
+            steps.append(_Elementwise(*_ACTIVATIONS[kind](m)))
+        elif kind in _MAX_POOLS:
+            steps.append(_MaxPool(m, _MAX_POOLS[kind]))
+        elif kind in _LINEAR_MAPS:
+            steps.append(_Linear(m))
+        elif kind in _DROPOUTS:
+            steps.append(_Dropout(m))
+        else:
+            raise _Unsupported(f"layer {path!r} ({kind.__name__}) is not supported")
+    if len(used) != len(fmodel.params):
+        raise _Unsupported("some trainable parameters are not weights of supported layers")
+    if any(True for _ in model.buffers()):
+        raise _Unsupported("the model has buffers")
+    return steps
+
+
+# --- the engine --------------------------------------------------------------------------------
+def _structure(model: nn.Module) -> tuple:
+    """What the plan depends on; a model changed after planning (a layer inserted, a hook
+    registered) is planned again."""
+    return (
+        tuple((id(m), bool(m._forward_hooks or m._forward_pre_hooks)) for m in model.modules()),
+        tuple(id(p) for p in model.parameters()),
+        bool(nn.modules.module._global_forward_hooks),
+        bool(nn.modules.module._global_forward_pre_hooks),
+    )
+
+
+class _LayerwiseEngine:
+    """``_linearize`` for a planned chain: one recorded forward pass, hand-made tangents.
+
+    The plan is checked against the model's structure at every call. With ``strict`` a model
+    that cannot be planned raises ``ValueError``; otherwise the functional engine takes over,
+    with a warning the first time.
+    """
+
+    def __init__(self, fmodel: _FunctionalModel, strict: bool):
+        self.strict = strict
+        self._key: Optional[tuple] = None
+        self._steps: Optional[List[_Step]] = None
+        self._warned = False
+        self._plan(fmodel, stacklevel=4)
+
+    def _plan(self, fmodel: _FunctionalModel, stacklevel: int = 5) -> Optional[List[_Step]]:
+        key = _structure(fmodel.model)
+        if key != self._key:
+            self._key = key
+            try:
+                self._steps = _plan(fmodel)
+            except _Unsupported as why:
+                self._steps = None
+                if self.strict:
+                    raise ValueError(f"engine='fast' cannot evaluate this model: {why}") from None
+                self._warn(f"the fast curvature engine does not apply ({why})", stacklevel)
+        return self._steps
+
+    def _warn(self, why: str, stacklevel: int) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"{why}; using the functional engine, which re-runs the forward pass at "
+                "every G v product",
+                stacklevel=stacklevel,
+            )
+
+    def __call__(
+        self,
+        fmodel: _FunctionalModel,
+        loss: OutputLoss,
+        flat: Tensor,
+        inputs: Inputs,
+        targets: Tensor,
+        buffers_out: Optional[dict] = None,
+    ) -> _Linearization:
+        steps = self._plan(fmodel)
+        if isinstance(inputs, tuple):
+            if len(inputs) != 1:
+                if self.strict:
+                    raise ValueError("engine='fast' takes one input tensor, got a tuple")
+                self._warn("the fast curvature engine takes one input tensor", 3)
+                steps = None
+            else:
+                inputs = inputs[0]
+        if steps is None:
+            return _linearize(fmodel, loss, flat, inputs, targets, buffers_out)
+        shapes, numels = fmodel.shapes, fmodel.numels
+        leaf = flat.detach().requires_grad_(True)
+        ctxs = []
+        with torch.enable_grad():
+            with fmodel._replay_rng():
+                params = [c.view(s) for c, s in zip(leaf.split(numels), shapes)]
+                h = inputs
+                for step in steps:
+                    h, ctx = step.forward(h, params)
+                    ctxs.append(ctx)
+            outputs = h
+            loss.check_targets(outputs, targets)
+            z = outputs.detach().requires_grad_(True)
+            value = loss.value(z, targets)
+            (dz,) = torch.autograd.grad(value, z)
+            (grad,) = torch.autograd.grad(outputs, leaf, dz, retain_graph=True)
+        z = z.detach()
+        chain = list(zip(steps, ctxs))
+
+        def jvp(v: Tensor) -> Tensor:
+            vs = [c.view(s) for c, s in zip(v.split(numels), shapes)]
+            t = None
+            for step, ctx in chain:
+                t = step.tangent(ctx, t, vs)
+            return torch.zeros_like(z) if t is None else t
+
+        def ggn_vp(v: Tensor) -> Tensor:
+            with torch.no_grad():
+                hjv = loss.hvp(z, targets, jvp(v))  # v -> J v -> H J v
+            with torch.enable_grad():
+                (jthjv,) = torch.autograd.grad(outputs, leaf, hjv, retain_graph=True)
+            return jthjv
+
+        return _Linearization(value.detach(), grad, ggn_vp)
+
+
+def _select_engine(fmodel: _FunctionalModel, engine: str) -> _Linearize:
+    """The ``_linearize`` implementation for ``engine`` (one of :data:`ENGINES`)."""
+    if engine not in ENGINES:
+        raise ValueError(f"invalid engine={engine!r}: must be one of {ENGINES}")
+    if engine == "functional":
+        return _linearize
+    return _LayerwiseEngine(fmodel, strict=engine == "fast")
+
+
+def _curvature_subset(linearize: _Linearize, fraction: float, seed: int = 0) -> _Linearize:
+    """Loss and gradient on the whole batch, ``G v`` on a random ``fraction`` of it.
+
+    The subset is redrawn every step from a private generator (the global random state is not
+    touched). ``G`` is scaled to estimate the whole batch's: with ``reduction="mean"`` the
+    subset's mean already does; with ``"sum"`` it is multiplied by ``N / m``.
+    """
+    generator = torch.Generator().manual_seed(seed)
+
+    def subset_linearize(fmodel, loss, flat, inputs, targets, buffers_out=None):
+        full = linearize(fmodel, loss, flat, inputs, targets, buffers_out)
+        xs = inputs if isinstance(inputs, tuple) else (inputs,)
+        n = xs[0].shape[0]
+        m = max(1, int(round(fraction * n)))
+        if m >= n:
+            return full
+        idx = torch.randperm(n, generator=generator)[:m].sort().values.to(xs[0].device)
+        sub_inputs = tuple(x[idx] for x in xs)
+        sub = linearize(
+            fmodel, loss, flat, sub_inputs if isinstance(inputs, tuple) else sub_inputs[0],
+            targets[idx],
+        )  # fmt: skip
+        scale = n / m if getattr(loss, "reduction", "mean") == "sum" else 1.0
+        if scale == 1.0:
+            return _Linearization(full.loss, full.grad, sub.ggn_vp)
+        return _Linearization(full.loss, full.grad, lambda v: sub.ggn_vp(v) * scale)
+
+    return subset_linearize

@@ -1,0 +1,250 @@
+"""The fast layer-wise engine against the functional engine and the dense reference."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from cases import MODELS, dense_ggn
+from torch_sgn import GGN, SGN
+from torch_sgn.engine import _LayerwiseEngine, _plan, _Unsupported
+from torch_sgn.ggn import _FunctionalModel
+from torch_sgn.losses import resolve_loss
+from torch_sgn.models import PRESETS
+
+D = torch.float64
+
+
+def _batch(model, in_shape, n, kind, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((n, *in_shape), generator=g, dtype=D)
+    with torch.no_grad():
+        out = model(x)
+    if kind == "index":
+        return x, torch.randint(0, out.shape[1], (n, *out.shape[2:]), generator=g)
+    return x, torch.randn(out.shape, generator=g, dtype=D)
+
+
+def _assert_engines_agree(model, loss, x, y, n_vectors=2):
+    fast = GGN(model, loss, x, y, engine="fast")
+    ref = GGN(model, loss, x, y, engine="functional")
+    torch.testing.assert_close(fast.loss, ref.loss, rtol=1e-12, atol=0)
+    torch.testing.assert_close(fast.gradient, ref.gradient, rtol=1e-10, atol=1e-12)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(n_vectors):
+        v = torch.randn(fast.shape[0], generator=g, dtype=D)
+        torch.testing.assert_close(fast @ v, ref @ v, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_fast_engine_matches_functional_on_paper_models(name):
+    p = PRESETS[name]
+    model = p.build().to(D)
+    x, y = _batch(model, p.input_shape, 6, "index" if p.loss == "cross_entropy" else "real")
+    _assert_engines_agree(model, p.loss, x, y)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_sgn_picks_the_fast_engine_for_paper_models(name):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = SGN(PRESETS[name].build(), PRESETS[name].loss)
+    assert isinstance(opt._linearize, _LayerwiseEngine) and opt._linearize._steps is not None
+
+
+@pytest.mark.parametrize("case", MODELS, ids=[m.name for m in MODELS])
+def test_shared_case_models_are_planned(case):
+    _plan(_FunctionalModel(case.build()))  # so the engine-parametrized core tests run it
+
+
+def _zoo():
+    """(name, model, input shape, target kind): every supported layer type at least once."""
+    acts = [
+        nn.Sigmoid(), nn.Tanh(), nn.ReLU(), nn.LeakyReLU(0.1), nn.ELU(0.7), nn.Hardtanh(-0.5, 0.5),
+        nn.ReLU6(), nn.Softplus(beta=2.0), nn.GELU(), nn.GELU("tanh"), nn.SiLU(), nn.Mish(),
+        nn.Softsign(), nn.LogSigmoid(), nn.Tanhshrink(), nn.Identity(),
+    ]  # fmt: skip
+    mlp = nn.Sequential(nn.Linear(3, 6))
+    for a in acts:
+        mlp.append(a)
+        mlp.append(nn.Linear(6, 6, bias=len(mlp) % 4 == 1))
+    mlp.append(nn.Linear(6, 2))
+    conv1d = nn.Sequential(
+        nn.Conv1d(2, 4, 3, stride=2, padding=1, padding_mode="circular"),
+        nn.ReLU(inplace=True),
+        nn.MaxPool1d(2, ceil_mode=True),
+        nn.Conv1d(4, 4, 2, dilation=2, groups=2),
+        nn.AvgPool1d(2),
+        nn.Flatten(),
+        nn.Dropout(0.5),
+        nn.Linear(4, 3),
+    )
+    conv2d = nn.Sequential(
+        nn.Conv2d(1, 3, 3, padding=1),
+        nn.Tanh(),
+        nn.MaxPool2d(3, stride=2, padding=1),
+        nn.Sequential(nn.Conv2d(3, 2, 2, bias=False), nn.Sigmoid()),
+        nn.AdaptiveAvgPool2d(2),
+        nn.Flatten(),
+        nn.Unflatten(1, (2, 4)),
+        nn.Flatten(),
+        nn.Linear(8, 3),
+    )
+    conv3d = nn.Sequential(
+        nn.Conv3d(1, 2, 2), nn.ELU(), nn.MaxPool3d(2), nn.AvgPool3d(1), nn.AdaptiveAvgPool3d(1),
+        nn.Flatten(), nn.Linear(2, 2),
+    )  # fmt: skip
+    return [
+        ("mlp-all-activations", mlp, (3,), "real"),
+        ("conv1d-pool-dropout", conv1d.eval(), (2, 16), "index"),
+        ("conv2d-nested", conv2d, (1, 7, 7), "index"),
+        ("conv3d", conv3d, (1, 5, 5, 5), "real"),
+        ("bare-linear", nn.Linear(4, 2), (4,), "real"),
+    ]
+
+
+@pytest.mark.parametrize("name,model,in_shape,kind", _zoo(), ids=[z[0] for z in _zoo()])
+def test_fast_engine_matches_dense_reference_on_every_layer_type(name, model, in_shape, kind):
+    torch.manual_seed(0)
+    model = model.to(D)
+    x, y = _batch(model, in_shape, 5, kind)
+    loss = "cross_entropy" if kind == "index" else "mse"
+    G_ref, g_ref, _ = dense_ggn(model, loss, x, y)
+    G = GGN(model, loss, x, y, engine="fast")
+    torch.testing.assert_close(G.gradient, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(G.to_dense(), G_ref, rtol=1e-9, atol=1e-11)
+
+
+def test_frozen_and_tied_parameters():
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), shared, nn.Tanh(), shared, nn.Linear(4, 2))
+    model = model.to(D)
+    model[0].bias.requires_grad_(False)
+    model[5].weight.requires_grad_(False)
+    x, y = _batch(model, (3,), 5, "real")
+    G_ref, g_ref, _ = dense_ggn(model, "mse", x, y)
+    G = GGN(model, "mse", x, y, engine="fast")
+    torch.testing.assert_close(G.gradient, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(G.to_dense(), G_ref, rtol=1e-9, atol=1e-11)
+
+
+class _Custom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.lin(x).tanh()
+
+
+class _OwnForward(nn.Sequential):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def _hooked():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    model[1].register_forward_hook(lambda m, i, o: o * 3)
+    return model
+
+
+@pytest.mark.parametrize(
+    "build,why",
+    [
+        (lambda: nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)), "BatchNorm"),
+        (_Custom, "not an nn.Sequential"),
+        (lambda: _OwnForward(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)), "overrides"),
+        (_hooked, "hooks"),
+        (lambda: nn.Sequential(nn.Linear(3, 4), nn.PReLU(), nn.Linear(4, 2)), "PReLU"),
+    ],
+    ids=["batchnorm", "custom-module", "custom-forward", "hooks", "unknown-layer"],
+)
+def test_unsupported_models_fall_back_with_one_warning_and_stay_exact(build, why):
+    torch.manual_seed(0)
+    model = build().to(D)
+    x, y = _batch(model, (3,), 8, "real")
+    with pytest.raises(ValueError, match=why):
+        SGN(model, "mse", engine="fast")
+    with pytest.warns(UserWarning, match=why) as record:
+        auto = SGN(copy.deepcopy(model), "mse", engine="auto", cg_iters=3)
+        for _ in range(3):
+            auto.step(x, y)
+    assert len([r for r in record if "functional engine" in str(r.message)]) == 1
+    ref = SGN(model, "mse", engine="functional", cg_iters=3)
+    for _ in range(3):
+        ref.step(x, y)
+    for p, q in zip(auto._fmodel.params, ref._fmodel.params):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+
+
+def test_model_changed_after_construction_is_planned_again():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
+    x, y = _batch(model, (3,), 8, "real")
+    opt = SGN(model, "mse", engine="auto")
+    opt.step(x, y)
+    model[1].register_forward_hook(lambda m, i, o: o * 0)  # kills the gradient of model[0]
+    with pytest.warns(UserWarning, match="hooks"):
+        lin = opt._linearize(opt._fmodel, opt._loss, opt._fmodel.flat(), x, y)
+    assert lin.grad[: 3 * 4 + 4].abs().max() == 0
+
+
+def test_training_mode_dropout_matches_functional_engine_and_random_state():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.5), nn.Tanh(), nn.Linear(8, 2)).to(D)
+    x, y = _batch(model, (3,), 16, "real")
+    twin = copy.deepcopy(model)
+    states = []
+    for m, engine in ((model, "fast"), (twin, "functional")):
+        torch.manual_seed(3)
+        opt = SGN(m, "mse", engine=engine, cg_iters=5)
+        infos = [opt.step(x, y) for _ in range(3)]
+        states.append(torch.get_rng_state())
+    torch.testing.assert_close(dict(model.named_parameters()), dict(twin.named_parameters()))
+    assert torch.equal(states[0], states[1])
+    assert infos[-1].loss_after < infos[0].loss
+
+
+def test_eval_mode_dropout_is_the_identity():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.5), nn.Tanh(), nn.Linear(8, 2)).to(D)
+    model.eval()
+    x, y = _batch(model, (3,), 6, "real")
+    G_ref, _, _ = dense_ggn(model, "mse", x, y)
+    torch.testing.assert_close(GGN(model, "mse", x, y, engine="fast").to_dense(), G_ref)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("engine", ["fast", "functional"])
+def test_curvature_subset_is_the_scaled_ggn_of_a_seeded_subset(reduction, engine):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Sigmoid(), nn.Linear(5, 4)).to(D)
+    x, y = _batch(model, (3,), 20, "index")
+    loss = nn.CrossEntropyLoss(reduction=reduction)
+    opt = SGN(model, loss, engine=engine, curvature_fraction=0.25)
+    lin = opt._linearize(opt._fmodel, resolve_loss(loss), opt._fmodel.flat(), x, y)
+    idx = torch.randperm(20, generator=torch.Generator().manual_seed(0))[:5].sort().values
+    G_sub, _, _ = dense_ggn(model, loss, x[idx], y[idx])
+    _, g_full, _ = dense_ggn(model, loss, x, y)
+    scale = 4.0 if reduction == "sum" else 1.0
+    v = torch.randn(G_sub.shape[0], dtype=D)
+    torch.testing.assert_close(lin.ggn_vp(v), scale * G_sub @ v, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(lin.grad, g_full, rtol=1e-10, atol=1e-12)
+
+
+def test_engine_arguments_are_checked():
+    model = nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="invalid engine"):
+        SGN(model, "mse", engine="jit")
+    with pytest.raises(ValueError, match="invalid curvature_fraction"):
+        SGN(model, "mse", curvature_fraction=0.0)
+    with pytest.raises(ValueError, match="invalid engine"):
+        GGN(model, "mse", torch.ones(2, 2), torch.ones(2, 1), engine="jit")
+
+
+def test_unsupported_exception_is_internal():
+    with pytest.raises(_Unsupported):
+        _plan(_FunctionalModel(_Custom()))
