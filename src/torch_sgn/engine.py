@@ -53,6 +53,21 @@ class _Step:
     def tangent(self, ctx: object, t: Optional[Tensor], vs: Sequence[Tensor]) -> Optional[Tensor]:
         raise NotImplementedError
 
+    #: whether :meth:`cotangent` is implemented (else products go through autograd)
+    by_hand = True
+
+    def cotangent(
+        self, ctx: object, u: Tensor, grads: List[Optional[Tensor]], need_input: bool
+    ) -> Optional[Tensor]:
+        """``J^T u`` for this layer: accumulates parameter cotangents into ``grads`` (by slot)
+        and returns the input's cotangent (``None`` when ``need_input`` is false)."""
+        raise NotImplementedError
+
+
+def _accumulate(grads: List[Optional[Tensor]], slot: _Slot, g: Tensor) -> None:
+    if isinstance(slot, int):  # frozen or absent parameters take no cotangent
+        grads[slot] = g if grads[slot] is None else grads[slot] + g  # tied weights add up
+
 
 def _get(slot: _Slot, values: Sequence[Tensor]) -> Optional[Tensor]:
     return values[slot] if isinstance(slot, int) else slot
@@ -72,6 +87,7 @@ class _Affine(_Step):
             self.op = F.linear
         else:
             self.op = module._conv_forward  # handles padding modes
+            self.by_hand = False
         self.bias_shape = (
             (-1,) if isinstance(module, nn.Linear) else (-1,) + (1,) * (len(module.kernel_size))
         )
@@ -93,6 +109,13 @@ class _Affine(_Step):
             wt = self.op(t, w, None)  # W t
             out = wt if out is None else out + wt
         return out
+
+    def cotangent(self, ctx, u, grads, need_input):  # nn.Linear: z = a W^T + b
+        a, w = ctx
+        u2 = u.reshape(-1, u.shape[-1])
+        _accumulate(grads, self.weight, u2.T @ a.reshape(-1, a.shape[-1]))
+        _accumulate(grads, self.bias, u2.sum(0))
+        return u @ w if need_input else None
 
 
 class _Elementwise(_Step):
@@ -116,9 +139,14 @@ class _Elementwise(_Step):
     def tangent(self, d, t, vs):
         return None if t is None else t * d
 
+    def cotangent(self, d, u, grads, need_input):
+        return u * d if need_input else None
+
 
 class _MaxPool(_Step):
     """Max pooling: the tangent is gathered at the stored argmax indices."""
+
+    by_hand = False
 
     def __init__(self, module: nn.Module, dims: int):
         self.module = module
@@ -143,12 +171,16 @@ class _Linear(_Step):
 
     def __init__(self, module: nn.Module):
         self.module = module
+        self.by_hand = isinstance(module, (nn.Flatten, nn.Unflatten, nn.Identity))
 
     def forward(self, a, params):
-        return self.module(a), None
+        return self.module(a), a.shape
 
     def tangent(self, ctx, t, vs):
         return None if t is None else self.module(t)
+
+    def cotangent(self, shape, u, grads, need_input):  # a reshape: its adjoint reshapes back
+        return u.reshape(shape) if need_input else None
 
 
 class _Dropout(_Step):
@@ -169,6 +201,11 @@ class _Dropout(_Step):
 
     def tangent(self, mask, t, vs):
         return t if mask is None or t is None else t * mask
+
+    def cotangent(self, mask, u, grads, need_input):
+        if not need_input:
+            return None
+        return u if mask is None else u * mask
 
 
 def _d_relu(z: Tensor, y: Tensor) -> Tensor:
@@ -338,40 +375,85 @@ class _LayerwiseEngine:
                 inputs = inputs[0]
         if steps is None:
             return _linearize(fmodel, loss, flat, inputs, targets, buffers_out)
-        shapes, numels = fmodel.shapes, fmodel.numels
-        leaf = flat.detach().requires_grad_(True)
-        ctxs = []
+        if all(step.by_hand for step in steps):
+            return _by_hand(steps, fmodel, loss, flat, inputs, targets)
+        return _through_autograd(steps, fmodel, loss, flat, inputs, targets)
+
+
+def _output_loss(loss: OutputLoss, outputs: Tensor, targets: Tensor) -> Tuple[Tensor, Tensor]:
+    """The loss and its gradient with respect to the outputs (autograd in output space)."""
+    loss.check_targets(outputs, targets)
+    with torch.enable_grad():
+        z = outputs.detach().requires_grad_(True)
+        value = loss.value(z, targets)
+        (dz,) = torch.autograd.grad(value, z)
+    return value.detach(), dz
+
+
+def _record(steps, fmodel, flat, inputs, grad_mode: bool):
+    """One forward pass through the chain; returns the outputs and each layer's context."""
+    params = [c.view(s) for c, s in zip(flat.split(fmodel.numels), fmodel.shapes)]
+    ctxs = []
+    with torch.set_grad_enabled(grad_mode), fmodel._replay_rng():
+        h = inputs
+        for step in steps:
+            h, ctx = step.forward(h, params)
+            ctxs.append(ctx)
+    return h, list(zip(steps, ctxs))
+
+
+def _jvp(chain, fmodel, v: Tensor, like: Tensor) -> Tensor:
+    """``J v``: tangents forward through the recorded chain."""
+    vs = [c.view(s) for c, s in zip(v.split(fmodel.numels), fmodel.shapes)]
+    t = None
+    for step, ctx in chain:
+        t = step.tangent(ctx, t, vs)
+    return torch.zeros_like(like) if t is None else t
+
+
+def _through_autograd(steps, fmodel, loss, flat, inputs, targets) -> _Linearization:
+    """Tangents by hand, cotangents through the autograd graph of the recorded forward pass."""
+    leaf = flat.detach().requires_grad_(True)
+    outputs, chain = _record(steps, fmodel, leaf, inputs, grad_mode=True)
+    value, dz = _output_loss(loss, outputs, targets)
+    with torch.enable_grad():
+        (grad,) = torch.autograd.grad(outputs, leaf, dz, retain_graph=True)
+    z = outputs.detach()
+
+    def ggn_vp(v: Tensor) -> Tensor:
+        with torch.no_grad():
+            hjv = loss.hvp(z, targets, _jvp(chain, fmodel, v, z))  # v -> J v -> H J v
         with torch.enable_grad():
-            with fmodel._replay_rng():
-                params = [c.view(s) for c, s in zip(leaf.split(numels), shapes)]
-                h = inputs
-                for step in steps:
-                    h, ctx = step.forward(h, params)
-                    ctxs.append(ctx)
-            outputs = h
-            loss.check_targets(outputs, targets)
-            z = outputs.detach().requires_grad_(True)
-            value = loss.value(z, targets)
-            (dz,) = torch.autograd.grad(value, z)
-            (grad,) = torch.autograd.grad(outputs, leaf, dz, retain_graph=True)
-        z = z.detach()
-        chain = list(zip(steps, ctxs))
+            (jthjv,) = torch.autograd.grad(outputs, leaf, hjv, retain_graph=True)
+        return jthjv
 
-        def jvp(v: Tensor) -> Tensor:
-            vs = [c.view(s) for c, s in zip(v.split(numels), shapes)]
-            t = None
-            for step, ctx in chain:
-                t = step.tangent(ctx, t, vs)
-            return torch.zeros_like(z) if t is None else t
+    return _Linearization(value, grad, ggn_vp)
 
-        def ggn_vp(v: Tensor) -> Tensor:
-            with torch.no_grad():
-                hjv = loss.hvp(z, targets, jvp(v))  # v -> J v -> H J v
-            with torch.enable_grad():
-                (jthjv,) = torch.autograd.grad(outputs, leaf, hjv, retain_graph=True)
-            return jthjv
 
-        return _Linearization(value.detach(), grad, ggn_vp)
+def _by_hand(steps, fmodel, loss, flat, inputs, targets) -> _Linearization:
+    """Tangents and cotangents by hand: no autograd graph is recorded or kept.
+
+    For chains of linear layers, elementwise activations, dropout and reshapes (the paper's
+    MLPs), where a small model's products are dominated by the autograd engine's fixed cost.
+    """
+    outputs, chain = _record(steps, fmodel, flat.detach(), inputs, grad_mode=False)
+    value, dz = _output_loss(loss, outputs, targets)
+    z = outputs
+
+    def vjp(u: Tensor) -> Tensor:  # J^T u, layer by layer from the output
+        grads: List[Optional[Tensor]] = [None] * len(fmodel.params)
+        for i in range(len(chain) - 1, -1, -1):
+            step, ctx = chain[i]
+            u = step.cotangent(ctx, u, grads, need_input=i > 0)
+        return torch.cat([g.reshape(-1) for g in grads])
+
+    def ggn_vp(v: Tensor) -> Tensor:
+        with torch.no_grad():
+            return vjp(loss.hvp(z, targets, _jvp(chain, fmodel, v, z)))  # J^T H J v
+
+    with torch.no_grad():
+        grad = vjp(dz)
+    return _Linearization(value, grad, ggn_vp)
 
 
 def _select_engine(fmodel: _FunctionalModel, engine: str) -> _Linearize:
