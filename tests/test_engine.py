@@ -248,3 +248,14 @@ def test_engine_arguments_are_checked():
 def test_unsupported_exception_is_internal():
     with pytest.raises(_Unsupported):
         _plan(_FunctionalModel(_Custom()))
+
+
+def test_frozen_first_layer_takes_no_cotangent_but_later_layers_do():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(6, 4), nn.Sigmoid(), nn.Linear(4, 3)).to(D)
+    model[1].requires_grad_(False)
+    x, y = _batch(model, (2, 3), 5, "index")
+    G_ref, g_ref, _ = dense_ggn(model, "cross_entropy", x, y)
+    G = GGN(model, "cross_entropy", x, y, engine="fast")
+    torch.testing.assert_close(G.gradient, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(G.to_dense(), G_ref, rtol=1e-9, atol=1e-11)

@@ -55,6 +55,8 @@ class _Step:
 
     #: whether :meth:`cotangent` is implemented (else products go through autograd)
     by_hand = True
+    #: whether the layer has trainable parameters
+    trainable = False
 
     def cotangent(
         self, ctx: object, u: Tensor, grads: List[Optional[Tensor]], need_input: bool
@@ -83,6 +85,7 @@ class _Affine(_Step):
     def __init__(self, module: nn.Module, slots: Tuple[_Slot, _Slot]):
         self.module = module
         self.weight, self.bias = slots
+        self.trainable = any(isinstance(slot, int) for slot in slots)
         if isinstance(module, nn.Linear):
             self.op = F.linear
         else:
@@ -392,9 +395,9 @@ def _output_loss(loss: OutputLoss, outputs: Tensor, targets: Tensor) -> Tuple[Te
 
 def _record(steps, fmodel, flat, inputs, grad_mode: bool):
     """One forward pass through the chain; returns the outputs and each layer's context."""
-    params = [c.view(s) for c, s in zip(flat.split(fmodel.numels), fmodel.shapes)]
     ctxs = []
     with torch.set_grad_enabled(grad_mode), fmodel._replay_rng():
+        params = [c.view(s) for c, s in zip(flat.split(fmodel.numels), fmodel.shapes)]
         h = inputs
         for step in steps:
             h, ctx = step.forward(h, params)
@@ -439,12 +442,14 @@ def _by_hand(steps, fmodel, loss, flat, inputs, targets) -> _Linearization:
     outputs, chain = _record(steps, fmodel, flat.detach(), inputs, grad_mode=False)
     value, dz = _output_loss(loss, outputs, targets)
     z = outputs
+    # Layers before the first one with trainable parameters need no cotangent at all.
+    first = min(i for i, step in enumerate(steps) if step.trainable)
 
     def vjp(u: Tensor) -> Tensor:  # J^T u, layer by layer from the output
         grads: List[Optional[Tensor]] = [None] * len(fmodel.params)
-        for i in range(len(chain) - 1, -1, -1):
+        for i in range(len(chain) - 1, first - 1, -1):
             step, ctx = chain[i]
-            u = step.cotangent(ctx, u, grads, need_input=i > 0)
+            u = step.cotangent(ctx, u, grads, need_input=i > first)
         return torch.cat([g.reshape(-1) for g in grads])
 
     def ggn_vp(v: Tensor) -> Tensor:
