@@ -137,6 +137,19 @@ def test_trust_region_raises_damping_after_a_bad_prediction():
     assert opt.step(x, y).damping == info.next_damping
 
 
+def test_damping_stays_finite_once_the_batch_is_solved():
+    # Repeating one batch drives the gradient to rounding level; the predicted change is then
+    # noise, and reading it as a failed prediction would raise the damping until it overflows.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 64), nn.Tanh(), nn.Linear(64, 1))  # can interpolate
+    x, y = torch.randn(20, 3), torch.randn(20, 1)
+    opt = SGN(model, "mse", cg_iters=5, line_search=False)
+    infos = [opt.step(x, y) for _ in range(300)]
+    assert infos[-1].loss < 1e-6 * infos[0].loss  # solved to rounding level
+    assert all(math.isfinite(i.damping) and i.damping < 1.0 for i in infos)
+    assert infos[-1].cg_stop != "non_finite"
+
+
 @pytest.mark.parametrize("schedule", ["linear", "cosine"])
 def test_damping_schedule_drives_the_damping_without_trust_region(schedule):
     from torch_sgn.damping import scheduled_damping

@@ -323,8 +323,9 @@ class SGN(torch.optim.Optimizer):
             ratio = None
             next_damping = damping
             if group["trust_region"]:
-                ratio = (loss_full - loss0) / predicted if predicted < 0 else math.nan
-                next_damping = trust_region_update(damping, ratio, group["damping_min"])
+                ratio, next_damping = self._trust_region(
+                    damping, loss0, loss_full, predicted, cg, theta.dtype
+                )
             search = LineSearchResult(1.0, loss_full, 1, math.isfinite(loss_full))
             if group["line_search"] and moved:
                 search = backtracking(
@@ -375,6 +376,28 @@ class SGN(torch.optim.Optimizer):
             group["damping_schedule"], group["damping"], group["damping_min"], t,
             group["damping_decay_steps"],
         )  # fmt: skip
+
+    def _trust_region(
+        self,
+        damping: float,
+        loss0: float,
+        loss_full: float,
+        predicted: float,
+        cg: CGResult,
+        dtype: torch.dtype,
+    ) -> tuple[float, float]:
+        """The trust-region ratio and the next damping.
+
+        A predicted change within rounding of the loss (at a minimum, or with a vanishing
+        gradient) says nothing about the model's quality: the damping is then kept, where the
+        plain rule would read the rounding noise as a failed prediction and raise the damping
+        step after step until it overflows.
+        """
+        noise = 100 * torch.finfo(dtype).eps * max(abs(loss0), torch.finfo(dtype).tiny)
+        if abs(predicted) <= noise and not cg.breakdown and math.isfinite(loss_full):
+            return math.nan, damping
+        ratio = (loss_full - loss0) / predicted if predicted < 0 else math.nan
+        return ratio, trust_region_update(damping, ratio, self.param_groups[0]["damping_min"])
 
     def _momentum(self, grad: Tensor, state: dict, t: int) -> tuple[Tensor, Optional[Tensor]]:
         """The CG right-hand side ``m_hat`` and the new moving average (None without momentum)."""
