@@ -145,6 +145,8 @@ class SGN(torch.optim.Optimizer):
         The predicted change is the damped quadratic model
         :math:`g^\top s + \tfrac12 s^\top (G + \rho I) s`, with ``g`` the gradient; with
         ``momentum=0`` this is the original's :math:`\tfrac12 (r + g)^\top d`.
+        When that predicted change is within rounding of the loss, the damping is kept rather
+        than raised (the original's rule would raise it every step once a batch is solved).
 
     .. note::
         A step is atomic: if it raises (non-finite loss or gradient, bad targets), the
