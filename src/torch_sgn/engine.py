@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ggn import Inputs, _FunctionalModel, _Linearization, _linearize
+from .ggn import Inputs, _FunctionalModel, _Linearization, _linearize, _output_loss
 from .losses import OutputLoss
 
 ENGINES = ("auto", "fast", "functional")
@@ -381,16 +381,6 @@ class _LayerwiseEngine:
         if all(step.by_hand for step in steps):
             return _by_hand(steps, fmodel, loss, flat, inputs, targets)
         return _through_autograd(steps, fmodel, loss, flat, inputs, targets)
-
-
-def _output_loss(loss: OutputLoss, outputs: Tensor, targets: Tensor) -> Tuple[Tensor, Tensor]:
-    """The loss and its gradient with respect to the outputs (autograd in output space)."""
-    loss.check_targets(outputs, targets)
-    with torch.enable_grad():
-        z = outputs.detach().requires_grad_(True)
-        value = loss.value(z, targets)
-        (dz,) = torch.autograd.grad(value, z)
-    return value.detach(), dz
 
 
 def _record(steps, fmodel, flat, inputs, grad_mode: bool):

@@ -210,12 +210,9 @@ def _linearize(
     leaf = flat.detach().requires_grad_(True)
     with torch.enable_grad():
         outputs = fmodel(leaf, inputs, buffers_out=buffers_out)
-        loss.check_targets(outputs, targets)
-        z = outputs.detach().requires_grad_(True)
-        value = loss.value(z, targets)
-        (dz,) = torch.autograd.grad(value, z)
+        value, dz = _output_loss(loss, outputs, targets)
         (grad,) = torch.autograd.grad(outputs, leaf, dz, retain_graph=True)
-    z = z.detach()
+    z = outputs.detach()
     base = flat.detach()
 
     def jvp(v: Tensor) -> Tensor:
@@ -227,7 +224,17 @@ def _linearize(
             (jthjv,) = torch.autograd.grad(outputs, leaf, hjv, retain_graph=True)  # -> J^T H J v
         return jthjv
 
-    return _Linearization(value.detach(), grad, ggn_vp)
+    return _Linearization(value, grad, ggn_vp)
+
+
+def _output_loss(loss: OutputLoss, outputs: Tensor, targets: Tensor) -> Tuple[Tensor, Tensor]:
+    """The loss and its gradient with respect to the outputs (autograd in output space)."""
+    loss.check_targets(outputs, targets)
+    with torch.enable_grad():
+        z = outputs.detach().requires_grad_(True)
+        value = loss.value(z, targets)
+        (dz,) = torch.autograd.grad(value, z)
+    return value.detach(), dz
 
 
 class GGN:
