@@ -88,32 +88,31 @@ def conjugate_gradient(
             return CGResult(torch.zeros_like(b), -b, 0, "non_finite")
     z = r if preconditioner is None else preconditioner * r
     p = -z
-    rz = torch.dot(r, z)
-    r_max, rz_f = _to_floats(r.abs().max() if r.numel() else r.new_zeros(()), rz)
+    r_max, rz = _to_floats(r.abs().max() if r.numel() else r.new_zeros(()), torch.dot(r, z))
     if r_max <= tol:
         return CGResult(x, r, 0, "converged")
+    # The step lengths are host floats (each is tested on the host anyway): one fused
+    # ``add(..., alpha=)`` per update.
     for k in range(max_iters):
-        if not _finite(rz_f):
+        if not _finite(rz):
             return CGResult(x, r, k, "non_finite")
         ap = matvec(p)
-        curvature = torch.dot(p, ap)
-        curvature_f = float(curvature)  # host sync: the tests below decide the control flow
-        if not _finite(curvature_f):
+        curvature = torch.dot(p, ap).item()  # host sync: the tests below decide the control flow
+        if not _finite(curvature):
             return CGResult(x, r, k, "non_finite")
-        if curvature_f <= 0.0:
+        if curvature <= 0.0:
             return CGResult(x, r, k, "non_positive_curvature")
         alpha = rz / curvature
-        x_next = x + alpha * p
-        r_next = r + alpha * ap
+        x_next = x.add(p, alpha=alpha)
+        r_next = r.add(ap, alpha=alpha)
         z = r_next if preconditioner is None else preconditioner * r_next
-        rz_next = torch.dot(r_next, z)
-        r_max, rz_f = _to_floats(r_next.abs().max(), rz_next)
+        r_max, rz_next = _to_floats(r_next.abs().max(), torch.dot(r_next, z))
         if not _finite(r_max):
             return CGResult(x, r, k, "non_finite")
         x, r = x_next, r_next
         if r_max <= tol:
             return CGResult(x, r, k + 1, "converged")
-        p = -z + (rz_next / rz) * p
+        p = p.mul(rz_next / rz).sub_(z)
         rz = rz_next
     return CGResult(x, r, max_iters, "max_iters")
 
