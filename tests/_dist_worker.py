@@ -146,6 +146,14 @@ def consistency_checks(rank: int) -> dict:
     except (RuntimeError, ValueError) as e:
         errors["local"] = f"{type(e).__name__}: {e}"
     errors["local_unchanged"] = torch.equal(flat(model), before)
+    bad = x.clone()
+    if rank == 1:
+        bad[0, 0] = float("nan")  # reaches the reduced loss, so every rank raises at once
+    try:
+        opt.step(bad, y)
+    except (FloatingPointError, ValueError) as e:
+        errors["nan"] = f"{type(e).__name__}: {e}"
+    errors["nan_unchanged"] = torch.equal(flat(model), before)
     opt.step(x, y)  # and the ranks go on together
     errors["after"] = flat(model)
     return errors

@@ -106,6 +106,10 @@ def test_disagreeing_or_failing_ranks_raise_on_every_rank(equivalence):
         assert e["checks"]["local_unchanged"]
     assert equivalence[1]["checks"]["local"].startswith("ValueError: mse expects targets")
     assert "1 other rank(s) of 2 failed" in equivalence[0]["checks"]["local"]
+    for e in equivalence:
+        assert e["checks"]["nan_unchanged"]
+    assert equivalence[1]["checks"]["nan"].startswith("ValueError: inputs contain NaN")
+    assert equivalence[0]["checks"]["nan"].startswith("FloatingPointError: the loss is nan")
     assert torch.equal(equivalence[0]["checks"]["after"], equivalence[1]["checks"]["after"])
 
 

@@ -117,6 +117,35 @@ def test_fast_engine_matches_dense_reference_on_every_layer_type(name, model, in
     torch.testing.assert_close(G.to_dense(), G_ref, rtol=1e-9, atol=1e-11)
 
 
+def _trial_cases():
+    torch.manual_seed(0)
+    dropout = nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.5), nn.Tanh(), nn.Linear(8, 2))
+    return _zoo() + [("mlp-training-dropout", dropout, (3,), "real")]
+
+
+@pytest.mark.parametrize(
+    "name,model,in_shape,kind", _trial_cases(), ids=[z[0] for z in _trial_cases()]
+)
+def test_trial_point_loss_is_a_plain_forward_pass_with_the_steps_random_numbers(
+    name, model, in_shape, kind
+):
+    model = model.to(D)
+    x, y = _batch(model, in_shape, 7, kind)
+    loss = resolve_loss("cross_entropy" if kind == "index" else "mse")
+    fmodel = _FunctionalModel(model)
+    if model.training:
+        fmodel.freeze_rng()  # the functional forward passes below replay the step's masks
+    flat = fmodel.flat()
+    lin = _LayerwiseEngine(fmodel, strict=True)(fmodel, loss, flat, x, y)
+    assert lin.value_at is not None
+    torch.testing.assert_close(lin.value_at(flat), lin.loss, rtol=1e-12, atol=0)
+    g = torch.Generator().manual_seed(2)
+    for scale in (0.1, 1.0):
+        other = flat + scale * torch.randn(flat.shape, generator=g, dtype=D)
+        expected = loss.value(fmodel(other, x), y)
+        torch.testing.assert_close(lin.value_at(other), expected, rtol=1e-12, atol=1e-14)
+
+
 def test_frozen_and_tied_parameters():
     torch.manual_seed(0)
     shared = nn.Linear(4, 4)

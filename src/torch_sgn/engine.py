@@ -12,7 +12,8 @@ then per CG iteration only propagates
   also gave the gradient.
 
 So a product costs a tangent forward plus one backward pass, against a forward plus a backward
-for a gradient.
+for a gradient. The loss at the trust region's and line search's trial points is a plain
+forward pass through the same chain (no autograd, the recorded dropout masks).
 
 :func:`_select_engine` picks the implementation of the optimizer's ``_linearize`` interface:
 ``"fast"`` (this module; raises where it cannot apply), ``"functional"`` (any model) or
@@ -23,6 +24,7 @@ for a gradient.
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -51,6 +53,10 @@ class _Step:
         raise NotImplementedError
 
     def tangent(self, ctx: object, t: Optional[Tensor], vs: Sequence[Tensor]) -> Optional[Tensor]:
+        raise NotImplementedError
+
+    def value(self, ctx: object, a: Tensor, params: Sequence[Tensor]) -> Tensor:
+        """The layer's output at other parameters, with the recorded random numbers."""
         raise NotImplementedError
 
     #: whether :meth:`cotangent` is implemented (else products go through autograd)
@@ -100,6 +106,9 @@ class _Affine(_Step):
         z = self.op(a, w, _get(self.bias, params))
         return z, (a.detach(), w.detach())
 
+    def value(self, ctx, a, params):
+        return self.op(a, _get(self.weight, params), _get(self.bias, params))
+
     def tangent(self, ctx, t, vs):
         a, w = ctx
         dw, db = _tangent_of(self.weight, vs), _tangent_of(self.bias, vs)
@@ -142,6 +151,9 @@ class _Elementwise(_Step):
     def tangent(self, d, t, vs):
         return None if t is None else t * d
 
+    def value(self, d, z, params):
+        return self.fn(z)
+
     def cotangent(self, d, u, grads, need_input):
         return u * d if need_input else None
 
@@ -163,6 +175,9 @@ class _MaxPool(_Step):
         )  # fmt: skip
         return y, idx
 
+    def value(self, idx, a, params):
+        return self.module(a)
+
     def tangent(self, idx, t, vs):
         if t is None:
             return None
@@ -181,6 +196,9 @@ class _Linear(_Step):
 
     def tangent(self, ctx, t, vs):
         return None if t is None else self.module(t)
+
+    def value(self, ctx, a, params):
+        return self.module(a)
 
     def cotangent(self, shape, u, grads, need_input):  # a reshape: its adjoint reshapes back
         return u.reshape(shape) if need_input else None
@@ -204,6 +222,9 @@ class _Dropout(_Step):
 
     def tangent(self, mask, t, vs):
         return t if mask is None or t is None else t * mask
+
+    def value(self, mask, a, params):
+        return a if mask is None else a * mask
 
     def cotangent(self, mask, u, grads, need_input):
         if not need_input:
@@ -404,6 +425,21 @@ def _jvp(chain, fmodel, v: Tensor, like: Tensor) -> Tensor:
     return torch.zeros_like(like) if t is None else t
 
 
+def _value_at(chain, fmodel, loss, inputs, targets) -> Callable[[Tensor], Tensor]:
+    """``flat -> loss`` on the recorded batch: a plain forward pass through the chain, with the
+    recorded dropout masks; nothing is recorded."""
+
+    def value_at(flat: Tensor) -> Tensor:
+        with torch.no_grad():
+            params = [c.view(s) for c, s in zip(flat.split(fmodel.numels), fmodel.shapes)]
+            h = inputs
+            for step, ctx in chain:
+                h = step.value(ctx, h, params)
+            return loss.value(h, targets)
+
+    return value_at
+
+
 def _through_autograd(steps, fmodel, loss, flat, inputs, targets) -> _Linearization:
     """Tangents by hand, cotangents through the autograd graph of the recorded forward pass."""
     leaf = flat.detach().requires_grad_(True)
@@ -420,7 +456,7 @@ def _through_autograd(steps, fmodel, loss, flat, inputs, targets) -> _Linearizat
             (jthjv,) = torch.autograd.grad(outputs, leaf, hjv, retain_graph=True)
         return jthjv
 
-    return _Linearization(value, grad, ggn_vp)
+    return _Linearization(value, grad, ggn_vp, _value_at(chain, fmodel, loss, inputs, targets))
 
 
 def _by_hand(steps, fmodel, loss, flat, inputs, targets) -> _Linearization:
@@ -448,7 +484,7 @@ def _by_hand(steps, fmodel, loss, flat, inputs, targets) -> _Linearization:
 
     with torch.no_grad():
         grad = vjp(dz)
-    return _Linearization(value, grad, ggn_vp)
+    return _Linearization(value, grad, ggn_vp, _value_at(chain, fmodel, loss, inputs, targets))
 
 
 def _select_engine(fmodel: _FunctionalModel, engine: str) -> _Linearize:
@@ -484,7 +520,7 @@ def _curvature_subset(linearize: _Linearize, fraction: float, seed: int = 0) -> 
         )  # fmt: skip
         scale = n / m if getattr(loss, "reduction", "mean") == "sum" else 1.0
         if scale == 1.0:
-            return _Linearization(full.loss, full.grad, sub.ggn_vp)
-        return _Linearization(full.loss, full.grad, lambda v: sub.ggn_vp(v) * scale)
+            return replace(full, ggn_vp=sub.ggn_vp)
+        return replace(full, ggn_vp=lambda v: sub.ggn_vp(v) * scale)
 
     return subset_linearize

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Tuple, Union
+from typing import Callable, Iterator, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -179,17 +179,21 @@ class _Linearization:
     """The model and loss linearized at one point on one mini-batch.
 
     This is the interface between the optimizer and the curvature engine: everything SGN needs
-    from the model during a step except the loss at trial points.
+    from the model during a step.
 
     Attributes:
         loss: the loss at the point (detached scalar tensor).
         grad: its gradient, flat.
         ggn_vp: ``v -> G v`` for flat ``v``.
+        value_at: ``flat -> loss`` at other parameters on the same batch, with the same random
+            numbers (the trust region's and line search's trial points); ``None`` lets the
+            optimizer evaluate the model functionally.
     """
 
     loss: Tensor
     grad: Tensor
     ggn_vp: Callable[[Tensor], Tensor]
+    value_at: Optional[Callable[[Tensor], Tensor]] = None
 
 
 def _linearize(

@@ -293,8 +293,10 @@ class SGN(torch.optim.Optimizer):
             A :class:`StepInfo` describing the step.
 
         Raises:
-            ValueError: non-finite inputs or targets, or targets that do not fit the loss.
-            FloatingPointError: the loss or its gradient is not finite at the current point.
+            ValueError: inputs or targets with NaN or infinite values that reach the loss or
+                its gradient, or targets that do not fit the loss.
+            FloatingPointError: the loss or its gradient is not finite at the current point
+                on a finite batch.
         """
         group = self.param_groups[0]
         state = self._global_state()
@@ -306,7 +308,7 @@ class SGN(torch.optim.Optimizer):
             lin = self._comm.linearize(
                 t, self._linearize, self._fmodel, self._loss, theta, inputs, targets, buffers
             )
-            loss0 = _finite_loss(lin)
+            loss0 = _finite_loss(lin, inputs, targets)
             damping = self._damping(state, t)
             rhs, momentum_buffer = self._momentum(lin.grad, state, t)
             cg = self._solve(lin, rhs, damping, state, t)
@@ -314,7 +316,7 @@ class SGN(torch.optim.Optimizer):
             step = group["lr"] * direction
 
             def loss_at(a: float) -> float:
-                value = self._loss_at(theta + a * step, inputs, targets)
+                value = self._loss_at(lin, theta + a * step, inputs, targets)
                 logger.debug("  line search: a=%.4g loss=%.6g", a, value)
                 return value
 
@@ -438,7 +440,9 @@ class SGN(torch.optim.Optimizer):
             )  # fmt: skip
         return result
 
-    def _loss_at(self, flat: Tensor, inputs: Inputs, targets: Tensor) -> float:
+    def _loss_at(self, lin: _Linearization, flat: Tensor, inputs: Inputs, targets: Tensor) -> float:
+        if lin.value_at is not None:
+            return self._comm.loss_value(lin.value_at(flat))
         return self._comm.loss_value(self._loss.value(self._fmodel(flat, inputs), targets))
 
     def _write_grad(self, grad: Tensor) -> None:
@@ -468,15 +472,25 @@ def _predicted_change(grad: Tensor, rhs: Tensor, cg: CGResult, lr: float) -> flo
     return lr * g_d + 0.5 * lr * lr * curv
 
 
-def _finite_loss(lin: _Linearization) -> float:
+def _finite_loss(lin: _Linearization, inputs: Inputs, targets: Tensor) -> float:
+    """The loss as a float; raises unless the loss and the gradient are finite.
+
+    The batch is scanned for NaN and infinite values only then, to name the cause: a
+    non-finite entry that reaches the loss or the gradient is found without a pass over the
+    batch in every step (on a distributed step, every rank sees the reduced values, so all
+    raise together).
+    """
     loss = lin.loss.item()
+    finite = math.isfinite(loss) and bool(torch.isfinite(lin.grad).all())
+    if not finite:
+        _check_finite_batch(inputs, targets)
     if not math.isfinite(loss):
         raise FloatingPointError(
             f"the loss is {loss} at the current parameters on this batch; the parameters were "
             "not changed. Check the data and the model's output (e.g. lower the learning rate "
             "of an earlier optimizer, or raise `damping`)"
         )
-    if not bool(torch.isfinite(lin.grad).all()):
+    if not finite:
         raise FloatingPointError(
             "the gradient has non-finite entries at the current parameters; the parameters "
             "were not changed"
@@ -491,11 +505,16 @@ def _check_batch(inputs: Inputs, targets: Tensor) -> None:
             raise TypeError(
                 f"inputs must be a tensor or a tuple of tensors; item {i} is {type(x).__name__}"
             )
+    if not isinstance(targets, Tensor):
+        raise TypeError(f"targets must be a tensor, got {type(targets).__name__}")
+
+
+def _check_finite_batch(inputs: Inputs, targets: Tensor) -> None:
+    items = inputs if isinstance(inputs, tuple) else (inputs,)
+    for i, x in enumerate(items):
         if x.is_floating_point() and not _all_finite(x):
             where = "inputs" if not isinstance(inputs, tuple) else f"inputs[{i}]"
             raise ValueError(f"{where} contain NaN or infinite values; clean the batch first")
-    if not isinstance(targets, Tensor):
-        raise TypeError(f"targets must be a tensor, got {type(targets).__name__}")
     if targets.is_floating_point() and not _all_finite(targets):
         raise ValueError("targets contain NaN or infinite values; clean the batch first")
 
