@@ -70,9 +70,10 @@ def test_two_ranks_match_one_process_on_the_full_batch(equivalence, case):
     ranks = [e[case.name] for e in equivalence]
     expected = reference["final"]
     assert not torch.equal(expected, reference["before"])  # the steps moved the parameters
-    # 1e-10 is meaningful only if rounding alone moves one process's result far less than that.
+    # 1e-10 is meaningful only if rounding alone moves one process's result far less than that
+    # (up to 1.1e-11 was seen on a 16-core machine).
     reordered = run_case(case, reverse=True)["final"]
-    torch.testing.assert_close(reordered, expected, rtol=1e-11, atol=0)
+    torch.testing.assert_close(reordered, expected, rtol=3e-11, atol=0)
     for got in ranks:
         torch.testing.assert_close(got["final"], expected, rtol=1e-10, atol=0)
         for a, b in zip(got["infos"], reference["infos"]):

@@ -97,7 +97,8 @@ def test_one_preconditioned_cg_iteration_points_along_the_preconditioned_gradien
     assert cosine.item() == pytest.approx(1.0, abs=1e-12)
 
 
-def test_armijo_condition_holds_after_line_search():
+@pytest.mark.parametrize("c", [1e-4, 0.45])
+def test_armijo_condition_holds_after_line_search(c):
     model, x, y = make_batch(MODELS[0], LOSSES[2])
     expected_full, _, g = _exact_step(model, "cross_entropy", x, y, 1e-3)
     theta = _flat(model)
@@ -111,6 +112,7 @@ def test_armijo_condition_holds_after_line_search():
         cg_tol=0.0,
         lr=lr,
         trust_region=False,
+        ls_c=c,
     )
     info = opt.step(x, y)
     assert info.line_search_ok and info.step_size < lr and info.loss_evals > 1
@@ -121,8 +123,8 @@ def test_armijo_condition_holds_after_line_search():
         return F.cross_entropy(model(x), y).item()
 
     slope = float(g @ d)
-    assert loss_at(info.step_size) <= info.loss + 1e-4 * info.step_size * slope
-    assert loss_at(2 * info.step_size) > info.loss + 1e-4 * 2 * info.step_size * slope
+    assert loss_at(info.step_size) <= info.loss + c * info.step_size * slope
+    assert loss_at(2 * info.step_size) > info.loss + c * 2 * info.step_size * slope
     assert info.loss_after == pytest.approx(loss_at(info.step_size), rel=1e-10)
 
 

@@ -96,6 +96,17 @@ def test_run_writes_config_and_results(tmp_path, boston_data, optimizer):
         assert set(it) == {"loss", "lr"}
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("optimizer", ["sgn", "sgd"])
+def test_run_on_cuda_matches_cpu(tmp_path, optimizer):
+    # "cuda" names no index while the data lands on "cuda:0": the batch generator must agree.
+    res = {d: run(tiny(optimizer, device=d), tmp_path / d, quiet=True) for d in ("cpu", "cuda")}
+    assert res["cuda"]["status"] == "finished"
+    cpu, gpu = res["cpu"]["epochs"]["train_loss"], res["cuda"]["epochs"]["train_loss"]
+    assert gpu[-1] < gpu[0]
+    np.testing.assert_allclose(gpu, cpu, rtol=1e-3)  # float32 on both: rounding differs
+
+
 def test_sgn_warmup_uses_ten_cg_iterations_first(tmp_path, boston_data):
     cfg = dataclasses.replace(tiny(), sgn=SGNOptions(cg_iters=2), epochs=3)
     res = run(cfg, tmp_path, quiet=True, data=boston_data)

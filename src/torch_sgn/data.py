@@ -151,6 +151,13 @@ class Dataset:
         return batches(self.x_train, self.y_train, batch_size, generator)
 
 
+def _device(device: torch.device) -> torch.device:
+    """``device`` with its index made explicit (``cuda`` is the current CUDA device)."""
+    if device.index is None and device.type != "cpu":
+        return torch.empty(0, device=device).device
+    return device
+
+
 def batches(
     x: Tensor, y: Tensor, batch_size: int, generator: Optional[torch.Generator] = None
 ) -> Iterator[tuple[Tensor, Tensor]]:
@@ -184,7 +191,7 @@ def batches(
         raise ValueError(f"batch_size must be between 1 and the {n} examples, got {batch_size}")
     if y.device != x.device:
         raise ValueError(f"x is on {x.device} but y on {y.device}")
-    if generator is not None and generator.device != x.device:
+    if generator is not None and _device(generator.device) != _device(x.device):
         raise ValueError(
             f"generator is on {generator.device} but the data on {x.device}; "
             "create it with torch.Generator(device=x.device)"

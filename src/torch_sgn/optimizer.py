@@ -308,7 +308,7 @@ class SGN(torch.optim.Optimizer):
             lin = self._comm.linearize(
                 t, self._linearize, self._fmodel, self._loss, theta, inputs, targets, buffers
             )
-            loss0 = _finite_loss(lin, inputs, targets)
+            loss0, grad_norm = _finite_loss(lin, inputs, targets)
             damping = self._damping(state, t)
             rhs, momentum_buffer = self._momentum(lin.grad, state, t)
             cg = self._solve(lin, rhs, damping, state, t)
@@ -320,8 +320,8 @@ class SGN(torch.optim.Optimizer):
                 logger.debug("  line search: a=%.4g loss=%.6g", a, value)
                 return value
 
-            predicted = _predicted_change(lin.grad, rhs, cg, group["lr"])
-            moved = bool(direction.any())
+            solution = _Solution.of(lin.grad, rhs, cg, group["lr"])
+            predicted, moved = solution.predicted, solution.moved
             loss_full = loss_at(1.0) if moved else loss0
             evals = int(moved)
             ratio = None
@@ -333,7 +333,7 @@ class SGN(torch.optim.Optimizer):
             search = LineSearchResult(1.0, loss_full, 1, math.isfinite(loss_full))
             if group["line_search"] and moved:
                 search = backtracking(
-                    loss_at, loss0, torch.dot(rhs, step).item(), c=group["ls_c"],
+                    loss_at, loss0, solution.slope, c=group["ls_c"],
                     shrink=group["ls_shrink"], max_evals=group["ls_max_evals"], first=loss_full,
                 )  # fmt: skip
                 evals = search.evaluations
@@ -356,9 +356,9 @@ class SGN(torch.optim.Optimizer):
         info = StepInfo(
             loss=loss0,
             loss_after=search.loss if take else loss0,
-            grad_norm=lin.grad.norm().item(),
+            grad_norm=grad_norm,
             cg_iters=cg.iterations,
-            cg_residual=cg.residual.norm().item(),
+            cg_residual=solution.residual_norm,
             cg_stop=cg.reason,
             damping=damping,
             next_damping=next_damping,
@@ -462,26 +462,41 @@ class SGN(torch.optim.Optimizer):
         )  # fmt: skip
 
 
-def _predicted_change(grad: Tensor, rhs: Tensor, cg: CGResult, lr: float) -> float:
-    r"""The damped quadratic model's change :math:`g^\top s + \frac12 s^\top A s` at ``s = lr d``.
+@dataclass(frozen=True)
+class _Solution:
+    """What the step's decisions need from the CG solution ``d``, copied to the host at once."""
 
-    CG's residual gives :math:`A d = r - \hat m` without another product.
-    """
-    d = cg.x
-    g_d, curv = torch.stack([torch.dot(grad, d), torch.dot(d, cg.residual - rhs)]).tolist()
-    return lr * g_d + 0.5 * lr * lr * curv
+    predicted: float  # the damped quadratic model's change at ``s = lr d``
+    slope: float  # ``m_hat^T s``, the line search's directional derivative
+    residual_norm: float
+    moved: bool  # ``d != 0``
+
+    @staticmethod
+    def of(grad: Tensor, rhs: Tensor, cg: CGResult, lr: float) -> _Solution:
+        r"""The change :math:`g^\top s + \frac12 s^\top A s` uses CG's residual, which gives
+        :math:`A d = r - \hat m` without another product."""
+        d = cg.x
+        g_d, curv, m_d, res, d_max = torch.stack([
+            torch.dot(grad, d), torch.dot(d, cg.residual - rhs), torch.dot(rhs, d),
+            torch.linalg.vector_norm(cg.residual), d.abs().max(),
+        ]).tolist()  # fmt: skip
+        return _Solution(lr * g_d + 0.5 * lr * lr * curv, lr * m_d, res, d_max != 0)
 
 
-def _finite_loss(lin: _Linearization, inputs: Inputs, targets: Tensor) -> float:
-    """The loss as a float; raises unless the loss and the gradient are finite.
+def _finite_loss(lin: _Linearization, inputs: Inputs, targets: Tensor) -> tuple[float, float]:
+    """The loss and the gradient's norm (one host transfer); raises unless both are finite.
 
     The batch is scanned for NaN and infinite values only then, to name the cause: a
     non-finite entry that reaches the loss or the gradient is found without a pass over the
     batch in every step (on a distributed step, every rank sees the reduced values, so all
     raise together).
     """
-    loss = lin.loss.item()
-    finite = math.isfinite(loss) and bool(torch.isfinite(lin.grad).all())
+    norm = torch.linalg.vector_norm(lin.grad).to(lin.loss.dtype)
+    loss, grad_norm = torch.stack([lin.loss.reshape(()), norm]).tolist()
+    # A norm that overflows on finite entries is settled by the exact test.
+    finite = math.isfinite(loss) and (
+        math.isfinite(grad_norm) or bool(torch.isfinite(lin.grad).all())
+    )
     if not finite:
         _check_finite_batch(inputs, targets)
     if not math.isfinite(loss):
@@ -495,7 +510,7 @@ def _finite_loss(lin: _Linearization, inputs: Inputs, targets: Tensor) -> float:
             "the gradient has non-finite entries at the current parameters; the parameters "
             "were not changed"
         )
-    return loss
+    return loss, grad_norm
 
 
 def _check_batch(inputs: Inputs, targets: Tensor) -> None:
