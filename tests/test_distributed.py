@@ -140,3 +140,14 @@ def test_helpers_without_a_process_group():
     assert rank() == 0 and world_size() == 1 and is_main_process()
     sx, sy = shard(x, y)
     assert torch.equal(sx, x) and torch.equal(sy, y)
+
+
+def test_nccl_with_more_processes_than_devices_says_what_to_do(monkeypatch):
+    from torch_sgn import distributed
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    with pytest.raises(RuntimeError, match="start at most 1 processes per node, or pass"):
+        distributed.init_from_env(backend="nccl")

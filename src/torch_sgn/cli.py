@@ -158,7 +158,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         )
         from . import distributed
 
-        distributed.init_from_env()  # under torchrun; does nothing in one process
+        # Under torchrun (else nothing): NCCL for a CUDA run, gloo for a CPU run.
+        distributed.init_from_env(backend="nccl" if cfg.device.startswith("cuda") else "gloo")
         main = distributed.is_main_process()
         try:
             res = runner.run(cfg, ns.out, quiet=ns.quiet)

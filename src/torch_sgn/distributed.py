@@ -77,7 +77,14 @@ def init_from_env(timeout: float = 300.0, backend: Optional[str] = None) -> bool
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl" and "LOCAL_RANK" in os.environ:
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            local, count = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
+            if local >= count:
+                raise RuntimeError(
+                    f"NCCL needs one CUDA device per process, but local rank {local} found "
+                    f"{count} device(s): start at most {count} processes per node, or pass "
+                    "backend='gloo' to train on the CPU"
+                )
+            torch.cuda.set_device(local)
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     return True
 
