@@ -88,11 +88,13 @@ def conjugate_gradient(
             return CGResult(torch.zeros_like(b), -b, 0, "non_finite")
     z = r if preconditioner is None else preconditioner * r
     p = -z
-    r_max, rz = _to_floats(r.abs().max() if r.numel() else r.new_zeros(()), torch.dot(r, z))
+    r_max, rz = _max_abs_and(r, torch.dot(r, z))
     if r_max <= tol:
         return CGResult(x, r, 0, "converged")
     # The step lengths are host floats (each is tested on the host anyway): one fused
-    # ``add(..., alpha=)`` per update.
+    # ``add(..., alpha=)`` per update. ``x`` and ``p`` are this function's own and are updated
+    # in place, and ``A p`` is dropped as soon as it is used: a step's peak memory is a few
+    # vectors of the parameters' size, which matters on small models.
     for k in range(max_iters):
         if not _finite(rz):
             return CGResult(x, r, k, "non_finite")
@@ -103,22 +105,31 @@ def conjugate_gradient(
         if curvature <= 0.0:
             return CGResult(x, r, k, "non_positive_curvature")
         alpha = rz / curvature
-        x_next = x.add(p, alpha=alpha)
         r_next = r.add(ap, alpha=alpha)
+        del ap
         z = r_next if preconditioner is None else preconditioner * r_next
-        r_max, rz_next = _to_floats(r_next.abs().max(), torch.dot(r_next, z))
+        r_max, rz_next = _max_abs_and(r_next, torch.dot(r_next, z))
         if not _finite(r_max):
             return CGResult(x, r, k, "non_finite")
-        x, r = x_next, r_next
+        x.add_(p, alpha=alpha)
+        r = r_next
         if r_max <= tol:
             return CGResult(x, r, k + 1, "converged")
-        p = p.mul(rz_next / rz).sub_(z)
+        p.mul_(rz_next / rz).sub_(z)
         rz = rz_next
     return CGResult(x, r, max_iters, "max_iters")
 
 
 def _finite(value: float) -> bool:
     return value == value and abs(value) != float("inf")
+
+
+def _max_abs_and(r: Tensor, scalar: Tensor) -> tuple[float, float]:
+    """``max |r_i|`` and ``scalar`` on the host, in one transfer and without a temporary."""
+    if not r.numel():
+        return 0.0, scalar.item()
+    low, high, value = _to_floats(*torch.aminmax(r), scalar)
+    return max(-low, high), value
 
 
 def _to_floats(*scalars: Tensor) -> list:

@@ -428,7 +428,7 @@ class SGN(torch.optim.Optimizer):
             x0 = group["warm_start"] * previous
 
         def damped(v: Tensor) -> Tensor:
-            return lin.ggn_vp(v) + damping * v
+            return lin.ggn_vp(v).add_(v, alpha=damping)  # a product is a fresh tensor
 
         result = conjugate_gradient(
             damped, -rhs, max_iters=iters, tol=group["cg_tol"], x0=x0, preconditioner=precond
