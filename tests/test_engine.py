@@ -254,8 +254,9 @@ def test_curvature_subset_is_the_scaled_ggn_of_a_seeded_subset(reduction, engine
     x, y = _batch(model, (3,), 20, "index")
     loss = nn.CrossEntropyLoss(reduction=reduction)
     opt = SGN(model, loss, engine=engine, curvature_fraction=0.25)
-    lin = opt._linearize(opt._fmodel, resolve_loss(loss), opt._fmodel.flat(), x, y)
-    idx = torch.randperm(20, generator=torch.Generator().manual_seed(0))[:5].sort().values
+    step = 3  # the subset of step t comes from a generator seeded with t
+    lin = opt._step_linearize(step)(opt._fmodel, resolve_loss(loss), opt._fmodel.flat(), x, y)
+    idx = torch.randperm(20, generator=torch.Generator().manual_seed(step))[:5].sort().values
     G_sub, _, _ = dense_ggn(model, loss, x[idx], y[idx])
     _, g_full, _ = dense_ggn(model, loss, x, y)
     scale = 4.0 if reduction == "sum" else 1.0

@@ -258,8 +258,9 @@ def _run(model, opt, batches):
         dict(),
         dict(momentum=0.9, warm_start=0.7, preconditioner=True),
         dict(trust_region=False, damping_schedule="cosine", damping_decay_steps=3),
+        dict(curvature_fraction=0.5),
     ],
-    ids=["paper", "momentum-warmstart-precond", "cosine"],
+    ids=["paper", "momentum-warmstart-precond", "cosine", "curvature-subset"],
 )
 def test_state_dict_round_trip_continues_bit_identically(options):
     model, x, y = make_batch(MODELS[1], LOSSES[2], dtype=torch.float32)

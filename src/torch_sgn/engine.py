@@ -499,9 +499,10 @@ def _select_engine(fmodel: _FunctionalModel, engine: str) -> _Linearize:
 def _curvature_subset(linearize: _Linearize, fraction: float, seed: int = 0) -> _Linearize:
     """Loss and gradient on the whole batch, ``G v`` on a random ``fraction`` of it.
 
-    The subset is redrawn every step from a private generator (the global random state is not
-    touched). ``G`` is scaled to estimate the whole batch's: with ``reduction="mean"`` the
-    subset's mean already does; with ``"sum"`` it is multiplied by ``N / m``.
+    The subset is drawn from a private generator seeded with ``seed`` (the global random
+    state is not touched); :class:`~torch_sgn.SGN` passes the step number. ``G`` is scaled
+    to estimate the whole batch's: with ``reduction="mean"`` the subset's mean already does;
+    with ``"sum"`` it is multiplied by ``N / m``.
     """
     generator = torch.Generator().manual_seed(seed)
 

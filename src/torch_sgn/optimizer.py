@@ -126,8 +126,8 @@ class SGN(torch.optim.Optimizer):
             forward pass at every product). ``"auto"``: fast where it applies, else functional
             with a one-time warning. Default ``"auto"``.
         curvature_fraction: compute ``G v`` on a random subset of this fraction of each batch
-            (redrawn every step from a generator seeded with 0), the loss and gradient on the
-            whole batch (Martens, 2010). Default 1 (the whole batch, as the paper).
+            (drawn at step ``t`` from a generator seeded with ``t``), the loss and gradient on
+            the whole batch (Martens, 2010). Default 1 (the whole batch, as the paper).
         process_group: the ranks that train this model data-parallel, each on its shard of
             every mini-batch (see :mod:`torch_sgn.distributed`). Default ``None``: the default
             group if ``torch.distributed`` is initialised, else one process. Parameters and
@@ -260,8 +260,7 @@ class SGN(torch.optim.Optimizer):
         if len(self.param_groups) != 1:  # pragma: no cover - guarded by add_param_group
             raise ValueError("SGN doesn't support per-parameter options (parameter groups)")
         self._linearize = _select_engine(self._fmodel, engine)
-        if curvature_fraction < 1:
-            self._linearize = _curvature_subset(self._linearize, curvature_fraction)
+        self._curvature_fraction = curvature_fraction
         self._global_state()  # created now, so that a failed first step changes nothing
 
     def add_param_group(self, param_group: dict) -> None:
@@ -306,7 +305,14 @@ class SGN(torch.optim.Optimizer):
         buffers: dict = {}
         with self._fmodel.consistent():
             lin = self._comm.linearize(
-                t, self._linearize, self._fmodel, self._loss, theta, inputs, targets, buffers
+                t,
+                self._step_linearize(t),
+                self._fmodel,
+                self._loss,
+                theta,
+                inputs,
+                targets,
+                buffers,
             )
             loss0, grad_norm = _finite_loss(lin, inputs, targets)
             damping = self._damping(state, t)
@@ -372,6 +378,13 @@ class SGN(torch.optim.Optimizer):
         return info
 
     # --- the step's parts --------------------------------------------------------------------
+    def _step_linearize(self, t: int):
+        """The engine for step ``t``: the curvature subset is drawn from a generator seeded
+        with ``t``, so a resumed run, or a step retried after a failure, draws the same one."""
+        if self._curvature_fraction < 1:
+            return _curvature_subset(self._linearize, self._curvature_fraction, seed=t)
+        return self._linearize
+
     def _damping(self, state: dict, t: int) -> float:
         group = self.param_groups[0]
         if group["trust_region"]:
