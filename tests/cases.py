@@ -50,7 +50,7 @@ def _log_cosh(outputs: Tensor, targets: Tensor) -> Tensor:
 class LossCase:
     name: str
     make: Callable[[], object]
-    targets: str  # "real", "index", "binary", "probs"
+    targets: str  # "real", "index", "index-ignored" (some -100), "binary", "probs"
 
 
 LOSSES = [
@@ -62,6 +62,12 @@ LOSSES = [
     ),
     LossCase("CE-mean-smooth", lambda: nn.CrossEntropyLoss(label_smoothing=0.2), "index"),
     LossCase("CE-probs", lambda: "cross_entropy", "probs"),
+    LossCase("CE-ignore-index", lambda: "cross_entropy", "index-ignored"),
+    LossCase(
+        "CE-sum-smooth-ignore",
+        lambda: nn.CrossEntropyLoss(reduction="sum", label_smoothing=0.1),
+        "index-ignored",
+    ),
     LossCase(
         "CE-weight",
         lambda: nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64)),
@@ -71,6 +77,9 @@ LOSSES = [
     LossCase("BCE-sum", lambda: nn.BCEWithLogitsLoss(reduction="sum"), "binary"),
     LossCase("log-cosh callable", lambda: _log_cosh, "real"),
 ]
+
+
+LOSS = {case.name: case for case in LOSSES}
 
 
 def make_batch(model_case: ModelCase, loss_case: LossCase, dtype=torch.float64, seed=0):
@@ -89,6 +98,8 @@ def make_batch(model_case: ModelCase, loss_case: LossCase, dtype=torch.float64, 
         y = torch.softmax(torch.randn(out_shape, generator=g, dtype=dtype), dim=1)
     else:
         y = torch.randint(0, c, (n, *out_shape[2:]), generator=g)
+        if loss_case.targets == "index-ignored":  # torch's default ignore_index
+            y.view(-1)[::3] = -100
     return model, x, y
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cases import LOSSES, MODELS, dense_ggn, make_batch
+from cases import LOSS, LOSSES, MODELS, dense_ggn, make_batch
 from torch_sgn import SGN, StepInfo
 
 pytestmark = pytest.mark.usefixtures("each_engine")  # every test, once per engine
@@ -30,10 +30,11 @@ def _exact_step(model, loss, x, y, damping):
     [
         (MODELS[0], LOSSES[0]),
         (MODELS[1], LOSSES[2]),
-        (MODELS[2], LOSSES[7]),
-        (MODELS[0], LOSSES[9]),
+        (MODELS[2], LOSS["bce_with_logits"]),
+        (MODELS[0], LOSS["log-cosh callable"]),
+        (MODELS[2], LOSS["CE-ignore-index"]),
     ],
-    ids=["mlp-mse", "cnn-ce", "seq-bce", "mlp-callable"],
+    ids=["mlp-mse", "cnn-ce", "seq-bce", "mlp-callable", "seq-ce-ignore-index"],
 )
 def test_exactness_contract(model_case, loss_case):
     model, x, y = make_batch(model_case, loss_case)

@@ -7,7 +7,8 @@ small (one block per sample) and, for the usual losses, known in closed form:
 * mean squared error: ``H = 2 I / n`` (``n`` the number of elements; ``2 I`` for ``sum``),
 * cross-entropy on logits: ``H_i = diag(p_i) - p_i p_i^T`` per sample, ``p_i = softmax(z_i)``,
   divided by the number of samples for ``mean`` (label smoothing leaves it unchanged since the
-  smoothed target still sums to one),
+  smoothed target still sums to one); samples whose class index is ``-100`` (torch's
+  ``ignore_index``) count for nothing, as in :func:`torch.nn.functional.cross_entropy`,
 * binary cross-entropy on logits: ``H = diag(s (1 - s))`` with ``s = sigmoid(z)``, divided by
   the number of elements for ``mean``.
 
@@ -89,6 +90,7 @@ class _MSE(OutputLoss):
 
 class _CrossEntropy(OutputLoss):
     name = "cross_entropy"
+    ignore_index = -100  # torch's default: class-index targets equal to it are left out
 
     def __init__(self, reduction: str = "mean", label_smoothing: float = 0.0):
         self.reduction = _check_reduction(reduction)
@@ -106,8 +108,14 @@ class _CrossEntropy(OutputLoss):
         # -sum_c q_c log softmax(z)_c is diag(p) - p p^T whenever sum_c q_c = 1.
         p = torch.softmax(outputs, dim=1)
         hu = p * (u - (p * u).sum(dim=1, keepdim=True))
+        count = outputs.numel() // outputs.shape[1]
+        if not targets.is_floating_point():
+            keep = targets != self.ignore_index
+            if not bool(keep.all()):
+                hu = hu * keep.unsqueeze(1)
+                count = keep.sum()
         if self.reduction == "mean":
-            hu = hu / (outputs.numel() // outputs.shape[1])
+            hu = hu / count
         return hu
 
     def check_targets(self, outputs: Tensor, targets: Tensor) -> None:
@@ -134,12 +142,14 @@ class _CrossEntropy(OutputLoss):
                 f"cross_entropy expects class indices of shape {expected}, got "
                 f"{tuple(targets.shape)}"
             )
-        if targets.numel():
-            lo, hi = int(targets.min()), int(targets.max())
+        kept = targets[targets != self.ignore_index]
+        if kept.numel():
+            lo, hi = int(kept.min()), int(kept.max())
             if lo < 0 or hi >= num_classes:
                 raise ValueError(
                     f"cross_entropy class index out of range: targets span [{lo}, {hi}] but the "
-                    f"model has {num_classes} outputs (valid indices 0..{num_classes - 1})"
+                    f"model has {num_classes} outputs (valid indices 0..{num_classes - 1}, or "
+                    f"{self.ignore_index} to leave a sample out)"
                 )
 
 
