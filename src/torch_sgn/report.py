@@ -31,6 +31,7 @@ import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Iterable, Optional, Sequence, Union
 
@@ -250,45 +251,37 @@ def tables(curves: Sequence[Curve], times: Sequence[float], epochs: Sequence[int
         return "(no results)\n"
     classification = curves[0].task == "classification"
     metric = "test accuracy (%)" if classification else "test loss"
-    lines = []
     groups = _group(curves)
 
-    for t in times:
+    def time_column(found, runs):  # after T s: the epochs the runs had reached
+        return _span([c.epoch[i] for c, i in found]), str(len(found))
+
+    def epoch_column(found, runs):  # after E epochs: the mean time it took
+        tm = _mean_std([c.time[i] for c, i in found])
+        return ("-" if tm[2] == 0 else f"{tm[0]:.1f}"), f"{len(found)}/{len(runs)}"
+
+    lines = []
+    for title, column, locate, extra in [
+        *((f"after {t:g} s of training", "epochs", partial(_after_time, t=t), time_column)
+          for t in times),
+        *((f"after {e} epochs", "time (s)", partial(_after_epochs, e=e), epoch_column)
+          for e in epochs),
+    ]:  # fmt: skip
         lines += [
-            f"**{metric} after {t:g} s of training**",
+            f"**{metric} {title}**",
             "",
-            f"| setting | {metric} | train loss | epochs | seeds | diverged |",
+            f"| setting | {metric} | train loss | {column} | seeds | diverged |",
             "|---|---|---|---|---|---|",
         ]
         for label, runs in groups.items():
-            idx = [(c, _after_time(c, t)) for c in runs]
-            idx = [(c, i) for c, i in idx if i is not None]
-            m = _mean_std([c.metric[i] for c, i in idx])
-            tr = _mean_std([c.train_loss[i] for c, i in idx])
-            bad = sum(1 for c, i in idx if not np.isfinite(c.metric[i]))
+            found = [(c, i) for c in runs if (i := locate(c)) is not None]
+            m = _mean_std([c.metric[i] for c, i in found])
+            tr = _mean_std([c.train_loss[i] for c, i in found])
+            bad = sum(1 for c, i in found if not np.isfinite(c.metric[i]))
+            value, seeds = extra(found, runs)
             lines.append(
                 f"| {label} | {_fmt(*m, classification)} | {_fmt(*tr, False)} "
-                f"| {_span([c.epoch[i] for c, i in idx])} | {len(idx)} | {bad} |"
-            )
-        lines.append("")
-    for e in epochs:
-        lines += [
-            f"**{metric} after {e} epochs**",
-            "",
-            f"| setting | {metric} | train loss | time (s) | seeds | diverged |",
-            "|---|---|---|---|---|---|",
-        ]
-        for label, runs in groups.items():
-            idx = [(c, _after_epochs(c, e)) for c in runs]
-            idx = [(c, i) for c, i in idx if i is not None]
-            m = _mean_std([c.metric[i] for c, i in idx])
-            tr = _mean_std([c.train_loss[i] for c, i in idx])
-            tm = _mean_std([c.time[i] for c, i in idx])
-            bad = sum(1 for c, i in idx if not np.isfinite(c.metric[i]))
-            time = "-" if tm[2] == 0 else f"{tm[0]:.1f}"
-            lines.append(
-                f"| {label} | {_fmt(*m, classification)} | {_fmt(*tr, False)} "
-                f"| {time} | {len(idx)}/{len(runs)} | {bad} |"
+                f"| {value} | {seeds} | {bad} |"
             )
         lines.append("")
     return "\n".join(lines)
