@@ -7,6 +7,7 @@ what it saw to ``OUT/SCENARIO_RANK.pt``; the test compares it with one process o
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import os
 import sys
@@ -159,9 +160,44 @@ def consistency_checks(rank: int) -> dict:
     except (FloatingPointError, ValueError) as e:
         errors["nan"] = f"{type(e).__name__}: {e}"
     errors["nan_unchanged"] = torch.equal(flat(model), before)
+    for where in ("gv", "trial"):  # rank 1 raises between two collectives, mid-step
+        engine = opt._linearize
+        if rank == 1:
+            opt._linearize = _failing(engine, where)
+        start = time.monotonic()
+        try:
+            opt.step(x, y)
+        except RuntimeError as e:
+            errors[where] = str(e)
+        errors[f"{where}_seconds"] = time.monotonic() - start
+        errors[f"{where}_unchanged"] = torch.equal(flat(model), before)
+        opt._linearize = engine
     opt.step(x, y)  # and the ranks go on together
     errors["after"] = flat(model)
     return errors
+
+
+def _failing(engine, where: str):
+    """The engine, but the second ``G v`` product (or the first trial-point loss) raises."""
+
+    def linearize(*args):
+        lin = engine(*args)
+        calls = []
+
+        def ggn_vp(v):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected failure in G v")
+            return lin.ggn_vp(v)
+
+        def value_at(flat):
+            raise RuntimeError("injected failure at a trial point")
+
+        if where == "gv":
+            return dataclasses.replace(lin, ggn_vp=ggn_vp)
+        return dataclasses.replace(lin, value_at=value_at)
+
+    return linearize
 
 
 def failure(scenario: str, rank: int, survivor: str) -> dict:

@@ -111,6 +111,11 @@ def test_disagreeing_or_failing_ranks_raise_on_every_rank(equivalence):
         assert e["checks"]["nan_unchanged"]
     assert equivalence[1]["checks"]["nan"].startswith("ValueError: inputs contain NaN")
     assert equivalence[0]["checks"]["nan"].startswith("FloatingPointError: the loss is nan")
+    for where, message in (("gv", "in G v"), ("trial", "at a trial point")):
+        assert equivalence[1]["checks"][where] == f"injected failure {message}"
+        assert "1 other rank(s) of 2 failed" in equivalence[0]["checks"][where]
+        for e in equivalence:  # at once, not after the process group's 30 s timeout
+            assert e["checks"][f"{where}_unchanged"] and e["checks"][f"{where}_seconds"] < 10
     assert torch.equal(equivalence[0]["checks"]["after"], equivalence[1]["checks"]["after"])
 
 

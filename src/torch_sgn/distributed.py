@@ -141,8 +141,8 @@ class _SingleProcess:
     ) -> _Linearization:
         return linearize(fmodel, loss, flat, inputs, targets, buffers_out)
 
-    def loss_value(self, value: Tensor) -> float:
-        return value.item()
+    def loss_value(self, compute: Callable[[], Tensor]) -> float:
+        return compute().item()
 
 
 def _communicator(
@@ -249,14 +249,7 @@ class _DataParallel:
             lambda: dist.all_reduce(payload, group=self.group), "the gradient and loss", step
         )
         self._finish_header(header, step)
-        failed = int(payload[n + 3].item())
-        if failed:
-            if error is not None:
-                raise error
-            raise RuntimeError(
-                f"SGN step {step}: {failed} other rank(s) of {self.world} failed in their local "
-                "computation (see their error); the parameters were not changed"
-            )
+        self._raise_if_failed(payload[n + 3], error, step)
         total = payload[n + 1] if not self.sum_reduction else payload.new_ones(())
         self._scale = flat.new_tensor(float(scale))
         self._total = total
@@ -278,22 +271,48 @@ class _DataParallel:
         scale, total = self._scale, self._total
 
         def ggn_vp(v: Tensor) -> Tensor:
-            gv = flat.new_zeros(n) if local is None else local(v) * scale
-            self._collective(lambda: dist.all_reduce(gv, group=self.group), "a G v product", step)
-            return gv / total
+            error = None
+            try:  # a local failure takes part in the all-reduce, so that every rank raises
+                gv = flat.new_zeros(n) if local is None else local(v) * scale
+                payload = torch.cat([gv, gv.new_zeros(1)])
+            except Exception as e:
+                error, payload = e, flat.new_zeros(n + 1)
+                payload[n] = 1.0
+            self._collective(
+                lambda: dist.all_reduce(payload, group=self.group), "a G v product", step
+            )
+            self._raise_if_failed(payload[n], error, step)
+            return payload[:n] / total
 
         return ggn_vp
 
-    def loss_value(self, value: Tensor) -> float:
-        """The full batch's loss from this shard's ``value`` at a trial point: 1 all-reduce."""
+    def loss_value(self, compute: Callable[[], Tensor]) -> float:
+        """The full batch's loss at a trial point from this shard's ``compute()``: 1 all-reduce."""
         assert self._scale is not None, "loss_value before linearize"
-        local = value.detach().reshape(1).to(self._scale.dtype) * self._scale
-        if not bool(self._scale):  # an empty shard's mean is NaN: it counts for nothing
-            local = torch.zeros_like(local)
+        error = None
+        payload = self._scale.new_zeros(2)
+        try:
+            if bool(self._scale):  # an empty shard's mean is NaN: it counts for nothing
+                payload[0] = compute().detach().reshape(()).to(payload.dtype) * self._scale
+        except Exception as e:
+            error, payload[1] = e, 1.0
         self._collective(
-            lambda: dist.all_reduce(local, group=self.group), "a trial-point loss", self._step
+            lambda: dist.all_reduce(payload, group=self.group), "a trial-point loss", self._step
         )
-        return (local / self._total).item()
+        self._raise_if_failed(payload[1], error, self._step)
+        return (payload[0] / self._total).item()
+
+    def _raise_if_failed(self, flag: Tensor, error: Optional[BaseException], step: int) -> None:
+        """After an all-reduce that carried a failure count: the failing rank re-raises its own
+        error, the others say that another rank failed."""
+        failed = int(flag.item())
+        if failed:
+            if error is not None:
+                raise error
+            raise RuntimeError(
+                f"SGN step {step}: {failed} other rank(s) of {self.world} failed in their local "
+                "computation (see their error); the parameters were not changed"
+            )
 
     # --- the step-number and parameter check ---------------------------------------------------
     def _start_header(self, step: int, flat: Tensor):

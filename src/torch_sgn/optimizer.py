@@ -455,8 +455,8 @@ class SGN(torch.optim.Optimizer):
 
     def _loss_at(self, lin: _Linearization, flat: Tensor, inputs: Inputs, targets: Tensor) -> float:
         if lin.value_at is not None:
-            return self._comm.loss_value(lin.value_at(flat))
-        return self._comm.loss_value(self._loss.value(self._fmodel(flat, inputs), targets))
+            return self._comm.loss_value(lambda: lin.value_at(flat))
+        return self._comm.loss_value(lambda: self._loss.value(self._fmodel(flat, inputs), targets))
 
     def _write_grad(self, grad: Tensor) -> None:
         fm = self._fmodel
