@@ -177,8 +177,8 @@ def consistency_checks(rank: int) -> dict:
     return errors
 
 
-def _failing(engine, where: str):
-    """The engine, but the second ``G v`` product (or the first trial-point loss) raises."""
+def _interrupt_product(engine, n: int, interrupt: Callable[[], None]):
+    """The engine, but the ``n``-th ``G v`` product of each step calls ``interrupt()`` first."""
 
     def linearize(*args):
         lin = engine(*args)
@@ -186,16 +186,32 @@ def _failing(engine, where: str):
 
         def ggn_vp(v):
             calls.append(1)
-            if len(calls) == 2:
-                raise RuntimeError("injected failure in G v")
+            if len(calls) == n:
+                interrupt()
             return lin.ggn_vp(v)
 
+        return dataclasses.replace(lin, ggn_vp=ggn_vp)
+
+    return linearize
+
+
+def _raise(message: str) -> Callable[[], None]:
+    def interrupt():
+        raise RuntimeError(message)
+
+    return interrupt
+
+
+def _failing(engine, where: str):
+    """The engine, but the second ``G v`` product (or the first trial-point loss) raises."""
+    if where == "gv":
+        return _interrupt_product(engine, 2, _raise("injected failure in G v"))
+
+    def linearize(*args):
         def value_at(flat):
             raise RuntimeError("injected failure at a trial point")
 
-        if where == "gv":
-            return dataclasses.replace(lin, ggn_vp=ggn_vp)
-        return dataclasses.replace(lin, value_at=value_at)
+        return dataclasses.replace(engine(*args), value_at=value_at)
 
     return linearize
 
@@ -206,23 +222,8 @@ def failure(scenario: str, rank: int, survivor: str) -> dict:
     opt = SGN(model, case.loss(), **SETTINGS)
     x, y = shard(*batch(case, 0))
     opt.step(x, y)  # one good step first
-    if rank == 1 and scenario == "rank_exits":
-        local = opt._linearize
-
-        def dying(*args):
-            lin = local(*args)
-            calls = []
-
-            def ggn_vp(v):
-                calls.append(1)
-                if len(calls) == 3:
-                    os._exit(3)  # dies inside CG, between two all-reduces
-                return lin.ggn_vp(v)
-
-            lin.ggn_vp = ggn_vp
-            return lin
-
-        opt._linearize = dying
+    if rank == 1 and scenario == "rank_exits":  # dies inside CG, between two all-reduces
+        opt._linearize = _interrupt_product(opt._linearize, 3, lambda: os._exit(3))
     if rank == 1 and scenario == "step_on_one_rank":
         for _ in range(600):  # alive but never calls step, until rank 0 has reported
             if os.path.exists(survivor):
