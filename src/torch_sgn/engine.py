@@ -404,11 +404,16 @@ class _LayerwiseEngine:
         return _through_autograd(steps, fmodel, loss, flat, inputs, targets)
 
 
+def _per_parameter(fmodel: _FunctionalModel, flat: Tensor) -> List[Tensor]:
+    """Views of a flat vector shaped as the trainable parameters, in their order."""
+    return [c.view(s) for c, s in zip(flat.split(fmodel.numels), fmodel.shapes)]
+
+
 def _record(steps, fmodel, flat, inputs, grad_mode: bool):
     """One forward pass through the chain; returns the outputs and each layer's context."""
     ctxs = []
     with torch.set_grad_enabled(grad_mode), fmodel._replay_rng():
-        params = [c.view(s) for c, s in zip(flat.split(fmodel.numels), fmodel.shapes)]
+        params = _per_parameter(fmodel, flat)
         h = inputs
         for step in steps:
             h, ctx = step.forward(h, params)
@@ -418,7 +423,7 @@ def _record(steps, fmodel, flat, inputs, grad_mode: bool):
 
 def _jvp(chain, fmodel, v: Tensor, like: Tensor) -> Tensor:
     """``J v``: tangents forward through the recorded chain."""
-    vs = [c.view(s) for c, s in zip(v.split(fmodel.numels), fmodel.shapes)]
+    vs = _per_parameter(fmodel, v)
     t = None
     for step, ctx in chain:
         t = step.tangent(ctx, t, vs)
@@ -431,7 +436,7 @@ def _value_at(chain, fmodel, loss, inputs, targets) -> Callable[[Tensor], Tensor
 
     def value_at(flat: Tensor) -> Tensor:
         with torch.no_grad():
-            params = [c.view(s) for c, s in zip(flat.split(fmodel.numels), fmodel.shapes)]
+            params = _per_parameter(fmodel, flat)
             h = inputs
             for step, ctx in chain:
                 h = step.value(ctx, h, params)
