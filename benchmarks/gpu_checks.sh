@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Every GPU measurement and check of the project in one run, for a short lease on a GPU machine
-# (about 7 minutes on one H100/H200). From the repository root, with a CUDA build of torch:
+# (about 8 minutes on one H100/H200). From the repository root, with a CUDA build of torch:
 #
 #     OUT=gpu-results TORCH_SGN_DATA=<dir holding fashion_mnist/> bash benchmarks/gpu_checks.sh
 #
-# Writes into $OUT: env.txt, ggn_cost_cuda.txt/.json, time_to_accuracy_cuda.txt/.json,
-# cuda_graphs.txt and pytest.txt. Each part has its own time limit, so one that fails or
-# hangs leaves the others' results.
+# Writes into $OUT: env.txt, pytest_graphs.txt, ggn_cost_cuda*.txt/.json,
+# time_to_accuracy_cuda.txt/.json and pytest.txt. Each part has its own time limit, so one
+# that fails or hangs leaves the others' results.
 set -u
 OUT=${OUT:-gpu-results}
 PY=${PYTHON:-python3}
@@ -17,7 +17,7 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   $PY -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0])"
   lscpu | grep 'Model name' || true
-  git rev-parse --short HEAD 2>/dev/null || true
+  echo "commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
 } 2>&1 | tee "$OUT/env.txt"
 
 part() {  # part NAME SECONDS COMMAND...: one timed part, its output in $OUT/NAME.txt
@@ -26,18 +26,28 @@ part() {  # part NAME SECONDS COMMAND...: one timed part, its output in $OUT/NAM
   echo "=== $name (limit ${limit}s): $*"
   local start=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
-  echo "=== $name: exit $? after $((SECONDS - start))s"
-  tail -n 25 "$OUT/$name.txt"
+  local rc=$?
+  echo "=== $name: exit $rc after $((SECONDS - start))s"
+  tail -n 30 "$OUT/$name.txt"
+  return $rc
 }
 
-# 1. The cost table of issue 4 on the GPU: both engines, the five paper models.
-part ggn_cost_cuda 170 $PY benchmarks/ggn_cost.py --devices cuda --repeats 10 --warmup 3 \
-  --out "$OUT/ggn_cost_cuda.json"
-# 2. What CUDA graphs would buy (measured, not a feature).
-part cuda_graphs 60 $PY benchmarks/cuda_graphs.py --repeats 20
-# 3. Time to 85% test accuracy on Fashion-MNIST: SGN(5), SGD(0.1), Adam, 20 s each.
+# 1. CUDA graphs: captured steps against eager steps, and the other CUDA tests.
+part pytest_graphs 100 $PY -m pytest -q -p no:cacheprovider tests/test_graphs.py \
+  tests/test_optimizer.py::test_cuda_step_matches_cpu_step tests/test_runner.py -k "cuda or graphs"
+# 2. The cost table of issue 4 on the GPU: the fast engine eager and with CUDA graphs.
+part ggn_cost_cuda 150 $PY benchmarks/ggn_cost.py --devices cuda --engines fast graphs \
+  --repeats 10 --warmup 3 --out "$OUT/ggn_cost_cuda.json" \
+  || part ggn_cost_cuda_eager 90 $PY benchmarks/ggn_cost.py --devices cuda --engines fast \
+    --repeats 5 --warmup 2 --out "$OUT/ggn_cost_cuda_eager.json"
+# 3. Time to 85% test accuracy on Fashion-MNIST, 15 s each.
 part time_to_accuracy_cuda 120 $PY benchmarks/time_to_accuracy_fashion.py --device cuda \
-  --budget 20 --target 0.85 --eval-every 10 --only "SGN(5) fast" "SGD lr 0.1" "Adam lr 1e-3" \
+  --budget 15 --target 0.85 --eval-every 10 \
+  --only "SGN(5) fast" "SGN(5) graphs" "SGD lr 0.1" "Adam lr 1e-3" \
   --out "$OUT/time_to_accuracy_cuda.json"
-# 4. The test suite on this machine's torch, the CUDA tests included.
-part pytest 150 $PY -m pytest -q -x -p no:cacheprovider tests
+# 4. A second cost table, for the spread between runs.
+part ggn_cost_cuda_2 80 $PY benchmarks/ggn_cost.py --devices cuda --engines fast graphs \
+  --repeats 10 --warmup 3 --no-memory --out "$OUT/ggn_cost_cuda_2.json"
+# 5. The whole test suite on this machine's torch.
+XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
+part pytest 110 $PY -m pytest -q -x -p no:cacheprovider $XDIST tests

@@ -102,7 +102,55 @@ def _zoo():
         ("conv2d-nested", conv2d, (1, 7, 7), "index"),
         ("conv3d", conv3d, (1, 5, 5, 5), "real"),
         ("bare-linear", nn.Linear(4, 2), (4,), "real"),
+    ] + _by_hand_zoo()
+
+
+def _by_hand_zoo():
+    """Convolution chains whose every layer has a hand-made cotangent (no autograd graph):
+    zero padding in numbers or "valid", strides, dilations, groups, no bias, overlapping and
+    padded max-pooling windows (one input picked by two windows), ceil mode."""
+    conv1d = nn.Sequential(
+        nn.Conv1d(2, 4, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.MaxPool1d(3, stride=1, ceil_mode=True),
+        nn.Conv1d(4, 4, 2, dilation=2, groups=2, bias=False),
+        nn.Flatten(),
+        nn.Dropout(0.3),
+        nn.Linear(16, 3),
+    )
+    conv2d = nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding="valid"),
+        nn.Tanh(),
+        nn.MaxPool2d(3, stride=2, padding=1),
+        nn.Conv2d(4, 2, 2, stride=(1, 2), dilation=(2, 1), groups=2),
+        nn.Sigmoid(),
+        nn.Flatten(),
+        nn.Linear(8, 3),
+    )
+    conv3d = nn.Sequential(
+        nn.Conv3d(1, 2, 2, padding=1), nn.Softplus(), nn.MaxPool3d(2, stride=1),
+        nn.Flatten(), nn.Linear(2 * 64, 2),
+    )  # fmt: skip
+    return [
+        ("by-hand-conv1d", conv1d.eval(), (2, 15), "index"),
+        ("by-hand-conv2d", conv2d, (1, 9, 9), "index"),
+        ("by-hand-conv3d", conv3d, (1, 4, 4, 4), "real"),
     ]
+
+
+@pytest.mark.parametrize(
+    "name,model,in_shape,kind", _by_hand_zoo(), ids=[z[0] for z in _by_hand_zoo()]
+)
+def test_zero_padded_conv_chains_run_by_hand_and_others_through_autograd(
+    name, model, in_shape, kind
+):
+    assert all(step.by_hand for step in _plan(_FunctionalModel(model)))
+    for other in (
+        nn.Conv2d(1, 2, 4, padding="same"),  # pads unevenly before the convolution
+        nn.Conv2d(1, 2, 3, padding=1, padding_mode="reflect"),
+        nn.Sequential(nn.Conv2d(1, 2, 3), nn.AvgPool2d(2)),
+    ):
+        assert not all(step.by_hand for step in _plan(_FunctionalModel(nn.Sequential(other))))
 
 
 @pytest.mark.parametrize("name,model,in_shape,kind", _zoo(), ids=[z[0] for z in _zoo()])

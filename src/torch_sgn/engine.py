@@ -23,6 +23,7 @@ forward pass through the same chain (no autograd, the recorded dropout masks).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import replace
 from typing import Callable, List, Optional, Sequence, Tuple, Union
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import graphs
 from .ggn import Inputs, _FunctionalModel, _Linearization, _linearize, _output_loss
 from .losses import OutputLoss
 
@@ -96,7 +98,25 @@ class _Affine(_Step):
             self.op = F.linear
         else:
             self.op = module._conv_forward  # handles padding modes
-            self.by_hand = False
+            # By hand only where the convolution is one aten op (zero padding given in numbers
+            # or "valid"); other padding modes and "same" pad first: through autograd.
+            padding = module.padding
+            self.by_hand = module.padding_mode == "zeros" and padding != "same"
+            if padding == "valid":
+                padding = (0,) * len(module.kernel_size)
+            self.conv_args = (
+                None
+                if not self.by_hand
+                else (
+                    [module.out_channels] if module.bias is not None else None,
+                    list(module.stride),
+                    list(padding),
+                    list(module.dilation),
+                    False,  # not transposed
+                    [0] * len(module.kernel_size),
+                    module.groups,
+                )
+            )
         self.bias_shape = (
             (-1,) if isinstance(module, nn.Linear) else (-1,) + (1,) * (len(module.kernel_size))
         )
@@ -122,9 +142,16 @@ class _Affine(_Step):
             out = wt if out is None else out + wt
         return out
 
-    def cotangent(self, ctx, u, grads, need_input):  # nn.Linear: z = a W^T + b
+    def cotangent(self, ctx, u, grads, need_input):
         a, w = ctx
-        u2 = u.reshape(-1, u.shape[-1])
+        if self.op is not F.linear:  # a convolution: aten's backward, as autograd would run it
+            bias_sizes, *args = self.conv_args
+            mask = [need_input, isinstance(self.weight, int), isinstance(self.bias, int)]
+            ga, gw, gb = torch.ops.aten.convolution_backward(u, a, w, bias_sizes, *args, mask)
+            _accumulate(grads, self.weight, gw)
+            _accumulate(grads, self.bias, gb)
+            return ga
+        u2 = u.reshape(-1, u.shape[-1])  # nn.Linear: z = a W^T + b
         _accumulate(grads, self.weight, u2.T @ a.reshape(-1, a.shape[-1]))
         _accumulate(grads, self.bias, u2.sum(0))
         return u @ w if need_input else None
@@ -159,12 +186,12 @@ class _Elementwise(_Step):
 
 
 class _MaxPool(_Step):
-    """Max pooling: the tangent is gathered at the stored argmax indices."""
-
-    by_hand = False
+    """Max pooling: the tangent is gathered at the stored argmax indices (flat over the pooled
+    dimensions), the cotangent scattered back to them."""
 
     def __init__(self, module: nn.Module, dims: int):
         self.module = module
+        self.dims = dims
         self.pool = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[dims]
 
     def forward(self, a, params):
@@ -173,15 +200,25 @@ class _MaxPool(_Step):
             a, m.kernel_size, m.stride, m.padding, m.dilation, ceil_mode=m.ceil_mode,
             return_indices=True,
         )  # fmt: skip
-        return y, idx
+        return y, (idx, a.shape)
 
-    def value(self, idx, a, params):
+    def value(self, ctx, a, params):
         return self.module(a)
 
-    def tangent(self, idx, t, vs):
+    def tangent(self, ctx, t, vs):
         if t is None:
             return None
-        return t.flatten(2).gather(2, idx.flatten(2)).view(idx.shape)
+        idx, _ = ctx
+        return t.flatten(-self.dims).gather(-1, idx.flatten(-self.dims)).view(idx.shape)
+
+    def cotangent(self, ctx, u, grads, need_input):
+        if not need_input:
+            return None
+        idx, shape = ctx
+        flat = u.new_zeros(shape).flatten(-self.dims)
+        # Overlapping windows may pick one input twice: their cotangents add up.
+        flat.scatter_add_(-1, idx.flatten(-self.dims), u.flatten(-self.dims))
+        return flat.view(shape)
 
 
 class _Linear(_Step):
@@ -350,17 +387,21 @@ class _LayerwiseEngine:
     with a warning the first time.
     """
 
-    def __init__(self, fmodel: _FunctionalModel, strict: bool):
+    def __init__(self, fmodel: _FunctionalModel, strict: bool, cuda_graphs: bool = False):
         self.strict = strict
         self._key: Optional[tuple] = None
         self._steps: Optional[List[_Step]] = None
         self._warned = False
+        self._graphs = graphs.Graphs() if cuda_graphs else None
+        self._graphs_warned = False
         self._plan(fmodel, stacklevel=4)
 
     def _plan(self, fmodel: _FunctionalModel, stacklevel: int = 5) -> Optional[List[_Step]]:
         key = _structure(fmodel.model)
         if key != self._key:
             self._key = key
+            if self._graphs is not None:
+                self._graphs.clear()
             try:
                 self._steps = _plan(fmodel)
             except _Unsupported as why:
@@ -399,6 +440,15 @@ class _LayerwiseEngine:
                 inputs = inputs[0]
         if steps is None:
             return _linearize(fmodel, loss, flat, inputs, targets, buffers_out)
+        if self._graphs is not None:
+            why = graphs.obstacle(steps, fmodel.model, loss, flat.device)
+            if why is None:
+                return self._graphs(_by_hand, steps, fmodel, loss, flat, inputs, targets)
+            if not self._graphs_warned:
+                self._graphs_warned = True
+                warnings.warn(
+                    f"cuda_graphs=True does not apply ({why}); running eagerly", stacklevel=3
+                )
         if all(step.by_hand for step in steps):
             return _by_hand(steps, fmodel, loss, flat, inputs, targets)
         return _through_autograd(steps, fmodel, loss, flat, inputs, targets)
@@ -409,10 +459,11 @@ def _per_parameter(fmodel: _FunctionalModel, flat: Tensor) -> List[Tensor]:
     return [c.view(s) for c, s in zip(flat.split(fmodel.numels), fmodel.shapes)]
 
 
-def _record(steps, fmodel, flat, inputs, grad_mode: bool):
+def _record(steps, fmodel, flat, inputs, grad_mode: bool, replay_rng: bool = True):
     """One forward pass through the chain; returns the outputs and each layer's context."""
     ctxs = []
-    with torch.set_grad_enabled(grad_mode), fmodel._replay_rng():
+    rng = fmodel._replay_rng() if replay_rng else contextlib.nullcontext()
+    with torch.set_grad_enabled(grad_mode), rng:
         params = _per_parameter(fmodel, flat)
         h = inputs
         for step in steps:
@@ -453,10 +504,12 @@ def _through_autograd(steps, fmodel, loss, flat, inputs, targets) -> _Linearizat
     with torch.enable_grad():
         (grad,) = torch.autograd.grad(outputs, leaf, dz, retain_graph=True)
     z = outputs.detach()
+    with torch.no_grad():
+        hessian = loss.hessian(z, targets)
 
     def ggn_vp(v: Tensor) -> Tensor:
         with torch.no_grad():
-            hjv = loss.hvp(z, targets, _jvp(chain, fmodel, v, z))  # v -> J v -> H J v
+            hjv = hessian(_jvp(chain, fmodel, v, z))  # v -> J v -> H J v
         with torch.enable_grad():
             (jthjv,) = torch.autograd.grad(outputs, leaf, hjv, retain_graph=True)
         return jthjv
@@ -464,14 +517,18 @@ def _through_autograd(steps, fmodel, loss, flat, inputs, targets) -> _Linearizat
     return _Linearization(value, grad, ggn_vp, _value_at(chain, fmodel, loss, inputs, targets))
 
 
-def _by_hand(steps, fmodel, loss, flat, inputs, targets) -> _Linearization:
+def _by_hand(steps, fmodel, loss, flat, inputs, targets, captured=False) -> _Linearization:
     """Tangents and cotangents by hand: no autograd graph is recorded or kept.
 
-    For chains of linear layers, elementwise activations, dropout and reshapes (the paper's
-    MLPs), where a small model's products are dominated by the autograd engine's fixed cost.
+    For chains of linear layers, zero-padded convolutions, max pooling, elementwise
+    activations, dropout and reshapes (the paper's five networks), where a small model's
+    products are dominated by fixed costs per operation. ``captured``: inside a CUDA graph
+    capture, where the targets (checked before) are not checked and no random state is set.
     """
-    outputs, chain = _record(steps, fmodel, flat.detach(), inputs, grad_mode=False)
-    value, dz = _output_loss(loss, outputs, targets)
+    outputs, chain = _record(
+        steps, fmodel, flat.detach(), inputs, grad_mode=False, replay_rng=not captured
+    )
+    value, dz = _output_loss(loss, outputs, targets, check=not captured)
     z = outputs
     # Layers before the first one with trainable parameters need no cotangent at all.
     first = min(i for i, step in enumerate(steps) if step.trainable)
@@ -485,20 +542,26 @@ def _by_hand(steps, fmodel, loss, flat, inputs, targets) -> _Linearization:
 
     def ggn_vp(v: Tensor) -> Tensor:
         with torch.no_grad():
-            return vjp(loss.hvp(z, targets, _jvp(chain, fmodel, v, z)))  # J^T H J v
+            return vjp(hessian(_jvp(chain, fmodel, v, z)))  # J^T H J v
 
     with torch.no_grad():
+        hessian = loss.hessian(z, targets)
         grad = vjp(dz)
-    return _Linearization(value, grad, ggn_vp, _value_at(chain, fmodel, loss, inputs, targets))
+    value_at = _value_at(chain, fmodel, loss, inputs, targets)
+    return _Linearization(value, grad, ggn_vp, value_at, outputs=z)
 
 
-def _select_engine(fmodel: _FunctionalModel, engine: str) -> _Linearize:
-    """The ``_linearize`` implementation for ``engine`` (one of :data:`ENGINES`)."""
+def _select_engine(fmodel: _FunctionalModel, engine: str, cuda_graphs: bool = False) -> _Linearize:
+    """The ``_linearize`` implementation for ``engine`` (one of :data:`ENGINES`); with
+    ``cuda_graphs`` the fast engine captures its work as CUDA graphs where it can (see
+    :mod:`torch_sgn.graphs`)."""
     if engine not in ENGINES:
         raise ValueError(f"invalid engine={engine!r}: must be one of {ENGINES}")
     if engine == "functional":
+        if cuda_graphs:
+            raise ValueError("cuda_graphs=True needs engine='fast' or 'auto', not 'functional'")
         return _linearize
-    return _LayerwiseEngine(fmodel, strict=engine == "fast")
+    return _LayerwiseEngine(fmodel, strict=engine == "fast", cuda_graphs=cuda_graphs)
 
 
 def _curvature_subset(linearize: _Linearize, fraction: float, seed: int = 0) -> _Linearize:

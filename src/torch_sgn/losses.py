@@ -46,6 +46,14 @@ class OutputLoss:
         """Returns ``H u``, ``H`` the Hessian of :meth:`value` w.r.t. ``outputs`` at ``outputs``."""
         raise NotImplementedError
 
+    def hessian(self, outputs: Tensor, targets: Tensor) -> Callable[[Tensor], Tensor]:
+        """``u -> H u`` at fixed ``outputs`` and ``targets``, for many products in one step.
+
+        Subclasses may compute what every product shares once here (the softmax of the
+        logits, the count of kept samples); the default calls :meth:`hvp` each time.
+        """
+        return lambda u: self.hvp(outputs, targets, u)
+
     def check_targets(self, outputs: Tensor, targets: Tensor) -> None:
         """Raises ``ValueError`` if ``targets`` cannot be the targets of ``outputs``."""
 
@@ -104,19 +112,27 @@ class _CrossEntropy(OutputLoss):
         )
 
     def hvp(self, outputs: Tensor, targets: Tensor, u: Tensor) -> Tensor:
+        return self.hessian(outputs, targets)(u)
+
+    def hessian(self, outputs: Tensor, targets: Tensor) -> Callable[[Tensor], Tensor]:
         # Per sample (and per extra position for (N, C, d1, ...) outputs), the Hessian of
-        # -sum_c q_c log softmax(z)_c is diag(p) - p p^T whenever sum_c q_c = 1.
+        # -sum_c q_c log softmax(z)_c is diag(p) - p p^T whenever sum_c q_c = 1. The softmax,
+        # the ignored samples' mask and the mean's 1 / count are folded into one factor once;
+        # nothing here waits for the device.
         p = torch.softmax(outputs, dim=1)
-        hu = p * (u - (p * u).sum(dim=1, keepdim=True))
-        count = outputs.numel() // outputs.shape[1]
-        if not targets.is_floating_point():
-            keep = targets != self.ignore_index
-            if not bool(keep.all()):
-                hu = hu * keep.unsqueeze(1)
-                count = keep.sum()
-        if self.reduction == "mean":
-            hu = hu / count
-        return hu
+        if targets.is_floating_point():
+            count = outputs.numel() // outputs.shape[1]
+            scaled = p / count if self.reduction == "mean" else p
+        else:
+            keep = (targets != self.ignore_index).unsqueeze(1).to(p.dtype)
+            scaled = p * keep
+            if self.reduction == "mean":
+                scaled = scaled / keep.sum()
+
+        def product(u: Tensor) -> Tensor:
+            return scaled * (u - (p * u).sum(dim=1, keepdim=True))
+
+        return product
 
     def check_targets(self, outputs: Tensor, targets: Tensor) -> None:
         if outputs.dim() < 2:
@@ -142,9 +158,9 @@ class _CrossEntropy(OutputLoss):
                 f"cross_entropy expects class indices of shape {expected}, got "
                 f"{tuple(targets.shape)}"
             )
-        kept = targets[targets != self.ignore_index]
-        if kept.numel():
-            lo, hi = int(kept.min()), int(kept.max())
+        if targets.numel():  # one transfer from the device; ignored targets count as class 0
+            kept = targets.masked_fill(targets == self.ignore_index, 0)
+            lo, hi = torch.stack(torch.aminmax(kept)).tolist()
             if lo < 0 or hi >= num_classes:
                 raise ValueError(
                     f"cross_entropy class index out of range: targets span [{lo}, {hi}] but the "

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from .cg import CGResult, conjugate_gradient
 from .damping import DAMPING_SCHEDULES, scheduled_damping, trust_region_update
-from .distributed import ProcessGroup, _communicator
+from .distributed import ProcessGroup, _communicator, _SingleProcess
 from .engine import ENGINES, _curvature_subset, _select_engine
 from .ggn import Inputs, _FunctionalModel, _Linearization
 from .line_search import LineSearchResult, backtracking
@@ -125,6 +125,13 @@ class SGN(torch.optim.Optimizer):
             chain. ``"functional"``: ``torch.func`` forward-mode AD, any model (re-runs the
             forward pass at every product). ``"auto"``: fast where it applies, else functional
             with a one-time warning. Default ``"auto"``.
+        cuda_graphs: capture the fast engine's set-up, ``G v`` product and trial-point loss
+            as CUDA graphs, once per batch shape, and replay them every step (see
+            :mod:`torch_sgn.graphs`): for small models on a GPU, whose steps cost kernel
+            launches more than arithmetic. Applies to CUDA models whose chain the fast engine
+            runs by hand (Linear, zero-padded convolutions, max pooling, activations,
+            reshapes, eval-mode dropout) with a named loss; elsewhere the step runs eagerly
+            after a one-time warning. Single process only. Default off.
         curvature_fraction: compute ``G v`` on a random subset of this fraction of each batch
             (drawn at step ``t`` from a generator seeded with ``t``), the loss and gradient on
             the whole batch (Martens, 2010). Default 1 (the whole batch, as the paper).
@@ -182,6 +189,7 @@ class SGN(torch.optim.Optimizer):
         ls_max_evals: int = 10,
         keep_grad: bool = False,
         engine: str = "auto",
+        cuda_graphs: bool = False,
         curvature_fraction: float = 1.0,
         process_group: ProcessGroup = None,
     ):
@@ -238,6 +246,12 @@ class SGN(torch.optim.Optimizer):
         )
         _check(engine in ENGINES, "engine", engine, f"must be one of {ENGINES}")
         _check(
+            not (cuda_graphs and engine == "functional"),
+            "cuda_graphs",
+            cuda_graphs,
+            "needs engine='fast' or 'auto' (the functional engine re-traces every product)",
+        )
+        _check(
             0 < curvature_fraction <= 1,
             "curvature_fraction",
             curvature_fraction,
@@ -259,7 +273,12 @@ class SGN(torch.optim.Optimizer):
         super().__init__(self._fmodel.params, defaults)
         if len(self.param_groups) != 1:  # pragma: no cover - guarded by add_param_group
             raise ValueError("SGN doesn't support per-parameter options (parameter groups)")
-        self._linearize = _select_engine(self._fmodel, engine)
+        if cuda_graphs and not isinstance(self._comm, _SingleProcess):
+            raise ValueError(
+                "cuda_graphs=True is not supported in a data-parallel group of several "
+                "processes (shards may differ in shape); leave it off there"
+            )
+        self._linearize = _select_engine(self._fmodel, engine, cuda_graphs)
         self._curvature_fraction = curvature_fraction
         self._global_state()  # created now, so that a failed first step changes nothing
 

@@ -1,0 +1,160 @@
+"""CUDA graphs for the fast engine: a step's launches replayed, not re-issued.
+
+The paper's networks are small: on a GPU a gradient, a ``G v`` product or a trial-point loss
+costs about as much as launching its kernels, whatever the batch. With ``cuda_graphs=True``
+the fast engine captures, once per batch shape, three CUDA graphs over static buffers:
+
+* the set-up: the recorded forward pass, the loss, the gradient and what the products reuse
+  (each layer's input, ``f'(z)``, the pooling indices, the softmax);
+* one ``G v`` product, reading the set-up's tensors;
+* the loss at a trial point (trust region, line search).
+
+A step then copies the batch and the parameters into the static buffers and replays the
+set-up, each CG iteration copies its vector in and replays the product, each trial point
+replays the loss: one launch each where eager execution issues dozens. CG's vector updates
+and the step's decisions stay eager, on the host, as before.
+
+Graphs apply where the engine runs the whole chain by hand (no autograd graph): a CUDA
+model of Linear, zero-padded convolution, max pooling, activation, reshape and eval-mode
+dropout layers with a named loss (``mse``, ``cross_entropy``, ``bce_with_logits``). Elsewhere
+the step runs eagerly, with a one-time warning that says why.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .ggn import _FunctionalModel, _Linearization
+from .losses import _MSE, OutputLoss, _BCEWithLogits, _CrossEntropy
+
+#: How many batch shapes keep their graphs (a run has two: full batches and the last one).
+_MAX_SHAPES = 4
+
+Capture = Callable[[Sequence[Callable[[], None]]], List[Callable[[], None]]]
+
+
+def _capture_cuda(fns: Sequence[Callable[[], None]]) -> List[Callable[[], None]]:
+    """Captures each of ``fns`` as a CUDA graph (in order, one memory pool) and returns their
+    replays. They run twice first on a side stream, as capture requires (library workspaces,
+    lazy initialisation)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            for fn in fns:
+                fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    pool = torch.cuda.graph_pool_handle()
+    replays = []
+    for fn in fns:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            fn()
+        replays.append(graph.replay)
+    return replays
+
+
+#: Capture by device type. Tests add an eager stand-in for "cpu" (replay = call again), which
+#: checks the static buffers' plumbing everywhere; only CUDA captures for real.
+_CAPTURE: Dict[str, Capture] = {"cuda": _capture_cuda}
+
+
+def obstacle(steps, model: nn.Module, loss: OutputLoss, device: torch.device) -> Optional[str]:
+    """Why graphs cannot apply to this chain, loss and device; ``None`` if they can."""
+    if device.type not in _CAPTURE:
+        return f"the model is on {device.type}, not on a CUDA device"
+    if not all(step.by_hand for step in steps):
+        return "some layer is not evaluated by hand (padding other than zeros, average pooling)"
+    if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.training for m in model.modules()):
+        return "training-mode dropout draws new random numbers every step"
+    if type(loss) not in (_MSE, _CrossEntropy, _BCEWithLogits):
+        return f"the loss {loss.name!r} has no closed-form Hessian"
+    return None
+
+
+class _Captured:
+    """The three graphs of one batch shape, with their static inputs and outputs."""
+
+    def __init__(self, by_hand, steps, fmodel, loss, flat, inputs, targets, capture: Capture):
+        self.x, self.y, self.flat = inputs.clone(), targets.clone(), flat.detach().clone()
+        self.v, self.trial = torch.zeros_like(self.flat), self.flat.clone()
+        first = by_hand(steps, fmodel, loss, self.flat, self.x, self.y)  # checks the targets
+        self.loss, self.grad = torch.zeros_like(first.loss), torch.zeros_like(first.grad)
+        self.product = torch.zeros_like(first.grad)
+        self.trial_loss = torch.zeros_like(first.loss)
+        # What the targets are checked against at later steps (shape and dtype only).
+        self.outputs_like = torch.empty_like(first.outputs, device="meta")
+        self.lin: _Linearization = first
+
+        def set_up() -> None:
+            self.lin = by_hand(steps, fmodel, loss, self.flat, self.x, self.y, captured=True)
+            self.loss.copy_(self.lin.loss)
+            self.grad.copy_(self.lin.grad)
+
+        def product() -> None:
+            self.product.copy_(self.lin.ggn_vp(self.v))
+
+        def trial() -> None:
+            self.trial_loss.copy_(self.lin.value_at(self.trial))
+
+        with torch.no_grad():
+            self._set_up, self._product, self._trial = capture([set_up, product, trial])
+
+    def __call__(self, flat: Tensor, inputs: Tensor, targets: Tensor) -> _Linearization:
+        with torch.no_grad():
+            self.x.copy_(inputs)
+            self.y.copy_(targets)
+            self.flat.copy_(flat)
+            self._set_up()
+        return _Linearization(self.loss.clone(), self.grad.clone(), self.ggn_vp, self.value_at)
+
+    def ggn_vp(self, v: Tensor) -> Tensor:
+        self.v.copy_(v)
+        self._product()
+        return self.product.clone()
+
+    def value_at(self, flat: Tensor) -> Tensor:
+        self.trial.copy_(flat)
+        self._trial()
+        return self.trial_loss.clone()
+
+
+class Graphs:
+    """The captured graphs of a chain, by batch shape (at most :data:`_MAX_SHAPES`)."""
+
+    def __init__(self) -> None:
+        self._by_key: OrderedDict[tuple, _Captured] = OrderedDict()
+
+    def clear(self) -> None:
+        self._by_key.clear()
+
+    def __call__(
+        self,
+        by_hand,
+        steps,
+        fmodel: _FunctionalModel,
+        loss: OutputLoss,
+        flat: Tensor,
+        inputs: Tensor,
+        targets: Tensor,
+    ) -> _Linearization:
+        key = (
+            tuple(inputs.shape), inputs.dtype, tuple(targets.shape), targets.dtype,
+            flat.dtype, flat.device, id(loss),
+            tuple(m.training for m in fmodel.model.modules()),
+        )  # fmt: skip
+        captured = self._by_key.get(key)
+        if captured is None:
+            capture = _CAPTURE[flat.device.type]
+            captured = _Captured(by_hand, steps, fmodel, loss, flat, inputs, targets, capture)
+            self._by_key[key] = captured
+            while len(self._by_key) > _MAX_SHAPES:
+                self._by_key.popitem(last=False)
+        else:  # the capture checked its first targets; these are new
+            self._by_key.move_to_end(key)
+            loss.check_targets(captured.outputs_like, targets)
+        return captured(flat, inputs, targets)

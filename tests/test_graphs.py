@@ -1,0 +1,174 @@
+"""CUDA graphs for the fast engine (``SGN(cuda_graphs=True)``).
+
+On the CPU an eager stand-in replaces the capture: a "replay" calls the captured function
+again, over the same static buffers. That checks everything but the capture itself (the batch,
+parameters and vectors copied in, the outputs copied out, one set of graphs per batch shape,
+targets checked before a replay, the cases where graphs do not apply). The CUDA test at the
+end checks real capture against eager steps.
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from torch_sgn import SGN, graphs
+from torch_sgn.models import PRESETS
+
+
+@pytest.fixture
+def captures(monkeypatch):
+    """Lets the CPU "capture": returns the list of captures made (their function counts)."""
+    made = []
+
+    def capture(fns):
+        made.append(len(fns))
+        for fn in fns:  # the warm-up run
+            fn()
+        return list(fns)
+
+    monkeypatch.setitem(graphs._CAPTURE, "cpu", capture)
+    return made
+
+
+def _batches(name, sizes, device="cpu", seed=0):
+    p = PRESETS[name]
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in sizes:
+        x = torch.randn((n, *p.input_shape), generator=g)
+        if p.loss == "mse":
+            y = torch.randn((n, 1), generator=g)
+        else:
+            y = torch.randint(0, 10, (n,), generator=g)
+        out.append((x.to(device), y.to(device)))
+    return out
+
+
+def _run(model, loss, batches, **options):
+    opt = SGN(model, loss, cg_iters=3, **options)
+    return [opt.step(x, y) for x, y in batches], opt
+
+
+@pytest.mark.parametrize("name", ["boston", "sine", "mnist", "fashion_mnist", "cifar10"])
+def test_replayed_steps_equal_eager_steps(name, captures):
+    p = PRESETS[name]
+    batches = _batches(name, [6, 6, 4, 6, 4])  # two shapes: full batches and a last one
+    eager_model, graph_model = p.build(), p.build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # graphs apply to every paper network
+        graph_infos, _ = _run(graph_model, p.loss, batches, cuda_graphs=True)
+    eager_infos, _ = _run(eager_model, p.loss, batches)
+    assert captures == [3, 3]  # set-up, product, trial loss; once per batch shape
+    assert graph_infos == eager_infos
+    for a, b in zip(graph_model.parameters(), eager_model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_bad_targets_on_a_captured_shape_raise_and_change_nothing(captures):
+    model = PRESETS["mnist"].build()
+    (x, y), (x2, y2) = _batches("mnist", [5, 5])
+    opt = SGN(model, "cross_entropy", cuda_graphs=True)
+    opt.step(x, y)
+    before = [t.clone() for t in model.parameters()]
+    state = copy.deepcopy(opt.state_dict())
+    y2[0] = 10  # the model has 10 outputs
+    with pytest.raises(ValueError, match="out of range"):
+        opt.step(x2, y2)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert opt.state_dict()["state"] == state["state"]
+    y2[0] = 3
+    opt.step(x2, y2)
+    assert len(captures) == 1
+
+
+def _dropout_mlp():
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Dropout(0.5), nn.Linear(8, 1))
+
+
+@pytest.mark.parametrize(
+    "build,loss,why",
+    [
+        (lambda: nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)), "mse", "CUDA"),
+        (_dropout_mlp, "mse", "training-mode dropout"),
+        (
+            lambda: nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)),
+            lambda out, y: (out - y).pow(4).mean(),
+            "closed-form Hessian",
+        ),
+        (
+            lambda: nn.Sequential(
+                nn.Unflatten(1, (1, 4)),
+                nn.Conv1d(1, 2, 2),
+                nn.AvgPool1d(3),
+                nn.Flatten(),
+                nn.Linear(2, 1),
+            ),  # fmt: skip
+            "mse",
+            "not evaluated by hand",
+        ),
+    ],
+    ids=["cpu", "dropout", "callable-loss", "avg-pool"],
+)
+def test_where_graphs_do_not_apply_steps_run_eagerly_after_one_warning(build, loss, why, request):
+    if why != "CUDA":
+        request.getfixturevalue("captures")
+    torch.manual_seed(0)
+    model = build()
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(6, 4, generator=g), torch.randn(6, 1, generator=g)) for _ in range(3)]
+    torch.manual_seed(2)
+    opt = SGN(model, loss, cg_iters=3, cuda_graphs=True)
+    with pytest.warns(UserWarning, match=f"cuda_graphs=True does not apply.*{why}"):
+        opt.step(*batches[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        for x, y in batches[1:]:
+            opt.step(x, y)
+    torch.manual_seed(2)
+    _run(reference, loss, batches)
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_switching_dropout_to_training_mode_leaves_the_graphs(captures):
+    model = _dropout_mlp().eval()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(6, 4, generator=g), torch.randn(6, 1, generator=g)
+    opt = SGN(model, "mse", cuda_graphs=True)
+    opt.step(x, y)
+    assert captures == [3]
+    model.train()
+    with pytest.warns(UserWarning, match="training-mode dropout"):
+        opt.step(x, y)
+    assert captures == [3]
+    model.eval()
+    opt.step(x, y)  # eval mode again: the captured graphs serve it
+    assert captures == [3]
+
+
+def test_cuda_graphs_need_the_fast_engine():
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        SGN(PRESETS["boston"].build(), "mse", engine="functional", cuda_graphs=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["boston", "sine", "mnist", "fashion_mnist", "cifar10"])
+def test_captured_cuda_steps_match_eager_cuda_steps(name):
+    p = PRESETS[name]
+    batches = _batches(name, [64, 64, 40, 64, 40, 64], device="cuda")
+    eager_model, graph_model = p.build().cuda(), p.build().cuda()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        graph_infos, opt = _run(graph_model, p.loss, batches, cuda_graphs=True)
+    eager_infos, _ = _run(eager_model, p.loss, batches)
+    assert len(opt._linearize._graphs._by_key) == 2
+    for a, b in zip(graph_infos, eager_infos):
+        assert a.cg_iters == b.cg_iters
+        assert a.loss == pytest.approx(b.loss, rel=1e-4)
+        assert a.loss_after == pytest.approx(b.loss_after, rel=1e-4)
+    for a, b in zip(graph_model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
