@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from torch_sgn import cli, runner
+from torch_sgn import cli, graphs, runner
 from torch_sgn.data import boston
 from torch_sgn.runner import (
     GRIDS,
@@ -256,11 +256,35 @@ def test_finished_run_is_skipped_and_other_configs_refused(tmp_path, boston_data
     stamp = os.stat(tmp_path / "results.json").st_mtime_ns
     assert run(cfg, tmp_path, quiet=True, data=boston_data) == first
     assert os.stat(tmp_path / "results.json").st_mtime_ns == stamp
-    # Threads and checkpoint frequency do not make another run: still skipped.
-    again = dataclasses.replace(cfg, threads=2, checkpoint_every=0)
+    # Threads, CUDA graphs and checkpoint frequency do not make another run: still skipped,
+    # and so is a run whose config.json predates one of these options.
+    again = dataclasses.replace(cfg, threads=2, checkpoint_every=0, cuda_graphs=True)
     assert run(again, tmp_path, quiet=True, data=boston_data) == first
+    old = read(tmp_path / "config.json")
+    del old["config"]["cuda_graphs"]
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    assert run(cfg, tmp_path, quiet=True, data=boston_data) == first
     with pytest.raises(RuntimeError, match="another configuration"):
         run(dataclasses.replace(cfg, seed=2), tmp_path, quiet=True, data=boston_data)
+
+
+def test_cuda_graphs_option_reaches_sgn(tmp_path, boston_data, monkeypatch):
+    made = []
+
+    def capture(fns):  # the CPU stand-in of tests/test_graphs.py: a replay calls again
+        made.append(len(fns))
+        for fn in fns:
+            fn()
+        return list(fns)
+
+    monkeypatch.setitem(graphs._CAPTURE, "cpu", capture)
+    graphed = run(tiny(epochs=2, cuda_graphs=True), tmp_path / "g", quiet=True, data=boston_data)
+    eager = run(tiny(epochs=2), tmp_path / "e", quiet=True, data=boston_data)
+    assert made == [3]  # one batch shape (404 = 4 x 101)
+    assert graphed["epochs"]["train_loss"] == eager["epochs"]["train_loss"]
+    args = ["run", "--preset", "boston", "--cuda-graphs", "true", "--epochs", "1"]
+    assert cli.main(args + ["--out", str(tmp_path / "c"), "--quiet"]) == 0
+    assert read(tmp_path / "c" / "config.json")["config"]["cuda_graphs"] is True
 
 
 # --------------------------------------------------------------------------- grids

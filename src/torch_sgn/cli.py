@@ -29,7 +29,10 @@ import torch.distributed
 from . import runner
 from .runner import GRIDS, AdamOptions, RunConfig, SGDOptions, SGNOptions
 
-_SHARED = ("device", "dtype", "threads", "data_root", "init", "checkpoint_every", "batch_size")
+_SHARED = (
+    "device", "dtype", "threads", "cuda_graphs", "data_root", "init", "checkpoint_every",
+    "batch_size",
+)  # fmt: skip
 
 
 def _bool(text: str) -> bool:

@@ -8,12 +8,16 @@ then per CG iteration only propagates
 * tangents forward by hand (``J v``): a linear layer maps ``(a, t)`` to
   ``W t + dW a + db``, an activation multiplies by ``f'(z)`` computed once per step, max
   pooling gathers with the stored indices, dropout multiplies by the stored mask;
-* cotangents backward (``J^T u``) through the autograd graph of that same forward pass, which
-  also gave the gradient.
+* cotangents backward (``J^T u``, and the gradient itself) by hand as well: a linear layer
+  by two matrix products, a zero-padded convolution by ``aten.convolution_backward``, max
+  pooling by a scatter-add at the stored indices. A chain with a layer that has no hand-made
+  cotangent (average pooling, other padding modes) goes backward through the autograd graph
+  of that same forward pass instead.
 
 So a product costs a tangent forward plus one backward pass, against a forward plus a backward
 for a gradient. The loss at the trust region's and line search's trial points is a plain
-forward pass through the same chain (no autograd, the recorded dropout masks).
+forward pass through the same chain (no autograd, the recorded dropout masks). With
+``cuda_graphs`` the by-hand work is captured and replayed (:mod:`torch_sgn.graphs`).
 
 :func:`_select_engine` picks the implementation of the optimizer's ``_linearize`` interface:
 ``"fast"`` (this module; raises where it cannot apply), ``"functional"`` (any model) or

@@ -150,6 +150,8 @@ class RunConfig:
         device: Torch device.
         dtype: ``"float32"`` or ``"float64"``.
         threads: ``torch.set_num_threads`` for the run; ``None`` leaves it.
+        cuda_graphs: SGN's ``cuda_graphs`` (replay its step's work as CUDA graphs; SGN on a
+            CUDA device only).
         data_root: Directory with the file-based data sets; ``None`` for the default lookup.
         checkpoint_every: Seconds of wall time between checkpoints (taken at epoch ends);
             0 checkpoints after every epoch.
@@ -169,6 +171,7 @@ class RunConfig:
     device: str = "cpu"
     dtype: Literal["float32", "float64"] = "float32"
     threads: Optional[int] = None
+    cuda_graphs: bool = False
     data_root: Optional[str] = None
     checkpoint_every: float = 60.0
     sgn: SGNOptions = field(default_factory=SGNOptions)
@@ -267,12 +270,13 @@ def _jsonable(obj: Any) -> Any:
     return obj
 
 
-_NOT_IDENTITY = ("threads", "checkpoint_every", "data_root")
+_NOT_IDENTITY = ("threads", "checkpoint_every", "data_root", "cuda_graphs")
 
 
 def same_run(a: Optional[dict], b: Optional[dict]) -> bool:
-    """Whether two configs (as dicts) describe the same run: how many threads, how often to
-    checkpoint and where the data files lie do not change the results."""
+    """Whether two configs (as dicts) describe the same run: how many threads, whether CUDA
+    graphs replay the steps, how often to checkpoint and where the data files lie do not
+    change the results (an older config without one of these keys matches too)."""
     if a is None or b is None:
         return False
 
@@ -394,6 +398,7 @@ def _make_optimizer(cfg: RunConfig, model: nn.Module, loss: str):
             warmup_cg_iters=o.warmup_cg_iters,
             warmup_steps=o.warmup_steps,
             preconditioner=o.preconditioner,
+            cuda_graphs=cfg.cuda_graphs,
         )
         return opt, None
     if cfg.optimizer == "sgd":
