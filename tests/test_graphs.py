@@ -23,7 +23,7 @@ def captures(monkeypatch):
     """Lets the CPU "capture": returns the list of captures made (their function counts)."""
     made = []
 
-    def capture(fns):
+    def capture(fns, device):
         made.append(len(fns))
         for fn in fns:  # the warm-up run
             fn()

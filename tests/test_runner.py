@@ -271,7 +271,7 @@ def test_finished_run_is_skipped_and_other_configs_refused(tmp_path, boston_data
 def test_cuda_graphs_option_reaches_sgn(tmp_path, boston_data, monkeypatch):
     made = []
 
-    def capture(fns):  # the CPU stand-in of tests/test_graphs.py: a replay calls again
+    def capture(fns, device):  # the CPU stand-in of tests/test_graphs.py: a replay calls again
         made.append(len(fns))
         for fn in fns:
             fn()

@@ -34,28 +34,39 @@ from .losses import _MSE, OutputLoss, _BCEWithLogits, _CrossEntropy
 #: How many batch shapes keep their graphs (a run has two: full batches and the last one).
 _MAX_SHAPES = 4
 
-Capture = Callable[[Sequence[Callable[[], None]]], List[Callable[[], None]]]
+Capture = Callable[[Sequence[Callable[[], None]], torch.device], List[Callable[[], None]]]
 
 
-def _capture_cuda(fns: Sequence[Callable[[], None]]) -> List[Callable[[], None]]:
-    """Captures each of ``fns`` as a CUDA graph (in order, one memory pool) and returns their
-    replays. They run twice first on a side stream, as capture requires (library workspaces,
-    lazy initialisation)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            for fn in fns:
+def _capture_cuda(
+    fns: Sequence[Callable[[], None]], device: torch.device
+) -> List[Callable[[], None]]:
+    """Captures each of ``fns`` as a CUDA graph on ``device`` (in order, one memory pool) and
+    returns their replays. They run twice first on a side stream, as capture requires (library
+    workspaces, lazy initialisation)."""
+    with torch.cuda.device(device):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                for fn in fns:
+                    fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        pool = torch.cuda.graph_pool_handle()
+        graphs = []
+        for fn in fns:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
                 fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    pool = torch.cuda.graph_pool_handle()
-    replays = []
-    for fn in fns:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            fn()
-        replays.append(graph.replay)
-    return replays
+            graphs.append(graph)
+
+    def replay(graph: torch.cuda.CUDAGraph) -> Callable[[], None]:
+        def run() -> None:
+            with torch.cuda.device(device):  # on the graph's device's current stream
+                graph.replay()
+
+        return run
+
+    return [replay(graph) for graph in graphs]
 
 
 #: Capture by device type. Tests add an eager stand-in for "cpu" (replay = call again), which
@@ -102,7 +113,9 @@ class _Captured:
             self.trial_loss.copy_(self.lin.value_at(self.trial))
 
         with torch.no_grad():
-            self._set_up, self._product, self._trial = capture([set_up, product, trial])
+            self._set_up, self._product, self._trial = capture(
+                [set_up, product, trial], self.flat.device
+            )
 
     def __call__(self, flat: Tensor, inputs: Tensor, targets: Tensor) -> _Linearization:
         with torch.no_grad():
