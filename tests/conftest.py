@@ -27,3 +27,22 @@ def each_engine(request, monkeypatch):
             cls, "__init__", functools.partialmethod(cls.__init__, engine=request.param)
         )
     return request.param
+
+
+@pytest.fixture
+def cpu_graph_captures(monkeypatch):
+    """Lets ``SGN(cuda_graphs=True)`` "capture" on the CPU with an eager stand-in (a replay
+    calls the captured function again, over the same static buffers); returns the list of
+    captures made (the number of functions in each)."""
+    from torch_sgn import graphs
+
+    made = []
+
+    def capture(fns, device):
+        made.append(len(fns))
+        for fn in fns:  # the warm-up run
+            fn()
+        return list(fns)
+
+    monkeypatch.setitem(graphs._CAPTURE, "cpu", capture)
+    return made

@@ -145,12 +145,64 @@ def test_zero_padded_conv_chains_run_by_hand_and_others_through_autograd(
     name, model, in_shape, kind
 ):
     assert all(step.by_hand for step in _plan(_FunctionalModel(model)))
+
+
+def test_other_paddings_and_average_pooling_go_through_autograd():
     for other in (
         nn.Conv2d(1, 2, 4, padding="same"),  # pads unevenly before the convolution
         nn.Conv2d(1, 2, 3, padding=1, padding_mode="reflect"),
         nn.Sequential(nn.Conv2d(1, 2, 3), nn.AvgPool2d(2)),
     ):
         assert not all(step.by_hand for step in _plan(_FunctionalModel(nn.Sequential(other))))
+
+
+def _assert_matches_reference(lin, model, loss, x, y):
+    G_ref, g_ref, _ = dense_ggn(model, loss, x, y)
+    torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
+    columns = [lin.ggn_vp(e) for e in torch.eye(len(g_ref), dtype=D)]
+    torch.testing.assert_close(torch.stack(columns, 1), G_ref, rtol=1e-9, atol=1e-11)
+
+
+def test_convolution_settings_changed_after_planning_are_followed():
+    # One engine across the change, as in an optimizer: the plan stays, the settings are read
+    # at every step.
+    torch.manual_seed(0)
+    conv = nn.Conv2d(1, 2, 3, padding=1)
+    model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.Linear(2 * 9, 2)).to(D)
+    x, y = torch.randn(4, 1, 6, 6, dtype=D), torch.randn(4, 2, dtype=D)
+    fmodel = _FunctionalModel(model)
+    engine = _LayerwiseEngine(fmodel, strict=True)
+    conv.stride = (2, 2)
+    _assert_matches_reference(engine(fmodel, resolve_loss("mse"), fmodel.flat(), x, y), model,
+                              "mse", x, y)  # fmt: skip
+    conv.padding_mode = "reflect"  # now through autograd, with the reflected padding
+    _assert_matches_reference(engine(fmodel, resolve_loss("mse"), fmodel.flat(), x, y), model,
+                              "mse", x, y)  # fmt: skip
+
+
+def test_unbatched_convolution_by_hand():
+    # The 5 "samples" are the convolution's 5 channels; its output's 4 channels are the loss's
+    # rows (aten's convolution backward wants a batch dimension, added and removed by hand).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(5, 4, 3), nn.Tanh(), nn.Linear(6, 2)).to(D)
+    x = torch.randn(5, 8, dtype=D)
+    y = torch.randn(4, 2, dtype=D)
+    fmodel = _FunctionalModel(model)
+    lin = _LayerwiseEngine(fmodel, strict=True)(fmodel, resolve_loss("mse"), fmodel.flat(), x, y)
+    assert all(step.by_hand for step in _plan(fmodel))
+    _assert_matches_reference(lin, model, "mse", x, y)
+
+
+def test_frozen_weight_with_a_trainable_bias_before_pooling():
+    torch.manual_seed(0)
+    conv = nn.Conv2d(1, 2, 3)
+    conv.weight.requires_grad_(False)
+    model = nn.Sequential(conv, nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8, 2)).to(D)
+    x, y = _batch(model, (1, 6, 6), 4, "real")
+    G_ref, g_ref, _ = dense_ggn(model, "mse", x, y)
+    G = GGN(model, "mse", x, y, engine="fast")
+    torch.testing.assert_close(G.to_dense(), G_ref, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(G.gradient, g_ref, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("name,model,in_shape,kind", _zoo(), ids=[z[0] for z in _zoo()])

@@ -19,18 +19,8 @@ from torch_sgn.models import PRESETS
 
 
 @pytest.fixture
-def captures(monkeypatch):
-    """Lets the CPU "capture": returns the list of captures made (their function counts)."""
-    made = []
-
-    def capture(fns, device):
-        made.append(len(fns))
-        for fn in fns:  # the warm-up run
-            fn()
-        return list(fns)
-
-    monkeypatch.setitem(graphs._CAPTURE, "cpu", capture)
-    return made
+def captures(cpu_graph_captures):
+    return cpu_graph_captures
 
 
 def _batches(name, sizes, device="cpu", seed=0):
@@ -155,6 +145,67 @@ def test_cuda_graphs_need_the_fast_engine():
         SGN(PRESETS["boston"].build(), "mse", engine="functional", cuda_graphs=True)
 
 
+def test_ignored_targets_that_move_between_steps_of_one_shape(captures):
+    # The mask and count of ignored samples are computed on the device in the captured set-up:
+    # a replay with another pattern must use it.
+    p = PRESETS["mnist"]
+    batches = _batches("mnist", [6, 6, 6])
+    for i, (_, y) in enumerate(batches):
+        y[i] = -100
+        y[(i + 2) % 6] = -100
+    graph_model, eager_model = p.build(), p.build()
+    graph_infos, _ = _run(graph_model, "cross_entropy", batches, cuda_graphs=True)
+    eager_infos, _ = _run(eager_model, "cross_entropy", batches)
+    assert captures == [3] and graph_infos == eager_infos
+
+
+def test_a_failed_capture_warns_once_and_steps_run_eagerly(monkeypatch):
+    calls = []
+
+    def failing(fns, device):
+        calls.append(1)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setitem(graphs._CAPTURE, "cpu", failing)
+    p = PRESETS["boston"]
+    batches = _batches("boston", [5, 5, 3])
+    graph_model, eager_model = p.build(), p.build()
+    with pytest.warns(UserWarning, match="capturing the step as CUDA graphs failed"):
+        graph_infos, _ = _run(graph_model, "mse", batches, cuda_graphs=True)
+    eager_infos, _ = _run(eager_model, "mse", batches)
+    assert calls == [1]  # not tried again, not even for the new shape
+    assert graph_infos == eager_infos
+
+
+def test_too_many_shapes_warn_once_and_still_step_right(captures):
+    p = PRESETS["boston"]
+    batches = _batches("boston", [2, 3, 4, 5, 6, 2, 3])
+    graph_model, eager_model = p.build(), p.build()
+    with pytest.warns(UserWarning, match="more than 4 batch shapes") as record:
+        graph_infos, _ = _run(graph_model, "mse", batches, cuda_graphs=True)
+    eager_infos, _ = _run(eager_model, "mse", batches)
+    assert len([w for w in record if "batch shapes" in str(w.message)]) == 1
+    assert len(captures) == 7  # shapes 2 and 3 were evicted and captured again
+    assert graph_infos == eager_infos
+
+
+def test_changed_loss_or_layer_settings_are_captured_again(captures):
+    from torch_sgn.losses import resolve_loss
+
+    loss = resolve_loss("mse")
+    model = nn.Sequential(nn.Linear(4, 6), nn.LeakyReLU(0.1), nn.Linear(6, 1))
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(5, 4, generator=g), torch.randn(5, 1, generator=g)
+    opt, ref = SGN(model, loss, cuda_graphs=True), SGN(reference, "mse")
+    opt.step(x, y), ref.step(x, y)
+    loss.reduction = "sum"
+    model[1].negative_slope = reference[1].negative_slope = 0.3
+    ref._loss.reduction = "sum"
+    assert opt.step(x, y) == ref.step(x, y)
+    assert captures == [3, 3]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["boston", "sine", "mnist", "fashion_mnist", "cifar10"])
 def test_captured_cuda_steps_match_eager_cuda_steps(name):
@@ -175,5 +226,26 @@ def test_captured_cuda_steps_match_eager_cuda_steps(name):
         assert a.loss == pytest.approx(b.loss, rel=1e-10)
         assert a.loss_after == pytest.approx(b.loss_after, rel=1e-10)
         assert a.damping == b.damping
+    for a, b in zip(graph_model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_cuda_steps_with_ignored_targets_subsets_and_frozen_layers():
+    kw = dict(device="cuda", dtype=torch.float64)
+    p = PRESETS["fashion_mnist"]
+    batches = []
+    for i, (x, y) in enumerate(_batches("fashion_mnist", [32, 32, 32, 20])):
+        y[i::7] = -100  # a pattern that moves from step to step
+        batches.append((x.to(**kw), y.cuda()))
+    eager_model, graph_model = p.build().to(**kw), p.build().to(**kw)
+    for m in (eager_model, graph_model):
+        m[0].weight.requires_grad_(False)  # a frozen first convolution
+    options = dict(curvature_fraction=0.5)
+    graph_infos, _ = _run(graph_model, p.loss, batches, cuda_graphs=True, **options)
+    eager_infos, _ = _run(eager_model, p.loss, batches, **options)
+    for a, b in zip(graph_infos, eager_infos):
+        assert a.cg_iters == b.cg_iters
+        assert a.loss_after == pytest.approx(b.loss_after, rel=1e-10)
     for a, b in zip(graph_model.parameters(), eager_model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from torch_sgn import cli, graphs, runner
+from torch_sgn import cli, runner
 from torch_sgn.data import boston
 from torch_sgn.runner import (
     GRIDS,
@@ -268,16 +268,8 @@ def test_finished_run_is_skipped_and_other_configs_refused(tmp_path, boston_data
         run(dataclasses.replace(cfg, seed=2), tmp_path, quiet=True, data=boston_data)
 
 
-def test_cuda_graphs_option_reaches_sgn(tmp_path, boston_data, monkeypatch):
-    made = []
-
-    def capture(fns, device):  # the CPU stand-in of tests/test_graphs.py: a replay calls again
-        made.append(len(fns))
-        for fn in fns:
-            fn()
-        return list(fns)
-
-    monkeypatch.setitem(graphs._CAPTURE, "cpu", capture)
+def test_cuda_graphs_option_reaches_sgn(tmp_path, boston_data, cpu_graph_captures):
+    made = cpu_graph_captures
     graphed = run(tiny(epochs=2, cuda_graphs=True), tmp_path / "g", quiet=True, data=boston_data)
     eager = run(tiny(epochs=2), tmp_path / "e", quiet=True, data=boston_data)
     assert made == [3]  # one batch shape (404 = 4 x 101)

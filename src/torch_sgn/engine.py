@@ -102,56 +102,57 @@ class _Affine(_Step):
             self.op = F.linear
         else:
             self.op = module._conv_forward  # handles padding modes
-            # By hand only where the convolution is one aten op (zero padding given in numbers
-            # or "valid"); other padding modes and "same" pad first: through autograd.
-            padding = module.padding
-            self.by_hand = module.padding_mode == "zeros" and padding != "same"
-            if padding == "valid":
-                padding = (0,) * len(module.kernel_size)
-            self.conv_args = (
-                None
-                if not self.by_hand
-                else (
-                    [module.out_channels] if module.bias is not None else None,
-                    list(module.stride),
-                    list(padding),
-                    list(module.dilation),
-                    False,  # not transposed
-                    [0] * len(module.kernel_size),
-                    module.groups,
-                )
-            )
         self.bias_shape = (
             (-1,) if isinstance(module, nn.Linear) else (-1,) + (1,) * (len(module.kernel_size))
         )
 
+    @property
+    def by_hand(self) -> bool:  # read at every step: the module's settings may change
+        m = self.module
+        # A convolution by hand only where it is one aten op (zero padding in numbers or
+        # "valid"); other padding modes and "same" pad first: those go through autograd.
+        return isinstance(m, nn.Linear) or (m.padding_mode == "zeros" and m.padding != "same")
+
     def forward(self, a, params):
         w = _get(self.weight, params)
         z = self.op(a, w, _get(self.bias, params))
-        return z, (a.detach(), w.detach())
+        return z, (a.detach(), w.detach(), z.shape)
 
     def value(self, ctx, a, params):
         return self.op(a, _get(self.weight, params), _get(self.bias, params))
 
     def tangent(self, ctx, t, vs):
-        a, w = ctx
+        a, w, shape = ctx
         dw, db = _tangent_of(self.weight, vs), _tangent_of(self.bias, vs)
         out = None
         if dw is not None:
             out = self.op(a, dw, db)  # dW a + db
-        elif db is not None:
-            out = db.view(self.bias_shape)
+        elif db is not None:  # a frozen weight: db alone, broadcast to the output's shape
+            out = db.view(self.bias_shape).expand(shape)
         if t is not None:
             wt = self.op(t, w, None)  # W t
             out = wt if out is None else out + wt
         return out
 
+    def _conv_backward(self, u: Tensor, a: Tensor, w: Tensor, need_input: bool):
+        """A convolution's cotangents, as autograd would compute them (one aten op)."""
+        m = self.module
+        dims = len(m.kernel_size)
+        unbatched = a.dim() == dims + 1  # (C, *spatial): the op wants a batch dimension
+        if unbatched:
+            a, u = a.unsqueeze(0), u.unsqueeze(0)
+        mask = [need_input, isinstance(self.weight, int), isinstance(self.bias, int)]
+        ga, gw, gb = torch.ops.aten.convolution_backward(
+            u, a, w, [m.out_channels] if m.bias is not None else None, list(m.stride),
+            [0] * dims if m.padding == "valid" else list(m.padding), list(m.dilation),
+            False, [0] * dims, m.groups, mask,
+        )  # fmt: skip
+        return (ga.squeeze(0) if unbatched and ga is not None else ga), gw, gb
+
     def cotangent(self, ctx, u, grads, need_input):
-        a, w = ctx
-        if self.op is not F.linear:  # a convolution: aten's backward, as autograd would run it
-            bias_sizes, *args = self.conv_args
-            mask = [need_input, isinstance(self.weight, int), isinstance(self.bias, int)]
-            ga, gw, gb = torch.ops.aten.convolution_backward(u, a, w, bias_sizes, *args, mask)
+        a, w, _ = ctx
+        if self.op is not F.linear:
+            ga, gw, gb = self._conv_backward(u, a, w, need_input)
             _accumulate(grads, self.weight, gw)
             _accumulate(grads, self.bias, gb)
             return ga
@@ -459,17 +460,23 @@ class _LayerwiseEngine:
                 steps = None
             else:
                 inputs = inputs[0]
-        if steps is None:
-            return _linearize(fmodel, loss, flat, inputs, targets, buffers_out)
         if self._graphs is not None:
-            why = graphs.obstacle(steps, fmodel.model, loss, flat.device)
+            why = (
+                "the fast engine does not apply to this model"
+                if steps is None
+                else graphs.obstacle(steps, fmodel.model, loss, flat.device)
+            )
             if why is None:
-                return self._graphs(_by_hand, steps, fmodel, loss, flat, inputs, targets)
-            if not self._graphs_warned:
+                lin = self._graphs(_by_hand, steps, fmodel, loss, flat, inputs, targets)
+                if lin is not None:
+                    return lin
+            elif not self._graphs_warned:
                 self._graphs_warned = True
                 warnings.warn(
                     f"cuda_graphs=True does not apply ({why}); running eagerly", stacklevel=3
                 )
+        if steps is None:
+            return _linearize(fmodel, loss, flat, inputs, targets, buffers_out)
         if all(step.by_hand for step in steps):
             return _by_hand(steps, fmodel, loss, flat, inputs, targets)
         return _through_autograd(steps, fmodel, loss, flat, inputs, targets)
@@ -578,9 +585,7 @@ def _select_engine(fmodel: _FunctionalModel, engine: str, cuda_graphs: bool = Fa
     :mod:`torch_sgn.graphs`)."""
     if engine not in ENGINES:
         raise ValueError(f"invalid engine={engine!r}: must be one of {ENGINES}")
-    if engine == "functional":
-        if cuda_graphs:
-            raise ValueError("cuda_graphs=True needs engine='fast' or 'auto', not 'functional'")
+    if engine == "functional":  # SGN refuses cuda_graphs with it
         return _linearize
     return _LayerwiseEngine(fmodel, strict=engine == "fast", cuda_graphs=cuda_graphs)
 

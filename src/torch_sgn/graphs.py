@@ -17,11 +17,15 @@ and the step's decisions stay eager, on the host, as before.
 Graphs apply where the engine runs the whole chain by hand (no autograd graph): a CUDA
 model of Linear, zero-padded convolution, max pooling, activation, reshape and eval-mode
 dropout layers with a named loss (``mse``, ``cross_entropy``, ``bce_with_logits``). Elsewhere
-the step runs eagerly, with a one-time warning that says why.
+the step runs eagerly, with a one-time warning that says why; so it does after a capture
+fails. A capture is keyed on the batch's shapes and dtypes, the parameters' dtype and device,
+the loss's options and every layer's settings (``extra_repr``, training mode): a change of
+any of these captures again, and more than :data:`_MAX_SHAPES` of them in turn warn once.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -90,7 +94,7 @@ def obstacle(steps, model: nn.Module, loss: OutputLoss, device: torch.device) ->
 class _Captured:
     """The three graphs of one batch shape, with their static inputs and outputs."""
 
-    def __init__(self, by_hand, steps, fmodel, loss, flat, inputs, targets, capture: Capture):
+    def __init__(self, by_hand, steps, fmodel, loss, flat, inputs, targets):
         self.x, self.y, self.flat = inputs.clone(), targets.clone(), flat.detach().clone()
         self.v, self.trial = torch.zeros_like(self.flat), self.flat.clone()
         first = by_hand(steps, fmodel, loss, self.flat, self.x, self.y)  # checks the targets
@@ -100,6 +104,12 @@ class _Captured:
         # What the targets are checked against at later steps (shape and dtype only).
         self.outputs_like = torch.empty_like(first.outputs, device="meta")
         self.lin: _Linearization = first
+
+        self._args = (by_hand, steps, fmodel, loss)
+
+    def capture(self, capture: Capture) -> None:
+        """Captures the set-up, one product and one trial loss (may raise: see the caller)."""
+        by_hand, steps, fmodel, loss = self._args
 
         def set_up() -> None:
             self.lin = by_hand(steps, fmodel, loss, self.flat, self.x, self.y, captured=True)
@@ -137,10 +147,16 @@ class _Captured:
 
 
 class Graphs:
-    """The captured graphs of a chain, by batch shape (at most :data:`_MAX_SHAPES`)."""
+    """The captured graphs of a chain, by batch shape (at most :data:`_MAX_SHAPES`).
+
+    Returns ``None`` (run eagerly) once a capture has failed; warns once when more batch
+    shapes than it keeps come round, since each new shape costs a capture.
+    """
 
     def __init__(self) -> None:
         self._by_key: OrderedDict[tuple, _Captured] = OrderedDict()
+        self.failed: Optional[str] = None
+        self._evicted = False
 
     def clear(self) -> None:
         self._by_key.clear()
@@ -154,19 +170,41 @@ class Graphs:
         flat: Tensor,
         inputs: Tensor,
         targets: Tensor,
-    ) -> _Linearization:
+    ) -> Optional[_Linearization]:
+        if self.failed is not None:
+            return None
+        model = fmodel.model
         key = (
             tuple(inputs.shape), inputs.dtype, tuple(targets.shape), targets.dtype,
-            flat.dtype, flat.device, id(loss),
-            tuple(m.training for m in fmodel.model.modules()),
+            flat.dtype, flat.device, id(loss), repr(sorted(vars(loss).items())),
+            # what the captured kernels bake in: every layer's settings, dropout's mode
+            tuple((type(m), m.extra_repr(), m.training) for m in model.modules()),
         )  # fmt: skip
         captured = self._by_key.get(key)
         if captured is None:
-            capture = _CAPTURE[flat.device.type]
-            captured = _Captured(by_hand, steps, fmodel, loss, flat, inputs, targets, capture)
+            captured = _Captured(by_hand, steps, fmodel, loss, flat, inputs, targets)
+            try:
+                captured.capture(_CAPTURE[flat.device.type])
+            except RuntimeError as e:  # an op that cannot be captured, out of memory, ...
+                self.failed = str(e).splitlines()[0] if str(e) else type(e).__name__
+                self._by_key.clear()
+                warnings.warn(
+                    f"capturing the step as CUDA graphs failed ({self.failed}); running "
+                    "eagerly from now on",
+                    stacklevel=4,
+                )
+                return None
             self._by_key[key] = captured
-            while len(self._by_key) > _MAX_SHAPES:
+            if len(self._by_key) > _MAX_SHAPES:
                 self._by_key.popitem(last=False)
+                if not self._evicted:
+                    self._evicted = True
+                    warnings.warn(
+                        f"more than {_MAX_SHAPES} batch shapes (or layer settings) came round; "
+                        "each new one is captured again, which costs more than it saves if it "
+                        "goes on: keep batch shapes fixed, or use cuda_graphs=False",
+                        stacklevel=4,
+                    )
         else:  # the capture checked its first targets; these are new
             self._by_key.move_to_end(key)
             loss.check_targets(captured.outputs_like, targets)

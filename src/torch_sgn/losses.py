@@ -179,11 +179,14 @@ class _BCEWithLogits(OutputLoss):
         return F.binary_cross_entropy_with_logits(outputs, targets, reduction=self.reduction)
 
     def hvp(self, outputs: Tensor, targets: Tensor, u: Tensor) -> Tensor:
+        return self.hessian(outputs, targets)(u)
+
+    def hessian(self, outputs: Tensor, targets: Tensor) -> Callable[[Tensor], Tensor]:
         s = torch.sigmoid(outputs)
-        hu = s * (1 - s) * u
+        diagonal = s * (1 - s)  # once per step; a product is one multiplication
         if self.reduction == "mean":
-            hu = hu / outputs.numel()
-        return hu
+            diagonal = diagonal / outputs.numel()
+        return lambda u: diagonal * u
 
     def check_targets(self, outputs: Tensor, targets: Tensor) -> None:
         if not targets.is_floating_point():

@@ -275,8 +275,9 @@ _NOT_IDENTITY = ("threads", "checkpoint_every", "data_root", "cuda_graphs")
 
 def same_run(a: Optional[dict], b: Optional[dict]) -> bool:
     """Whether two configs (as dicts) describe the same run: how many threads, whether CUDA
-    graphs replay the steps, how often to checkpoint and where the data files lie do not
-    change the results (an older config without one of these keys matches too)."""
+    graphs replay the steps (both change results at most in rounding: other kernels), how
+    often to checkpoint and where the data files lie do not (an older config without one of
+    these keys matches too)."""
     if a is None or b is None:
         return False
 
