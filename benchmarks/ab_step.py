@@ -26,13 +26,12 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ggn_cost import _batch  # noqa: E402
+from ggn_cost import _batch, _timed  # noqa: E402
 
 
 def _import_old(old_src: str) -> str:
@@ -66,21 +65,18 @@ def main() -> None:
         opts[tag] = (sgn, copy.deepcopy(sgn.state_dict()), sgn._fmodel.flat().clone())
     loss = importlib.import_module("torch_sgn.losses").resolve_loss(loss_name)
 
-    def timed(fn) -> float:
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
+    cpu = torch.device("cpu")
 
     def step(tag: str) -> float:
         sgn, state, flat = opts[tag]
         sgn._fmodel.write(flat)
         sgn.load_state_dict(state)
-        return timed(lambda: sgn.step(x, y))
+        return _timed(lambda: sgn.step(x, y), cpu)
 
     times = {"grad": [], "old": [], "new": []}
     faults = {"old": [], "new": []}
     for r in range(args.rounds + 2):  # two rounds of warm-up
-        row = {"grad": timed(lambda: torch.autograd.grad(loss.value(model(x), y), params))}
+        row = {"grad": _timed(lambda: torch.autograd.grad(loss.value(model(x), y), params), cpu)}
         for tag in ("old", "new") if r % 2 else ("new", "old"):
             before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             row[tag] = step(tag)

@@ -18,11 +18,6 @@ from torch_sgn import SGN, graphs
 from torch_sgn.models import PRESETS
 
 
-@pytest.fixture
-def captures(cpu_graph_captures):
-    return cpu_graph_captures
-
-
 def _batches(name, sizes, device="cpu", seed=0):
     p = PRESETS[name]
     g = torch.Generator().manual_seed(seed)
@@ -43,7 +38,7 @@ def _run(model, loss, batches, **options):
 
 
 @pytest.mark.parametrize("name", ["boston", "sine", "mnist", "fashion_mnist", "cifar10"])
-def test_replayed_steps_equal_eager_steps(name, captures):
+def test_replayed_steps_equal_eager_steps(name, cpu_graph_captures):
     p = PRESETS[name]
     batches = _batches(name, [6, 6, 4, 6, 4])  # two shapes: full batches and a last one
     eager_model, graph_model = p.build(), p.build()
@@ -51,13 +46,13 @@ def test_replayed_steps_equal_eager_steps(name, captures):
         warnings.simplefilter("error")  # graphs apply to every paper network
         graph_infos, _ = _run(graph_model, p.loss, batches, cuda_graphs=True)
     eager_infos, _ = _run(eager_model, p.loss, batches)
-    assert captures == [3, 3]  # set-up, product, trial loss; once per batch shape
+    assert cpu_graph_captures == [3, 3]  # set-up, product, trial loss; once per batch shape
     assert graph_infos == eager_infos
     for a, b in zip(graph_model.parameters(), eager_model.parameters()):
         assert torch.equal(a, b)
 
 
-def test_bad_targets_on_a_captured_shape_raise_and_change_nothing(captures):
+def test_bad_targets_on_a_captured_shape_raise_and_change_nothing(cpu_graph_captures):
     model = PRESETS["mnist"].build()
     (x, y), (x2, y2) = _batches("mnist", [5, 5])
     opt = SGN(model, "cross_entropy", cuda_graphs=True)
@@ -71,7 +66,7 @@ def test_bad_targets_on_a_captured_shape_raise_and_change_nothing(captures):
     assert opt.state_dict()["state"] == state["state"]
     y2[0] = 3
     opt.step(x2, y2)
-    assert len(captures) == 1
+    assert len(cpu_graph_captures) == 1
 
 
 def _dropout_mlp():
@@ -104,7 +99,7 @@ def _dropout_mlp():
 )
 def test_where_graphs_do_not_apply_steps_run_eagerly_after_one_warning(build, loss, why, request):
     if why != "CUDA":
-        request.getfixturevalue("captures")
+        request.getfixturevalue("cpu_graph_captures")
     torch.manual_seed(0)
     model = build()
     reference = copy.deepcopy(model)
@@ -124,20 +119,20 @@ def test_where_graphs_do_not_apply_steps_run_eagerly_after_one_warning(build, lo
         assert torch.equal(a, b)
 
 
-def test_switching_dropout_to_training_mode_leaves_the_graphs(captures):
+def test_switching_dropout_to_training_mode_leaves_the_graphs(cpu_graph_captures):
     model = _dropout_mlp().eval()
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(6, 4, generator=g), torch.randn(6, 1, generator=g)
     opt = SGN(model, "mse", cuda_graphs=True)
     opt.step(x, y)
-    assert captures == [3]
+    assert cpu_graph_captures == [3]
     model.train()
     with pytest.warns(UserWarning, match="training-mode dropout"):
         opt.step(x, y)
-    assert captures == [3]
+    assert cpu_graph_captures == [3]
     model.eval()
     opt.step(x, y)  # eval mode again: the captured graphs serve it
-    assert captures == [3]
+    assert cpu_graph_captures == [3]
 
 
 def test_cuda_graphs_need_the_fast_engine():
@@ -145,7 +140,7 @@ def test_cuda_graphs_need_the_fast_engine():
         SGN(PRESETS["boston"].build(), "mse", engine="functional", cuda_graphs=True)
 
 
-def test_ignored_targets_that_move_between_steps_of_one_shape(captures):
+def test_ignored_targets_that_move_between_steps_of_one_shape(cpu_graph_captures):
     # The mask and count of ignored samples are computed on the device in the captured set-up:
     # a replay with another pattern must use it.
     p = PRESETS["mnist"]
@@ -156,7 +151,7 @@ def test_ignored_targets_that_move_between_steps_of_one_shape(captures):
     graph_model, eager_model = p.build(), p.build()
     graph_infos, _ = _run(graph_model, "cross_entropy", batches, cuda_graphs=True)
     eager_infos, _ = _run(eager_model, "cross_entropy", batches)
-    assert captures == [3] and graph_infos == eager_infos
+    assert cpu_graph_captures == [3] and graph_infos == eager_infos
 
 
 def test_a_failed_capture_warns_once_and_steps_run_eagerly(monkeypatch):
@@ -177,7 +172,7 @@ def test_a_failed_capture_warns_once_and_steps_run_eagerly(monkeypatch):
     assert graph_infos == eager_infos
 
 
-def test_too_many_shapes_warn_once_and_still_step_right(captures):
+def test_too_many_shapes_warn_once_and_still_step_right(cpu_graph_captures):
     p = PRESETS["boston"]
     batches = _batches("boston", [2, 3, 4, 5, 6, 2, 3])
     graph_model, eager_model = p.build(), p.build()
@@ -185,11 +180,11 @@ def test_too_many_shapes_warn_once_and_still_step_right(captures):
         graph_infos, _ = _run(graph_model, "mse", batches, cuda_graphs=True)
     eager_infos, _ = _run(eager_model, "mse", batches)
     assert len([w for w in record if "batch shapes" in str(w.message)]) == 1
-    assert len(captures) == 7  # shapes 2 and 3 were evicted and captured again
+    assert len(cpu_graph_captures) == 7  # shapes 2 and 3 were evicted and captured again
     assert graph_infos == eager_infos
 
 
-def test_changed_loss_or_layer_settings_are_captured_again(captures):
+def test_changed_loss_or_layer_settings_are_captured_again(cpu_graph_captures):
     from torch_sgn.losses import resolve_loss
 
     loss = resolve_loss("mse")
@@ -203,7 +198,7 @@ def test_changed_loss_or_layer_settings_are_captured_again(captures):
     model[1].negative_slope = reference[1].negative_slope = 0.3
     ref._loss.reduction = "sum"
     assert opt.step(x, y) == ref.step(x, y)
-    assert captures == [3, 3]
+    assert cpu_graph_captures == [3, 3]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -193,8 +193,8 @@ class _Elementwise(_Step):
 class _ReLU(_Elementwise):
     """ReLU: ``f'(z) t`` keeps ``t`` where the output is positive. The output itself is the
     context (the next layer usually keeps it anyway), applied as a mask by the kernel autograd
-    uses, ``threshold_backward``: on a CPU half the time of a product with a stored boolean
-    mask, which must be converted to floats first."""
+    uses, ``threshold_backward``: cheaper on a CPU than a stored boolean mask, which must be
+    converted to floats in every product."""
 
     def __init__(self) -> None:
         super().__init__(torch.relu, None)

@@ -105,11 +105,8 @@ class _Captured:
         self.outputs_like = torch.empty_like(first.outputs, device="meta")
         self.lin: _Linearization = first
 
-        self._args = (by_hand, steps, fmodel, loss)
-
-    def capture(self, capture: Capture) -> None:
+    def capture(self, capture: Capture, by_hand, steps, fmodel, loss) -> None:
         """Captures the set-up, one product and one trial loss (may raise: see the caller)."""
-        by_hand, steps, fmodel, loss = self._args
 
         def set_up() -> None:
             self.lin = by_hand(steps, fmodel, loss, self.flat, self.x, self.y, captured=True)
@@ -184,7 +181,7 @@ class Graphs:
         if captured is None:
             captured = _Captured(by_hand, steps, fmodel, loss, flat, inputs, targets)
             try:
-                captured.capture(_CAPTURE[flat.device.type])
+                captured.capture(_CAPTURE[flat.device.type], by_hand, steps, fmodel, loss)
             except RuntimeError as e:  # an op that cannot be captured, out of memory, ...
                 self.failed = str(e).splitlines()[0] if str(e) else type(e).__name__
                 self._by_key.clear()
