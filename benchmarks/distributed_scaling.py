@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @dataclass(frozen=True)
 class Workload:
     name: str
-    preset: str  # torch_sgn.models preset (its architecture and loss)
+    preset: str  # torch_sgn.experiments.models preset (its architecture and loss)
     batch: int  # global batch; each of W ranks gets batch / W
     cg_iters: int = 10
 
@@ -50,7 +50,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from torch_sgn import SGN
     from torch_sgn.distributed import init_from_env, is_main_process, shard, world_size
-    from torch_sgn.models import PRESETS
+    from torch_sgn.experiments.models import PRESETS
 
     init_from_env(timeout=120)
     torch.set_num_threads(args.threads)

@@ -49,9 +49,9 @@ import torch
 
 from torch_sgn import SGN
 from torch_sgn.engine import _select_engine
+from torch_sgn.experiments.models import PRESETS
 from torch_sgn.ggn import _FunctionalModel
 from torch_sgn.losses import resolve_loss
-from torch_sgn.models import PRESETS
 
 
 @dataclass

@@ -16,7 +16,7 @@ import sys
 import torch
 
 from torch_sgn import SGN
-from torch_sgn.models import PRESETS
+from torch_sgn.experiments.models import PRESETS
 
 
 def main() -> None:

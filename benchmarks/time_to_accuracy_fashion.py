@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from torch_sgn import SGN
-from torch_sgn import data as datasets
-from torch_sgn.models import PRESETS
+from torch_sgn.experiments import data as datasets
+from torch_sgn.experiments.models import PRESETS
 
 RUNS = [
     ("SGN(5) fast", "sgn", dict(cg_iters=5, warmup_cg_iters=10, warmup_steps=10, engine="fast")),

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from torch_sgn import SGN
-from torch_sgn import data as datasets
-from torch_sgn.models import PRESETS
+from torch_sgn.experiments import data as datasets
+from torch_sgn.experiments.models import PRESETS
 
 
 @dataclass

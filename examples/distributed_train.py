@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from torch_sgn import SGN
-from torch_sgn.data import boston
 from torch_sgn.distributed import init_from_env, is_main_process, shard, world_size
-from torch_sgn.models import PRESETS
+from torch_sgn.experiments.data import boston
+from torch_sgn.experiments.models import PRESETS
 
 
 def main() -> None:

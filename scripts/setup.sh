@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv (once) with the pinned CPU build of torch first, then torch-sgn and its test tools.
+# Creates .venv (once) with the pinned CPU build of torch first, then torch-sgn with its experiment tooling
+# (numpy, tqdm, matplotlib) and its test tools (pytest, ruff).
 # A bare `torch` requirement in a fresh environment would pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,4 +10,4 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 python -m pip install -q --disable-pip-version-check "torch==${TORCH_VERSION}"
-python -m pip install -q --disable-pip-version-check -e ".[test]"
+python -m pip install -q --disable-pip-version-check -e ".[test,experiments]"

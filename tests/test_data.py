@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from torch_sgn import data
-from torch_sgn.data import (
+from torch_sgn.experiments import data
+from torch_sgn.experiments.data import (
     DataFormatError,
     DatasetNotFoundError,
     batches,
@@ -27,7 +27,7 @@ from torch_sgn.data import (
     read_idx,
     sine,
 )
-from torch_sgn.models import PRESETS
+from torch_sgn.experiments.models import PRESETS
 
 IDX_FILES = [
     "train-images-idx3-ubyte",

@@ -10,9 +10,9 @@ from torch import nn
 from cases import MODELS, dense_ggn
 from torch_sgn import GGN, SGN
 from torch_sgn.engine import _LayerwiseEngine, _plan, _Unsupported
+from torch_sgn.experiments.models import PRESETS
 from torch_sgn.ggn import _FunctionalModel
 from torch_sgn.losses import resolve_loss
-from torch_sgn.models import PRESETS
 
 D = torch.float64
 

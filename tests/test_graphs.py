@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from torch_sgn import SGN, graphs
-from torch_sgn.models import PRESETS
+from torch_sgn.experiments.models import PRESETS
 
 
 def _batches(name, sizes, device="cpu", seed=0):

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from torch_sgn.models import PRESETS, initialize, mlp, preset, vgg
+from torch_sgn.experiments.models import PRESETS, initialize, mlp, preset, vgg
 
 
 def _linear(i, o):

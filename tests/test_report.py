@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from torch_sgn import cli, report
-from torch_sgn.runner import FORMAT
+from torch_sgn.experiments import cli, report
+from torch_sgn.experiments.runner import FORMAT
 
 ORIGINAL_BOSTON = Path("/work/shared/seed/original/results/boston")
 ORIGINAL_BOSTON = (

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from torch_sgn import cli, runner
-from torch_sgn.data import boston
-from torch_sgn.runner import (
+from torch_sgn.experiments import cli, runner
+from torch_sgn.experiments.data import boston
+from torch_sgn.experiments.runner import (
     GRIDS,
     AdamOptions,
     RunConfig,
@@ -366,7 +366,7 @@ def generated_data(tmp_path, monkeypatch):
     """MNIST, Fashion-MNIST and CIFAR-10 in their real formats, tiny, under one root."""
     from test_data import make_cifar_batches, make_idx_set
 
-    from torch_sgn import data
+    from torch_sgn.experiments import data
 
     monkeypatch.setattr(data, "_SYSTEM_DIRS", {})
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

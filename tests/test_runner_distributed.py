@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from torch_sgn.runner import RunConfig, SGDOptions, run
+from torch_sgn.experiments.runner import RunConfig, SGDOptions, run
 
 SRC = Path(__file__).parents[1] / "src"
 

@@ -9,7 +9,7 @@ Examples::
     torch-sgn report runs/boston --reference ../shared/seed/original/results/boston
     torchrun --nproc-per-node 2 -m torch_sgn run --preset boston --epochs 30 --out runs/b2
 
-The options of :class:`~torch_sgn.runner.RunConfig` and of each optimizer's dataclass
+The options of :class:`~torch_sgn.experiments.runner.RunConfig` and of each optimizer's dataclass
 (``--sgn-*``, ``--sgd-*``, ``--adam-*``) are generated from the dataclasses' fields.
 """
 
@@ -159,7 +159,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             sgd=SGDOptions(**_collect(ns, SGDOptions, "sgd_")),
             adam=AdamOptions(**_collect(ns, AdamOptions, "adam_")),
         )
-        from . import distributed
+        from .. import distributed
 
         # Under torchrun (else nothing): NCCL for a CUDA run, gloo for a CPU run.
         distributed.init_from_env(backend="nccl" if cfg.device.startswith("cuda") else "gloo")

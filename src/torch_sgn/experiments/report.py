@@ -1,6 +1,7 @@
 """Plots and tables from a directory of runs, like the paper's figures and tables.
 
-:func:`main` reads every ``results.json`` written by :mod:`torch_sgn.runner` under a directory,
+:func:`main` reads every ``results.json`` written by :mod:`torch_sgn.experiments.runner` under
+a directory,
 groups the runs by setting (``SGN(5)``, ``SGD(0.1)``, ...) and writes
 
 * four figures, each as PNG and SVG: train loss against seconds and against epochs, and the
@@ -86,7 +87,7 @@ def _array(values: Iterable) -> np.ndarray:
 
 
 def load_results(directory: PathLike, train_metric: str = "full") -> list[Curve]:
-    """Every run of :mod:`torch_sgn.runner` under ``directory`` (searched recursively).
+    """Every run of :mod:`torch_sgn.experiments.runner` under ``directory`` (searched recursively).
 
     Unfinished runs (``"status": "running"``) are skipped with a warning.
 

@@ -222,9 +222,9 @@ class Preset:
 
     Attributes:
         name: Key in :data:`PRESETS`; also the name of the data set in
-            :func:`torch_sgn.data.load`.
+            :func:`torch_sgn.experiments.data.load`.
         architecture: Builds the uninitialised network (PyTorch default init).
-        dataset: Name of the data set for :func:`torch_sgn.data.load`.
+        dataset: Name of the data set for :func:`torch_sgn.experiments.data.load`.
         loss: ``"mse"`` (mean squared error) or ``"cross_entropy"`` (softmax
             cross-entropy on the logits).
         batch_size: Mini-batch size of the paper's runs.

@@ -1,7 +1,7 @@
 """Training runs and grids of runs for the paper's benchmarks (Section 4).
 
-A run trains one preset network (:data:`torch_sgn.models.PRESETS`) with one optimizer and one
-seed, and writes two files into its own directory:
+A run trains one preset network (:data:`torch_sgn.experiments.models.PRESETS`) with one optimizer
+and one seed, and writes two files into its own directory:
 
 * ``config.json``: the full :class:`RunConfig`, the versions of torch-sgn, torch, numpy and
   Python, the device's name, the git commit, the number of threads;
@@ -59,11 +59,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import __version__
-from . import distributed as sgn_dist
+from .. import __version__
+from .. import distributed as sgn_dist
+from ..optimizer import SGN
 from .data import Dataset, load
 from .models import PRESETS
-from .optimizer import SGN
 
 __all__ = [
     "GRIDS",
@@ -137,7 +137,8 @@ class RunConfig:
     """One training run.
 
     Attributes:
-        preset: Name in :data:`torch_sgn.models.PRESETS` (network, data set, loss, batch).
+        preset: Name in :data:`torch_sgn.experiments.models.PRESETS` (network, data set, loss,
+            batch).
         optimizer: ``"sgn"``, ``"sgd"`` or ``"adam"``; only its options are used.
         seed: Seed of the mini-batch order (the network's initialisation has the paper's fixed
             seed unless ``init_seed`` is given).
@@ -296,12 +297,13 @@ def read_json(path: PathLike) -> Optional[dict]:
 
 
 def _git_commit() -> Optional[str]:
-    """HEAD of the checkout this module was imported from, ``-dirty`` when the package's own
+    """HEAD of the checkout this package was imported from, ``-dirty`` when the package's own
     files differ from it (untracked files included), or ``None`` outside a git checkout."""
+    package = Path(__file__).resolve().parents[1]  # torch_sgn/, the library and this tooling
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).parent,
+            cwd=package,
             capture_output=True,
             text=True,
             timeout=5,
@@ -313,7 +315,7 @@ def _git_commit() -> Optional[str]:
     commit = out.stdout.strip()
     dirty = subprocess.run(
         ["git", "status", "--porcelain", "--", "."],
-        cwd=Path(__file__).parent,
+        cwd=package,
         capture_output=True,
         text=True,
         timeout=5,

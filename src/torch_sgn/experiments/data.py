@@ -210,7 +210,7 @@ def batches(
 
 
 def _package_file(name: str):
-    return importlib.resources.files("torch_sgn").joinpath("datasets").joinpath(name)
+    return importlib.resources.files("torch_sgn.experiments").joinpath("datasets").joinpath(name)
 
 
 def _keras_split(n: int, test_split: float = 0.2, seed: int = 113) -> tuple[np.ndarray, ...]:
@@ -864,7 +864,7 @@ _LOADERS: dict[str, Callable[..., Dataset]] = {
 
 
 def load(name: str, **kwargs) -> Dataset:
-    """Load a data set by name: the names of :data:`torch_sgn.models.PRESETS`.
+    """Load a data set by name: the names of :data:`torch_sgn.experiments.models.PRESETS`.
 
     Args:
         name: ``"boston"``, ``"sine"``, ``"mnist"``, ``"fashion_mnist"`` or ``"cifar10"``.

@@ -1,0 +1,13 @@
+"""The experiment tooling around the optimizer: the paper's networks and data sets, the
+benchmark runner, its report and the ``torch-sgn`` command line.
+
+Importing :mod:`torch_sgn` does not import this package. It needs the ``experiments`` extra
+(``pip install "torch-sgn[experiments]"``: numpy, tqdm, matplotlib).
+
+Modules:
+    models: the paper's networks and initialisations (:data:`~.models.PRESETS`).
+    data: the data sets, their scaling and splits, found on disk or downloaded.
+    runner: one run or a grid of runs, resumable, with per-epoch results.
+    report: tables and plots of finished runs.
+    cli: the ``torch-sgn`` command (``run``, ``grid``, ``report``).
+"""
