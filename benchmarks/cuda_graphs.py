@@ -36,8 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ggn_cost import _batch  # noqa: E402
 
 from torch_sgn.cg import conjugate_gradient  # noqa: E402
-from torch_sgn.engine import _select_engine  # noqa: E402
-from torch_sgn.ggn import _FunctionalModel  # noqa: E402
+from torch_sgn.engines import select_engine  # noqa: E402
+from torch_sgn.functional import FunctionalModel  # noqa: E402
+from torch_sgn.linearization import Batch  # noqa: E402
 from torch_sgn.losses import resolve_loss  # noqa: E402
 
 DAMPING = 1e-4
@@ -90,10 +91,10 @@ def measure(name: str, k: int, repeats: int) -> dict:
     model, x, y, loss_name = _batch(name, device)
     loss = resolve_loss(loss_name)
     params = [p for p in model.parameters() if p.requires_grad]
-    fmodel = _FunctionalModel(model)
+    fmodel = FunctionalModel(model)
     flat = fmodel.flat()
-    engine = _select_engine(fmodel, "fast")
-    lin = engine(fmodel, loss, flat, x, y)
+    engine = select_engine(fmodel, loss, "fast")
+    lin = engine(flat, Batch(x, y))
     gen = torch.Generator().manual_seed(1)
     v = torch.randn(flat.shape, generator=gen).to(device)
     row = {"model": name}

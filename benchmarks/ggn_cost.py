@@ -48,9 +48,10 @@ from typing import Callable, Dict, List
 import torch
 
 from torch_sgn import SGN
-from torch_sgn.engine import _select_engine
+from torch_sgn.engines import select_engine
 from torch_sgn.experiments.models import PRESETS
-from torch_sgn.ggn import _FunctionalModel
+from torch_sgn.functional import FunctionalModel
+from torch_sgn.linearization import Batch
 from torch_sgn.losses import resolve_loss
 
 
@@ -131,18 +132,18 @@ def measure(name: str, device: torch.device, cfg: Config) -> Dict[str, object]:
     def gradient():
         return torch.autograd.grad(loss.value(model(x), y), params)
 
-    fmodel = _FunctionalModel(model)
+    fmodel = FunctionalModel(model)
     flat = fmodel.flat()
     v = torch.randn(flat.shape, generator=torch.Generator().manual_seed(1)).to(device)
     # "graphs" is the fast engine with cuda_graphs=True (CUDA only).
     engines = [e for e in cfg.engines if e != "graphs" or device.type == "cuda"]
     options = {e: _engine_options(e) for e in engines}
-    lins = {e: _select_engine(fmodel, **options[e]) for e in engines}
+    lins = {e: select_engine(fmodel, loss, **options[e]) for e in engines}
     current, first_call_s = {}, {}
     for e in engines:  # the graphs' first call captures them: its time is reported apart
         _sync(device)
         start = time.perf_counter()
-        current[e] = lins[e](fmodel, loss, flat, x, y)
+        current[e] = lins[e](flat, Batch(x, y))
         _sync(device)
         first_call_s[e] = time.perf_counter() - start
     opts = {
@@ -174,7 +175,7 @@ def measure(name: str, device: torch.device, cfg: Config) -> Dict[str, object]:
     tasks: Dict[str, Callable[[], object]] = {"grad": gradient}
     prepare: Dict[str, Callable[[], object]] = {}
     for e in engines:
-        tasks[f"{e}/lin"] = lambda e=e: current.__setitem__(e, lins[e](fmodel, loss, flat, x, y))
+        tasks[f"{e}/lin"] = lambda e=e: current.__setitem__(e, lins[e](flat, Batch(x, y)))
         tasks[f"{e}/Gv"] = lambda e=e: current[e].ggn_vp(v)
         for k in cfg.ks:
             tasks[f"{e}/step{k}"] = lambda e=e, k=k: step((e, k))

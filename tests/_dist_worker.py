@@ -161,9 +161,9 @@ def consistency_checks(rank: int) -> dict:
         errors["nan"] = f"{type(e).__name__}: {e}"
     errors["nan_unchanged"] = torch.equal(flat(model), before)
     for where in ("gv", "trial"):  # rank 1 raises between two collectives, mid-step
-        engine = opt._linearize
+        engine = opt._engine
         if rank == 1:
-            opt._linearize = _failing(engine, where)
+            opt._engine = _failing(engine, where)
         start = time.monotonic()
         try:
             opt.step(x, y)
@@ -171,7 +171,7 @@ def consistency_checks(rank: int) -> dict:
             errors[where] = str(e)
         errors[f"{where}_seconds"] = time.monotonic() - start
         errors[f"{where}_unchanged"] = torch.equal(flat(model), before)
-        opt._linearize = engine
+        opt._engine = engine
     opt.step(x, y)  # and the ranks go on together
     errors["after"] = flat(model)
     return errors
@@ -223,7 +223,7 @@ def failure(scenario: str, rank: int, survivor: str) -> dict:
     x, y = shard(*batch(case, 0))
     opt.step(x, y)  # one good step first
     if rank == 1 and scenario == "rank_exits":  # dies inside CG, between two all-reduces
-        opt._linearize = _interrupt_product(opt._linearize, 3, lambda: os._exit(3))
+        opt._engine = _interrupt_product(opt._engine, 3, lambda: os._exit(3))
     if rank == 1 and scenario == "step_on_one_rank":
         for _ in range(600):  # alive but never calls step, until rank 0 has reported
             if os.path.exists(survivor):

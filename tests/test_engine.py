@@ -9,9 +9,10 @@ from torch import nn
 
 from cases import MODELS, dense_ggn
 from torch_sgn import GGN, SGN
-from torch_sgn.engine import _LayerwiseEngine, _plan, _Unsupported
 from torch_sgn.experiments.models import PRESETS
-from torch_sgn.ggn import _FunctionalModel
+from torch_sgn.functional import FunctionalModel
+from torch_sgn.layerwise import LayerwiseEngine, Unsupported, plan
+from torch_sgn.linearization import Batch
 from torch_sgn.losses import resolve_loss
 
 D = torch.float64
@@ -51,12 +52,12 @@ def test_sgn_picks_the_fast_engine_for_paper_models(name):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opt = SGN(PRESETS[name].build(), PRESETS[name].loss)
-    assert isinstance(opt._linearize, _LayerwiseEngine) and opt._linearize._steps is not None
+    assert isinstance(opt._engine, LayerwiseEngine) and opt._engine._steps is not None
 
 
 @pytest.mark.parametrize("case", MODELS, ids=[m.name for m in MODELS])
 def test_shared_case_models_are_planned(case):
-    _plan(_FunctionalModel(case.build()))  # so the engine-parametrized core tests run it
+    plan(FunctionalModel(case.build()))  # so the engine-parametrized core tests run it
 
 
 def _zoo():
@@ -144,7 +145,7 @@ def _by_hand_zoo():
 def test_zero_padded_conv_chains_run_by_hand_and_others_through_autograd(
     name, model, in_shape, kind
 ):
-    assert all(step.by_hand for step in _plan(_FunctionalModel(model)))
+    assert all(step.by_hand for step in plan(FunctionalModel(model)))
 
 
 def test_other_paddings_and_average_pooling_go_through_autograd():
@@ -153,7 +154,7 @@ def test_other_paddings_and_average_pooling_go_through_autograd():
         nn.Conv2d(1, 2, 3, padding=1, padding_mode="reflect"),
         nn.Sequential(nn.Conv2d(1, 2, 3), nn.AvgPool2d(2)),
     ):
-        assert not all(step.by_hand for step in _plan(_FunctionalModel(nn.Sequential(other))))
+        assert not all(step.by_hand for step in plan(FunctionalModel(nn.Sequential(other))))
 
 
 def _assert_matches_reference(lin, model, loss, x, y):
@@ -170,13 +171,13 @@ def test_convolution_settings_changed_after_planning_are_followed():
     conv = nn.Conv2d(1, 2, 3, padding=1)
     model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.Linear(2 * 9, 2)).to(D)
     x, y = torch.randn(4, 1, 6, 6, dtype=D), torch.randn(4, 2, dtype=D)
-    fmodel = _FunctionalModel(model)
-    engine = _LayerwiseEngine(fmodel, strict=True)
+    fmodel = FunctionalModel(model)
+    engine = LayerwiseEngine(fmodel, resolve_loss("mse"), strict=True)
     conv.stride = (2, 2)
-    _assert_matches_reference(engine(fmodel, resolve_loss("mse"), fmodel.flat(), x, y), model,
+    _assert_matches_reference(engine(fmodel.flat(), Batch(x, y)), model,
                               "mse", x, y)  # fmt: skip
     conv.padding_mode = "reflect"  # now through autograd, with the reflected padding
-    _assert_matches_reference(engine(fmodel, resolve_loss("mse"), fmodel.flat(), x, y), model,
+    _assert_matches_reference(engine(fmodel.flat(), Batch(x, y)), model,
                               "mse", x, y)  # fmt: skip
 
 
@@ -187,9 +188,9 @@ def test_unbatched_convolution_by_hand():
     model = nn.Sequential(nn.Conv1d(5, 4, 3), nn.Tanh(), nn.Linear(6, 2)).to(D)
     x = torch.randn(5, 8, dtype=D)
     y = torch.randn(4, 2, dtype=D)
-    fmodel = _FunctionalModel(model)
-    lin = _LayerwiseEngine(fmodel, strict=True)(fmodel, resolve_loss("mse"), fmodel.flat(), x, y)
-    assert all(step.by_hand for step in _plan(fmodel))
+    fmodel = FunctionalModel(model)
+    lin = LayerwiseEngine(fmodel, resolve_loss("mse"), strict=True)(fmodel.flat(), Batch(x, y))
+    assert all(step.by_hand for step in plan(fmodel))
     _assert_matches_reference(lin, model, "mse", x, y)
 
 
@@ -232,11 +233,11 @@ def test_trial_point_loss_is_a_plain_forward_pass_with_the_steps_random_numbers(
     model = model.to(D)
     x, y = _batch(model, in_shape, 7, kind)
     loss = resolve_loss("cross_entropy" if kind == "index" else "mse")
-    fmodel = _FunctionalModel(model)
+    fmodel = FunctionalModel(model)
     if model.training:
         fmodel.freeze_rng()  # the functional forward passes below replay the step's masks
     flat = fmodel.flat()
-    lin = _LayerwiseEngine(fmodel, strict=True)(fmodel, loss, flat, x, y)
+    lin = LayerwiseEngine(fmodel, loss, strict=True)(flat, Batch(x, y))
     assert lin.value_at is not None
     torch.testing.assert_close(lin.value_at(flat), lin.loss, rtol=1e-12, atol=0)
     g = torch.Generator().manual_seed(2)
@@ -317,7 +318,7 @@ def test_model_changed_after_construction_is_planned_again():
     opt.step(x, y)
     model[1].register_forward_hook(lambda m, i, o: o * 0)  # kills the gradient of model[0]
     with pytest.warns(UserWarning, match="hooks"):
-        lin = opt._linearize(opt._fmodel, opt._loss, opt._fmodel.flat(), x, y)
+        lin = opt._engine(opt._fmodel.flat(), Batch(x, y))
     assert lin.grad[: 3 * 4 + 4].abs().max() == 0
 
 
@@ -355,7 +356,7 @@ def test_curvature_subset_is_the_scaled_ggn_of_a_seeded_subset(reduction, engine
     loss = nn.CrossEntropyLoss(reduction=reduction)
     opt = SGN(model, loss, engine=engine, curvature_fraction=0.25)
     step = 3  # the subset of step t comes from a generator seeded with t
-    lin = opt._step_linearize(step)(opt._fmodel, resolve_loss(loss), opt._fmodel.flat(), x, y)
+    lin = opt._step_engine(step)(opt._fmodel.flat(), Batch(x, y))
     idx = torch.randperm(20, generator=torch.Generator().manual_seed(step))[:5].sort().values
     G_sub, _, _ = dense_ggn(model, loss, x[idx], y[idx])
     _, g_full, _ = dense_ggn(model, loss, x, y)
@@ -376,8 +377,8 @@ def test_engine_arguments_are_checked():
 
 
 def test_unsupported_exception_is_internal():
-    with pytest.raises(_Unsupported):
-        _plan(_FunctionalModel(_Custom()))
+    with pytest.raises(Unsupported):
+        plan(FunctionalModel(_Custom()))
 
 
 def test_frozen_first_layer_takes_no_cotangent_but_later_layers_do():

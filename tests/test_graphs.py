@@ -215,7 +215,7 @@ def test_captured_cuda_steps_match_eager_cuda_steps(name):
         warnings.simplefilter("error")
         graph_infos, opt = _run(graph_model, p.loss, batches, cuda_graphs=True)
     eager_infos, _ = _run(eager_model, p.loss, batches)
-    assert len(opt._linearize._graphs._by_key) == 2
+    assert len(opt._engine._graphs._by_key) == 2
     for a, b in zip(graph_infos, eager_infos):
         assert a.cg_iters == b.cg_iters
         assert a.loss == pytest.approx(b.loss, rel=1e-10)

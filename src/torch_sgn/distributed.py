@@ -48,13 +48,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .ggn import Inputs, _FunctionalModel, _Linearization
+from .functional import FunctionalModel
+from .linearization import Batch, Engine, Linearization
 from .losses import OutputLoss
 
 __all__ = ["init_from_env", "is_main_process", "rank", "shard", "world_size"]
 
 ProcessGroup = Optional["dist.ProcessGroup"]
-_Linearize = Callable[..., _Linearization]
 
 
 # --- helpers for training loops and runners -------------------------------------------------
@@ -129,24 +129,16 @@ class _SingleProcess:
     """The communicator of a single process: no communication at all."""
 
     def linearize(
-        self,
-        step: int,
-        linearize: _Linearize,
-        fmodel: _FunctionalModel,
-        loss: OutputLoss,
-        flat: Tensor,
-        inputs: Inputs,
-        targets: Tensor,
-        buffers_out: dict | None = None,
-    ) -> _Linearization:
-        return linearize(fmodel, loss, flat, inputs, targets, buffers_out)
+        self, step: int, engine: Engine, flat: Tensor, batch: Batch, buffers_out: dict | None = None
+    ) -> Linearization:
+        return engine(flat, batch, buffers_out)
 
     def loss_value(self, compute: Callable[[], Tensor]) -> float:
         return compute().item()
 
 
 def _communicator(
-    fmodel: _FunctionalModel, loss: OutputLoss, process_group: ProcessGroup
+    fmodel: FunctionalModel, loss: OutputLoss, process_group: ProcessGroup
 ) -> _SingleProcess | _DataParallel:
     """The data-parallel communicator if a group of more than one process applies."""
     if process_group is None and not (dist.is_available() and dist.is_initialized()):
@@ -160,11 +152,11 @@ def _communicator(
 class _DataParallel:
     """All-reduces what SGN's decisions depend on, weighted by each rank's share of the batch.
 
-    It wraps one step's :class:`~torch_sgn.ggn._Linearization` (loss, gradient and every ``G v``)
-    and reduces trial-point losses with the same weights. See the module's docstring.
+    It wraps one step's :class:`~torch_sgn.linearization.Linearization` (loss, gradient and
+    every ``G v``) and reduces trial-point losses with the same weights. See the module's docstring.
     """
 
-    def __init__(self, fmodel: _FunctionalModel, loss: OutputLoss, group: dist.ProcessGroup):
+    def __init__(self, fmodel: FunctionalModel, loss: OutputLoss, group: dist.ProcessGroup):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -205,17 +197,10 @@ class _DataParallel:
 
     # --- one step ------------------------------------------------------------------------------
     def linearize(
-        self,
-        step: int,
-        linearize: _Linearize,
-        fmodel: _FunctionalModel,
-        loss: OutputLoss,
-        flat: Tensor,
-        inputs: Inputs,
-        targets: Tensor,
-        buffers_out: dict | None = None,
-    ) -> _Linearization:
+        self, step: int, engine: Engine, flat: Tensor, batch: Batch, buffers_out: dict | None = None
+    ) -> Linearization:
         """The full batch's linearization from this rank's shard: 2 all-reduces, 1 overlapped."""
+        fmodel, loss, targets = self._fmodel, self._loss, batch.targets
         self._step = step
         header = self._start_header(step, flat)  # runs during the forward and backward pass
         n = fmodel.numel
@@ -225,11 +210,11 @@ class _DataParallel:
         try:
             count = targets.shape[0] if targets.dim() else 1
             if count == 0:  # an empty shard contributes nothing
-                lin, scale = _Linearization(flat.new_zeros(()), flat.new_zeros(n), None), 0.0
+                lin, scale = Linearization(flat.new_zeros(()), flat.new_zeros(n), None), 0.0
                 if buffers_out is not None:
                     buffers_out.update({k: b.clone() for k, b in fmodel.model.named_buffers()})
             else:
-                lin = linearize(fmodel, loss, flat, inputs, targets, buffers_out)
+                lin = engine(flat, batch, buffers_out)
                 scale = _share(loss, targets)
             payload = [
                 lin.grad * scale,
@@ -387,7 +372,7 @@ def _share(loss: OutputLoss, targets: Tensor) -> float:
     return float(targets.shape[0])
 
 
-def _float_buffer_names(fmodel: _FunctionalModel) -> list[str]:
+def _float_buffer_names(fmodel: FunctionalModel) -> list[str]:
     """The buffers a training-mode step updates and the ranks average (batch-norm statistics)."""
     if not fmodel.model.training:
         return []

@@ -11,240 +11,21 @@ which for a mean-reduced loss is the paper's ``(1/N) sum_i J_i^T H_i J_i``. ``G`
 formed: a product is ``v -> J v`` (forward mode) ``-> H J v`` (closed form in output space)
 ``-> J^T H J v`` (reverse mode, reusing the graph of the gradient's forward pass).
 
-This module holds the narrow internal interface the optimizer uses (:func:`_linearize`,
-returning a :class:`_Linearization`) and the public :class:`GGN` built on it.
+The engines that compute the products are chosen in :mod:`torch_sgn.engines`; this module
+holds the public operator built on them.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Tuple, Union
-
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
 
-from .losses import LossSpec, OutputLoss, resolve_loss
+from .engines import select_engine
+from .functional import FunctionalModel
+from .linearization import Batch, Inputs
+from .losses import LossSpec, resolve_loss
 
 __all__ = ["GGN"]
-
-Inputs = Union[Tensor, Tuple[Tensor, ...]]
-
-
-class _FunctionalModel:
-    """Evaluates ``model`` as a function of one flat parameter vector.
-
-    The vector holds the trainable parameters (``requires_grad=True``) in ``model.parameters()``
-    order, the layout of :func:`torch.nn.utils.parameters_to_vector`. Frozen parameters and
-    buffers are passed as they are.
-
-    Modules whose forward draws random numbers (dropout) or updates buffers (batch norm in
-    training mode) are made consistent within a step: :meth:`consistent` replays the same
-    random numbers for every forward pass, and only the forward pass that computes the
-    gradient writes the buffers; all others work on copies.
-    """
-
-    def __init__(self, model: nn.Module):
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        self.model = model
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError("the model has no trainable parameters (none has requires_grad)")
-        self.names = [n for n, _ in named]
-        self.params = [p for _, p in named]
-        self.shapes = [p.shape for p in self.params]
-        self.numels = [p.numel() for p in self.params]
-        self.numel = sum(self.numels)
-        dtypes = {p.dtype for p in self.params}
-        devices = {p.device for p in self.params}
-        if len(dtypes) > 1 or len(devices) > 1:
-            raise ValueError(
-                "all trainable parameters must share one dtype and device, got "
-                f"dtypes {sorted(map(str, dtypes))} and devices {sorted(map(str, devices))}"
-            )
-        self.dtype, self.device = dtypes.pop(), devices.pop()
-        if not self.dtype.is_floating_point:
-            raise ValueError(f"parameters must be floating point, got {self.dtype}")
-        self._rng_state: dict | None = None
-        self._after_first: dict | None = None
-
-    # --- parameters as one vector -------------------------------------------------------------
-    def flat(self) -> Tensor:
-        return torch.cat([p.detach().reshape(-1) for p in self.params])
-
-    def unflatten(self, flat: Tensor) -> dict[str, Tensor]:
-        return {
-            name: chunk.view(shape)
-            for name, chunk, shape in zip(self.names, flat.split(self.numels), self.shapes)
-        }
-
-    @torch.no_grad()
-    def write(self, flat: Tensor) -> None:
-        """Copies ``flat`` into the model's parameters."""
-        for p, chunk in zip(self.params, flat.split(self.numels)):
-            p.copy_(chunk.view(p.shape))
-
-    @torch.no_grad()
-    def write_buffers(self, buffers: dict[str, Tensor]) -> None:
-        """Copies buffers computed by a forward pass (see ``buffers_out``) into the model."""
-        own = dict(self.model.named_buffers())
-        for name, value in buffers.items():
-            own[name].copy_(value)
-
-    # --- forward passes -----------------------------------------------------------------------
-    def __call__(self, flat: Tensor, inputs: Inputs, *, buffers_out: dict | None = None) -> Tensor:
-        """The model's output at parameters ``flat``.
-
-        A training-mode forward pass updates copies of the buffers, never the model's own; pass
-        ``buffers_out`` to receive the updated copies (:meth:`write_buffers` commits them).
-        Copies are made inside the call, which also keeps ``torch.func`` transforms from seeing
-        captured tensors mutated.
-        """
-        args = inputs if isinstance(inputs, tuple) else (inputs,)
-        tensors = dict(self.model.named_buffers())
-        if self.model.training:
-            tensors = {k: b.clone() for k, b in tensors.items()}
-            if buffers_out is not None:
-                buffers_out.update(tensors)
-        tensors.update(self.unflatten(flat))
-        with self._replay_rng():
-            out = functional_call(self.model, tensors, args)
-        if not isinstance(out, Tensor):
-            raise TypeError(
-                "SGN needs a model whose forward returns one tensor, got "
-                f"{type(out).__name__}; wrap the model to select the output the loss uses"
-            )
-        return out
-
-    @contextmanager
-    def consistent(self) -> Iterator[None]:
-        """Within this block, every forward pass draws the same random numbers.
-
-        On normal exit the global random state is where one forward pass would have left it;
-        if the block raises, it is restored to where it was on entry.
-        """
-        if not self.model.training:
-            yield
-            return
-        start = self.freeze_rng()
-        try:
-            yield
-        except BaseException:
-            _set_rng(self.device, start)
-            raise
-        else:
-            if self._after_first is not None:
-                _set_rng(self.device, self._after_first)
-        finally:
-            self._rng_state = self._after_first = None
-
-    def freeze_rng(self) -> dict:
-        """Makes every later forward pass replay the current random state; returns it."""
-        self._rng_state = _get_rng(self.device)
-        self._after_first = None
-        return self._rng_state
-
-    @contextmanager
-    def _replay_rng(self) -> Iterator[None]:
-        if self._rng_state is None:
-            yield
-            return
-        outside = _get_rng(self.device)
-        _set_rng(self.device, self._rng_state)
-        try:
-            yield
-        finally:
-            if self._after_first is None:
-                self._after_first = _get_rng(self.device)
-            _set_rng(self.device, outside)
-
-
-def _get_rng(device: torch.device) -> dict:
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng(device: torch.device, state: dict) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
-@dataclass
-class _Linearization:
-    """The model and loss linearized at one point on one mini-batch.
-
-    This is the interface between the optimizer and the curvature engine: everything SGN needs
-    from the model during a step.
-
-    Attributes:
-        loss: the loss at the point (detached scalar tensor).
-        grad: its gradient, flat.
-        ggn_vp: ``v -> G v`` for flat ``v``.
-        value_at: ``flat -> loss`` at other parameters on the same batch, with the same random
-            numbers (the trust region's and line search's trial points); ``None`` lets the
-            optimizer evaluate the model functionally.
-        outputs: the network's outputs at the point, where the engine keeps them.
-    """
-
-    loss: Tensor
-    grad: Tensor
-    ggn_vp: Callable[[Tensor], Tensor]
-    value_at: Optional[Callable[[Tensor], Tensor]] = None
-    outputs: Optional[Tensor] = None
-
-
-def _linearize(
-    fmodel: _FunctionalModel,
-    loss: OutputLoss,
-    flat: Tensor,
-    inputs: Inputs,
-    targets: Tensor,
-    buffers_out: dict | None = None,
-) -> _Linearization:
-    """Loss, gradient and a ``G v`` closure from one forward pass.
-
-    The forward pass that gives the gradient is recorded once and its graph kept: ``J^T u``
-    reuses it at every product. ``J v`` uses forward-mode AD (``torch.func.jvp``), which
-    re-runs the forward pass with tangents. ``buffers_out`` receives the buffers as that one
-    forward pass updated them (training mode).
-    """
-    leaf = flat.detach().requires_grad_(True)
-    with torch.enable_grad():
-        outputs = fmodel(leaf, inputs, buffers_out=buffers_out)
-        value, dz = _output_loss(loss, outputs, targets)
-        (grad,) = torch.autograd.grad(outputs, leaf, dz, retain_graph=True)
-    z = outputs.detach()
-    base = flat.detach()
-    hessian = loss.hessian(z, targets)
-
-    def jvp(v: Tensor) -> Tensor:
-        return torch.func.jvp(lambda p: fmodel(p, inputs), (base,), (v,))[1]
-
-    def ggn_vp(v: Tensor) -> Tensor:
-        hjv = hessian(jvp(v))  # v -> J v -> H J v
-        with torch.enable_grad():
-            (jthjv,) = torch.autograd.grad(outputs, leaf, hjv, retain_graph=True)  # -> J^T H J v
-        return jthjv
-
-    return _Linearization(value, grad, ggn_vp)
-
-
-def _output_loss(
-    loss: OutputLoss, outputs: Tensor, targets: Tensor, check: bool = True
-) -> Tuple[Tensor, Tensor]:
-    """The loss and its gradient with respect to the outputs (autograd in output space)."""
-    if check:
-        loss.check_targets(outputs, targets)
-    with torch.enable_grad():
-        z = outputs.detach().requires_grad_(True)
-        value = loss.value(z, targets)
-        (dz,) = torch.autograd.grad(value, z)
-    return value.detach(), dz
 
 
 class GGN:
@@ -283,15 +64,13 @@ class GGN:
         *,
         engine: str = "auto",
     ):
-        from .engine import _select_engine  # the engine module builds on this one
-
-        self._fmodel = _FunctionalModel(model)
-        linearize = _select_engine(self._fmodel, engine)
+        self._fmodel = FunctionalModel(model)
+        self._loss = resolve_loss(loss)
+        linearize = select_engine(self._fmodel, self._loss, engine)
         if model.training:
             self._fmodel.freeze_rng()  # every product sees the same dropout masks
-        self._loss = resolve_loss(loss)
         self._flat = self._fmodel.flat()
-        self._lin = linearize(self._fmodel, self._loss, self._flat, inputs, targets)
+        self._lin = linearize(self._flat, Batch(inputs, targets))
 
     @property
     def shape(self) -> torch.Size:

@@ -32,7 +32,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from .ggn import _FunctionalModel, _Linearization
+from .functional import FunctionalModel
+from .linearization import Batch, Linearization
 from .losses import _MSE, OutputLoss, _BCEWithLogits, _CrossEntropy
 
 #: How many batch shapes keep their graphs (a run has two: full batches and the last one).
@@ -103,7 +104,7 @@ class _Captured:
         self.trial_loss = torch.zeros_like(first.loss)
         # What the targets are checked against at later steps (shape and dtype only).
         self.outputs_like = torch.empty_like(first.outputs, device="meta")
-        self.lin: _Linearization = first
+        self.lin: Linearization = first
 
     def capture(self, capture: Capture, by_hand, steps, fmodel, loss) -> None:
         """Captures the set-up, one product and one trial loss (may raise: see the caller)."""
@@ -124,13 +125,13 @@ class _Captured:
                 [set_up, product, trial], self.flat.device
             )
 
-    def __call__(self, flat: Tensor, inputs: Tensor, targets: Tensor) -> _Linearization:
+    def __call__(self, flat: Tensor, inputs: Tensor, targets: Tensor) -> Linearization:
         with torch.no_grad():
             self.x.copy_(inputs)
             self.y.copy_(targets)
             self.flat.copy_(flat)
             self._set_up()
-        return _Linearization(self.loss.clone(), self.grad.clone(), self.ggn_vp, self.value_at)
+        return Linearization(self.loss.clone(), self.grad.clone(), self.ggn_vp, self.value_at)
 
     def ggn_vp(self, v: Tensor) -> Tensor:
         self.v.copy_(v)
@@ -162,14 +163,16 @@ class Graphs:
         self,
         by_hand,
         steps,
-        fmodel: _FunctionalModel,
+        fmodel: FunctionalModel,
         loss: OutputLoss,
         flat: Tensor,
-        inputs: Tensor,
-        targets: Tensor,
-    ) -> Optional[_Linearization]:
+        batch: Batch,
+    ) -> Optional[Linearization]:
+        """The step's linearization from the graphs of the batch's shape (captured now if
+        new); ``None``: run eagerly. ``batch.inputs`` is one tensor."""
         if self.failed is not None:
             return None
+        inputs, targets = batch.inputs, batch.targets
         model = fmodel.model
         key = (
             tuple(inputs.shape), inputs.dtype, tuple(targets.shape), targets.dtype,

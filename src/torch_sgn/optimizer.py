@@ -13,9 +13,10 @@ from torch import Tensor, nn
 from .cg import CGResult, conjugate_gradient
 from .damping import DAMPING_SCHEDULES, scheduled_damping, trust_region_update
 from .distributed import ProcessGroup, _communicator, _SingleProcess
-from .engine import ENGINES, _curvature_subset, _select_engine
-from .ggn import Inputs, _FunctionalModel, _Linearization
+from .engines import ENGINES, curvature_subset, select_engine
+from .functional import FunctionalModel
 from .line_search import LineSearchResult, backtracking
+from .linearization import Batch, Inputs, Linearization
 from .losses import LossSpec, resolve_loss
 
 __all__ = ["SGN", "StepInfo"]
@@ -120,7 +121,7 @@ class SGN(torch.optim.Optimizer):
         keep_grad: write the mini-batch gradient into each parameter's ``.grad``. Default off:
             SGN leaves ``.grad`` untouched.
         engine: how ``G v`` products are computed. ``"fast"``: the layer-wise engine of
-            :mod:`torch_sgn.engine` for ``nn.Sequential`` chains of known layers (one forward
+            :mod:`torch_sgn.layerwise` for ``nn.Sequential`` chains of known layers (one forward
             pass per step, about one gradient per product); raises if the model is not such a
             chain. ``"functional"``: ``torch.func`` forward-mode AD, any model (re-runs the
             forward pass at every product). ``"auto"``: fast where it applies, else functional
@@ -258,7 +259,7 @@ class SGN(torch.optim.Optimizer):
             "must be in (0, 1]",
         )
 
-        self._fmodel = _FunctionalModel(model)
+        self._fmodel = FunctionalModel(model)
         self._loss = resolve_loss(loss)
         self._comm = _communicator(self._fmodel, self._loss, process_group)
         defaults = dict(
@@ -278,7 +279,7 @@ class SGN(torch.optim.Optimizer):
                 "cuda_graphs=True is not supported in a data-parallel group of several "
                 "processes (shards may differ in shape); leave it off there"
             )
-        self._linearize = _select_engine(self._fmodel, engine, cuda_graphs)
+        self._engine = select_engine(self._fmodel, self._loss, engine, cuda_graphs)
         self._curvature_fraction = curvature_fraction
         self._global_state()  # created now, so that a failed first step changes nothing
 
@@ -319,21 +320,13 @@ class SGN(torch.optim.Optimizer):
         group = self.param_groups[0]
         state = self._global_state()
         _check_batch(inputs, targets)
+        batch = Batch(inputs, targets)
         t = state["step"]
         theta = self._fmodel.flat()
         buffers: dict = {}
         with self._fmodel.consistent():
-            lin = self._comm.linearize(
-                t,
-                self._step_linearize(t),
-                self._fmodel,
-                self._loss,
-                theta,
-                inputs,
-                targets,
-                buffers,
-            )
-            loss0, grad_norm = _finite_loss(lin, inputs, targets)
+            lin = self._comm.linearize(t, self._step_engine(t), theta, batch, buffers)
+            loss0, grad_norm = _finite_loss(lin, batch)
             damping = self._damping(state, t)
             rhs, momentum_buffer = self._momentum(lin.grad, state, t)
             cg = self._solve(lin, rhs, damping, state, t)
@@ -341,7 +334,7 @@ class SGN(torch.optim.Optimizer):
             step = group["lr"] * direction
 
             def loss_at(a: float) -> float:
-                value = self._loss_at(lin, theta + a * step, inputs, targets)
+                value = self._loss_at(lin, theta + a * step, batch)
                 logger.debug("  line search: a=%.4g loss=%.6g", a, value)
                 return value
 
@@ -397,12 +390,12 @@ class SGN(torch.optim.Optimizer):
         return info
 
     # --- the step's parts --------------------------------------------------------------------
-    def _step_linearize(self, t: int):
+    def _step_engine(self, t: int):
         """The engine for step ``t``: the curvature subset is drawn from a generator seeded
         with ``t``, so a resumed run, or a step retried after a failure, draws the same one."""
         if self._curvature_fraction < 1:
-            return _curvature_subset(self._linearize, self._curvature_fraction, seed=t)
-        return self._linearize
+            return curvature_subset(self._engine, self._loss, self._curvature_fraction, seed=t)
+        return self._engine
 
     def _damping(self, state: dict, t: int) -> float:
         group = self.param_groups[0]
@@ -445,7 +438,7 @@ class SGN(torch.optim.Optimizer):
         return m / (1 - beta ** (t + 1)), m
 
     def _solve(
-        self, lin: _Linearization, rhs: Tensor, damping: float, state: dict, t: int
+        self, lin: Linearization, rhs: Tensor, damping: float, state: dict, t: int
     ) -> CGResult:
         group = self.param_groups[0]
         iters = group["cg_iters"]
@@ -472,10 +465,12 @@ class SGN(torch.optim.Optimizer):
             )  # fmt: skip
         return result
 
-    def _loss_at(self, lin: _Linearization, flat: Tensor, inputs: Inputs, targets: Tensor) -> float:
+    def _loss_at(self, lin: Linearization, flat: Tensor, batch: Batch) -> float:
         if lin.value_at is not None:
             return self._comm.loss_value(lambda: lin.value_at(flat))
-        return self._comm.loss_value(lambda: self._loss.value(self._fmodel(flat, inputs), targets))
+        return self._comm.loss_value(
+            lambda: self._loss.value(self._fmodel(flat, batch.inputs), batch.targets)
+        )
 
     def _write_grad(self, grad: Tensor) -> None:
         fm = self._fmodel
@@ -515,7 +510,7 @@ class _Solution:
         return _Solution(lr * g_d + 0.5 * lr * lr * curv, lr * m_d, res, d_max != 0)
 
 
-def _finite_loss(lin: _Linearization, inputs: Inputs, targets: Tensor) -> tuple[float, float]:
+def _finite_loss(lin: Linearization, batch: Batch) -> tuple[float, float]:
     """The loss and the gradient's norm (one host transfer); raises unless both are finite.
 
     The batch is scanned for NaN and infinite values only then, to name the cause: a
@@ -530,7 +525,7 @@ def _finite_loss(lin: _Linearization, inputs: Inputs, targets: Tensor) -> tuple[
         math.isfinite(grad_norm) or bool(torch.isfinite(lin.grad).all())
     )
     if not finite:
-        _check_finite_batch(inputs, targets)
+        _check_finite_batch(batch.inputs, batch.targets)
     if not math.isfinite(loss):
         raise FloatingPointError(
             f"the loss is {loss} at the current parameters on this batch; the parameters were "

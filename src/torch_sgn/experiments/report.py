@@ -1,8 +1,7 @@
 """Plots and tables from a directory of runs, like the paper's figures and tables.
 
 :func:`main` reads every ``results.json`` written by :mod:`torch_sgn.experiments.runner` under
-a directory,
-groups the runs by setting (``SGN(5)``, ``SGD(0.1)``, ...) and writes
+a directory, groups the runs by setting (``SGN(5)``, ``SGD(0.1)``, ...) and writes
 
 * four figures, each as PNG and SVG: train loss against seconds and against epochs, and the
   test metric (loss for regression, accuracy for classification) against seconds and against

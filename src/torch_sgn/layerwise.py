@@ -1,9 +1,9 @@
 r"""The fast curvature engine: ``G v`` for chains of known layers at about one gradient.
 
-The functional engine (:func:`torch_sgn.ggn._linearize`) works for any model but re-runs the
-forward pass with forward-mode AD at every product. For an :class:`~torch.nn.Sequential` of
-known layers this module runs **one** forward pass per step, keeps what each layer needs, and
-then per CG iteration only propagates
+The functional engine (:class:`torch_sgn.functional.FunctionalEngine`) works for any model
+but re-runs the forward pass with forward-mode AD at every product. For an
+:class:`~torch.nn.Sequential` of known layers this module runs **one** forward pass per step,
+keeps what each layer needs, and then per CG iteration only propagates
 
 * tangents forward by hand (``J v``): a linear layer maps ``(a, t)`` to
   ``W t + dW a + db``, an activation multiplies by ``f'(z)`` computed once per step, max
@@ -19,17 +19,15 @@ for a gradient. The loss at the trust region's and line search's trial points is
 forward pass through the same chain (no autograd, the recorded dropout masks). With
 ``cuda_graphs`` the by-hand work is captured and replayed (:mod:`torch_sgn.graphs`).
 
-:func:`_select_engine` picks the implementation of the optimizer's ``_linearize`` interface:
-``"fast"`` (this module; raises where it cannot apply), ``"functional"`` (any model) or
-``"auto"`` (fast where it applies, else functional with a one-time warning).
-:func:`_curvature_subset` wraps either to take ``G v`` on a random subset of the batch.
+:class:`LayerwiseEngine` is the engine of ``engine="fast"`` and ``"auto"`` (see
+:mod:`torch_sgn.engines`); where the model is not such a chain it raises (``"fast"``) or
+hands over to the functional engine with a one-time warning (``"auto"``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import replace
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -37,17 +35,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import graphs
-from .ggn import Inputs, _FunctionalModel, _Linearization, _linearize, _output_loss
+from .functional import FunctionalEngine, FunctionalModel
+from .linearization import Batch, Linearization, loss_and_output_gradient
 from .losses import OutputLoss
-
-ENGINES = ("auto", "fast", "functional")
 
 # A parameter slot of a layer: an index into the trainable parameters, a frozen tensor, or None.
 _Slot = Union[int, Tensor, None]
-_Linearize = Callable[..., _Linearization]
 
 
-class _Unsupported(Exception):
+class Unsupported(Exception):
     """The fast engine cannot evaluate this model; the message says why."""
 
 
@@ -332,10 +328,10 @@ _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
 def _leaves(module: nn.Module, path: str) -> List[Tuple[str, nn.Module]]:
     """The layers of a (nested) plain Sequential, in order."""
     if module._forward_hooks or module._forward_pre_hooks:
-        raise _Unsupported(f"{path or 'the model'} has forward hooks")
+        raise Unsupported(f"{path or 'the model'} has forward hooks")
     if isinstance(module, nn.Sequential):
         if type(module).forward is not nn.Sequential.forward:
-            raise _Unsupported(f"{path or 'the model'} overrides Sequential.forward")
+            raise Unsupported(f"{path or 'the model'} overrides Sequential.forward")
         out = []
         for name, child in module._modules.items():  # named_children() skips repeated layers
             if child is None:
@@ -345,15 +341,15 @@ def _leaves(module: nn.Module, path: str) -> List[Tuple[str, nn.Module]]:
     return [(path, module)]
 
 
-def _plan(fmodel: _FunctionalModel) -> List[_Step]:
-    """The model as a list of :class:`_Step`; raises :class:`_Unsupported` with the reason."""
+def plan(fmodel: FunctionalModel) -> List[_Step]:
+    """The model as a list of :class:`_Step`; raises :class:`Unsupported` with the reason."""
     model = fmodel.model
     if not isinstance(model, nn.Sequential) and type(model) not in _AFFINE:
-        raise _Unsupported(
+        raise Unsupported(
             f"the model is a {type(model).__name__}, not an nn.Sequential of supported layers"
         )
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
-        raise _Unsupported("global forward hooks are registered")
+        raise Unsupported("global forward hooks are registered")
     index = {id(p): i for i, p in enumerate(fmodel.params)}
     steps: List[_Step] = []
     used = set()
@@ -381,11 +377,11 @@ def _plan(fmodel: _FunctionalModel) -> List[_Step]:
         elif kind in _DROPOUTS:
             steps.append(_Dropout(m))
         else:
-            raise _Unsupported(f"layer {path!r} ({kind.__name__}) is not supported")
+            raise Unsupported(f"layer {path!r} ({kind.__name__}) is not supported")
     if len(used) != len(fmodel.params):
-        raise _Unsupported("some trainable parameters are not weights of supported layers")
+        raise Unsupported("some trainable parameters are not weights of supported layers")
     if any(True for _ in model.buffers()):
-        raise _Unsupported("the model has buffers")
+        raise Unsupported("the model has buffers")
     return steps
 
 
@@ -401,16 +397,20 @@ def _structure(model: nn.Module) -> tuple:
     )
 
 
-class _LayerwiseEngine:
-    """``_linearize`` for a planned chain: one recorded forward pass, hand-made tangents.
+class LayerwiseEngine:
+    """The :class:`~torch_sgn.linearization.Engine` of a planned chain: one recorded forward
+    pass, hand-made tangents.
 
     The plan is checked against the model's structure at every call. With ``strict`` a model
     that cannot be planned raises ``ValueError``; otherwise the functional engine takes over,
     with a warning the first time.
     """
 
-    def __init__(self, fmodel: _FunctionalModel, strict: bool, cuda_graphs: bool = False):
-        self.strict = strict
+    def __init__(
+        self, fmodel: FunctionalModel, loss: OutputLoss, strict: bool, cuda_graphs: bool = False
+    ):
+        self.fmodel, self.loss, self.strict = fmodel, loss, strict
+        self._functional = FunctionalEngine(fmodel, loss)
         self._key: Optional[tuple] = None
         self._steps: Optional[List[_Step]] = None
         self._warned = False
@@ -418,15 +418,15 @@ class _LayerwiseEngine:
         self._graphs_warned = False
         self._plan(fmodel, stacklevel=4)
 
-    def _plan(self, fmodel: _FunctionalModel, stacklevel: int = 5) -> Optional[List[_Step]]:
+    def _plan(self, fmodel: FunctionalModel, stacklevel: int = 5) -> Optional[List[_Step]]:
         key = _structure(fmodel.model)
         if key != self._key:
             self._key = key
             if self._graphs is not None:
                 self._graphs.clear()
             try:
-                self._steps = _plan(fmodel)
-            except _Unsupported as why:
+                self._steps = plan(fmodel)
+            except Unsupported as why:
                 self._steps = None
                 if self.strict:
                     raise ValueError(f"engine='fast' cannot evaluate this model: {why}") from None
@@ -443,15 +443,11 @@ class _LayerwiseEngine:
             )
 
     def __call__(
-        self,
-        fmodel: _FunctionalModel,
-        loss: OutputLoss,
-        flat: Tensor,
-        inputs: Inputs,
-        targets: Tensor,
-        buffers_out: Optional[dict] = None,
-    ) -> _Linearization:
+        self, flat: Tensor, batch: Batch, buffers_out: Optional[dict] = None
+    ) -> Linearization:
+        fmodel, loss = self.fmodel, self.loss
         steps = self._plan(fmodel)
+        inputs, targets = batch.inputs, batch.targets
         if isinstance(inputs, tuple):
             if len(inputs) != 1:
                 if self.strict:
@@ -467,7 +463,7 @@ class _LayerwiseEngine:
                 else graphs.obstacle(steps, fmodel.model, loss, flat.device)
             )
             if why is None:
-                lin = self._graphs(_by_hand, steps, fmodel, loss, flat, inputs, targets)
+                lin = self._graphs(_by_hand, steps, fmodel, loss, flat, Batch(inputs, targets))
                 if lin is not None:
                     return lin
             elif not self._graphs_warned:
@@ -476,13 +472,13 @@ class _LayerwiseEngine:
                     f"cuda_graphs=True does not apply ({why}); running eagerly", stacklevel=3
                 )
         if steps is None:
-            return _linearize(fmodel, loss, flat, inputs, targets, buffers_out)
+            return self._functional(flat, batch, buffers_out)
         if all(step.by_hand for step in steps):
             return _by_hand(steps, fmodel, loss, flat, inputs, targets)
         return _through_autograd(steps, fmodel, loss, flat, inputs, targets)
 
 
-def _per_parameter(fmodel: _FunctionalModel, flat: Tensor) -> List[Tensor]:
+def _per_parameter(fmodel: FunctionalModel, flat: Tensor) -> List[Tensor]:
     """Views of a flat vector shaped as the trainable parameters, in their order."""
     return [c.view(s) for c, s in zip(flat.split(fmodel.numels), fmodel.shapes)]
 
@@ -490,7 +486,7 @@ def _per_parameter(fmodel: _FunctionalModel, flat: Tensor) -> List[Tensor]:
 def _record(steps, fmodel, flat, inputs, grad_mode: bool, replay_rng: bool = True):
     """One forward pass through the chain; returns the outputs and each layer's context."""
     ctxs = []
-    rng = fmodel._replay_rng() if replay_rng else contextlib.nullcontext()
+    rng = fmodel.replay_rng() if replay_rng else contextlib.nullcontext()
     with torch.set_grad_enabled(grad_mode), rng:
         params = _per_parameter(fmodel, flat)
         h = inputs
@@ -524,11 +520,11 @@ def _value_at(chain, fmodel, loss, inputs, targets) -> Callable[[Tensor], Tensor
     return value_at
 
 
-def _through_autograd(steps, fmodel, loss, flat, inputs, targets) -> _Linearization:
+def _through_autograd(steps, fmodel, loss, flat, inputs, targets) -> Linearization:
     """Tangents by hand, cotangents through the autograd graph of the recorded forward pass."""
     leaf = flat.detach().requires_grad_(True)
     outputs, chain = _record(steps, fmodel, leaf, inputs, grad_mode=True)
-    value, dz = _output_loss(loss, outputs, targets)
+    value, dz = loss_and_output_gradient(loss, outputs, targets)
     with torch.enable_grad():
         (grad,) = torch.autograd.grad(outputs, leaf, dz, retain_graph=True)
     z = outputs.detach()
@@ -542,10 +538,10 @@ def _through_autograd(steps, fmodel, loss, flat, inputs, targets) -> _Linearizat
             (jthjv,) = torch.autograd.grad(outputs, leaf, hjv, retain_graph=True)
         return jthjv
 
-    return _Linearization(value, grad, ggn_vp, _value_at(chain, fmodel, loss, inputs, targets))
+    return Linearization(value, grad, ggn_vp, _value_at(chain, fmodel, loss, inputs, targets))
 
 
-def _by_hand(steps, fmodel, loss, flat, inputs, targets, captured=False) -> _Linearization:
+def _by_hand(steps, fmodel, loss, flat, inputs, targets, captured=False) -> Linearization:
     """Tangents and cotangents by hand: no autograd graph is recorded or kept.
 
     For chains of linear layers, zero-padded convolutions, max pooling, elementwise
@@ -556,7 +552,7 @@ def _by_hand(steps, fmodel, loss, flat, inputs, targets, captured=False) -> _Lin
     outputs, chain = _record(
         steps, fmodel, flat.detach(), inputs, grad_mode=False, replay_rng=not captured
     )
-    value, dz = _output_loss(loss, outputs, targets, check=not captured)
+    value, dz = loss_and_output_gradient(loss, outputs, targets, check=not captured)
     z = outputs
     # Layers before the first one with trainable parameters need no cotangent at all.
     first = min(i for i, step in enumerate(steps) if step.trainable)
@@ -576,46 +572,4 @@ def _by_hand(steps, fmodel, loss, flat, inputs, targets, captured=False) -> _Lin
         hessian = loss.hessian(z, targets)
         grad = vjp(dz)
     value_at = _value_at(chain, fmodel, loss, inputs, targets)
-    return _Linearization(value, grad, ggn_vp, value_at, outputs=z)
-
-
-def _select_engine(fmodel: _FunctionalModel, engine: str, cuda_graphs: bool = False) -> _Linearize:
-    """The ``_linearize`` implementation for ``engine`` (one of :data:`ENGINES`); with
-    ``cuda_graphs`` the fast engine captures its work as CUDA graphs where it can (see
-    :mod:`torch_sgn.graphs`)."""
-    if engine not in ENGINES:
-        raise ValueError(f"invalid engine={engine!r}: must be one of {ENGINES}")
-    if engine == "functional":  # SGN refuses cuda_graphs with it
-        return _linearize
-    return _LayerwiseEngine(fmodel, strict=engine == "fast", cuda_graphs=cuda_graphs)
-
-
-def _curvature_subset(linearize: _Linearize, fraction: float, seed: int = 0) -> _Linearize:
-    """Loss and gradient on the whole batch, ``G v`` on a random ``fraction`` of it.
-
-    The subset is drawn from a private generator seeded with ``seed`` (the global random
-    state is not touched); :class:`~torch_sgn.SGN` passes the step number. ``G`` is scaled
-    to estimate the whole batch's: with ``reduction="mean"`` the subset's mean already does;
-    with ``"sum"`` it is multiplied by ``N / m``.
-    """
-    generator = torch.Generator().manual_seed(seed)
-
-    def subset_linearize(fmodel, loss, flat, inputs, targets, buffers_out=None):
-        full = linearize(fmodel, loss, flat, inputs, targets, buffers_out)
-        xs = inputs if isinstance(inputs, tuple) else (inputs,)
-        n = xs[0].shape[0]
-        m = max(1, int(round(fraction * n)))
-        if m >= n:
-            return full
-        idx = torch.randperm(n, generator=generator)[:m].sort().values.to(xs[0].device)
-        sub_inputs = tuple(x[idx] for x in xs)
-        sub = linearize(
-            fmodel, loss, flat, sub_inputs if isinstance(inputs, tuple) else sub_inputs[0],
-            targets[idx],
-        )  # fmt: skip
-        scale = n / m if getattr(loss, "reduction", "mean") == "sum" else 1.0
-        if scale == 1.0:
-            return replace(full, ggn_vp=sub.ggn_vp)
-        return replace(full, ggn_vp=lambda v: sub.ggn_vp(v) * scale)
-
-    return subset_linearize
+    return Linearization(value, grad, ggn_vp, value_at, outputs=z)

@@ -1,0 +1,66 @@
+"""Choosing the curvature engine, and the curvature mini-batch.
+
+:func:`select_engine` returns the :class:`~torch_sgn.linearization.Engine` for the ``engine``
+argument of :class:`~torch_sgn.SGN` and :class:`~torch_sgn.GGN`: ``"fast"`` (the layer-wise
+engine of :mod:`torch_sgn.layerwise`; raises where it cannot apply), ``"functional"``
+(:mod:`torch_sgn.functional`, any model) or ``"auto"`` (fast where it applies, else
+functional with a one-time warning). :func:`curvature_subset` wraps an engine to take ``G v``
+on a random subset of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .functional import FunctionalEngine, FunctionalModel
+from .layerwise import LayerwiseEngine
+from .linearization import Batch, Engine, Linearization
+from .losses import OutputLoss
+
+__all__ = ["ENGINES", "curvature_subset", "select_engine"]
+
+ENGINES = ("auto", "fast", "functional")
+
+
+def select_engine(
+    fmodel: FunctionalModel, loss: OutputLoss, engine: str, cuda_graphs: bool = False
+) -> Engine:
+    """The engine for ``engine`` (one of :data:`ENGINES`); with ``cuda_graphs`` the fast
+    engine captures its work as CUDA graphs where it can (see :mod:`torch_sgn.graphs`)."""
+    if engine not in ENGINES:
+        raise ValueError(f"invalid engine={engine!r}: must be one of {ENGINES}")
+    if engine == "functional":  # SGN refuses cuda_graphs with it
+        return FunctionalEngine(fmodel, loss)
+    return LayerwiseEngine(fmodel, loss, strict=engine == "fast", cuda_graphs=cuda_graphs)
+
+
+def curvature_subset(engine: Engine, loss: OutputLoss, fraction: float, seed: int = 0) -> Engine:
+    """Loss and gradient on the whole batch, ``G v`` on a random ``fraction`` of it.
+
+    The subset is drawn from a private generator seeded with ``seed`` (the global random
+    state is not touched); :class:`~torch_sgn.SGN` passes the step number. ``G`` is scaled
+    to estimate the whole batch's: with ``reduction="mean"`` the subset's mean already does;
+    with ``"sum"`` it is multiplied by ``N / m``.
+    """
+    generator = torch.Generator().manual_seed(seed)
+
+    def subset_engine(
+        flat: Tensor, batch: Batch, buffers_out: Optional[dict] = None
+    ) -> Linearization:
+        full = engine(flat, batch, buffers_out)
+        n = len(batch)
+        m = max(1, int(round(fraction * n)))
+        if m >= n:
+            return full
+        idx = torch.randperm(n, generator=generator)[:m].sort().values
+        sub = engine(flat, batch.subset(idx.to(batch.args[0].device)))
+        scale = n / m if getattr(loss, "reduction", "mean") == "sum" else 1.0
+        if scale == 1.0:
+            return replace(full, ggn_vp=sub.ggn_vp)
+        return replace(full, ggn_vp=lambda v: sub.ggn_vp(v) * scale)
+
+    return subset_engine

@@ -1,0 +1,200 @@
+"""The model as a function of one flat parameter vector, and the functional engine.
+
+:class:`FunctionalModel` evaluates any ``nn.Module`` at parameters given as one vector (the
+layout of :func:`torch.nn.utils.parameters_to_vector`) with ``torch.func.functional_call``.
+:class:`FunctionalEngine` linearizes it for any model: ``J v`` by forward-mode AD, which
+re-runs the forward pass at every product, and ``J^T u`` through the autograd graph of the
+gradient's forward pass.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from .linearization import Batch, Inputs, Linearization, loss_and_output_gradient
+from .losses import OutputLoss
+
+__all__ = ["FunctionalEngine", "FunctionalModel"]
+
+
+class FunctionalModel:
+    """Evaluates ``model`` as a function of one flat parameter vector.
+
+    The vector holds the trainable parameters (``requires_grad=True``) in ``model.parameters()``
+    order, the layout of :func:`torch.nn.utils.parameters_to_vector`. Frozen parameters and
+    buffers are passed as they are.
+
+    Modules whose forward draws random numbers (dropout) or updates buffers (batch norm in
+    training mode) are made consistent within a step: :meth:`consistent` replays the same
+    random numbers for every forward pass, and only the forward pass that computes the
+    gradient writes the buffers; all others work on copies.
+    """
+
+    def __init__(self, model: nn.Module):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.model = model
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the model has no trainable parameters (none has requires_grad)")
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.shapes = [p.shape for p in self.params]
+        self.numels = [p.numel() for p in self.params]
+        self.numel = sum(self.numels)
+        dtypes = {p.dtype for p in self.params}
+        devices = {p.device for p in self.params}
+        if len(dtypes) > 1 or len(devices) > 1:
+            raise ValueError(
+                "all trainable parameters must share one dtype and device, got "
+                f"dtypes {sorted(map(str, dtypes))} and devices {sorted(map(str, devices))}"
+            )
+        self.dtype, self.device = dtypes.pop(), devices.pop()
+        if not self.dtype.is_floating_point:
+            raise ValueError(f"parameters must be floating point, got {self.dtype}")
+        self._rng_state: dict | None = None
+        self._after_first: dict | None = None
+
+    # --- parameters as one vector -------------------------------------------------------------
+    def flat(self) -> Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.params])
+
+    def unflatten(self, flat: Tensor) -> dict[str, Tensor]:
+        return {
+            name: chunk.view(shape)
+            for name, chunk, shape in zip(self.names, flat.split(self.numels), self.shapes)
+        }
+
+    @torch.no_grad()
+    def write(self, flat: Tensor) -> None:
+        """Copies ``flat`` into the model's parameters."""
+        for p, chunk in zip(self.params, flat.split(self.numels)):
+            p.copy_(chunk.view(p.shape))
+
+    @torch.no_grad()
+    def write_buffers(self, buffers: dict[str, Tensor]) -> None:
+        """Copies buffers computed by a forward pass (see ``buffers_out``) into the model."""
+        own = dict(self.model.named_buffers())
+        for name, value in buffers.items():
+            own[name].copy_(value)
+
+    # --- forward passes -----------------------------------------------------------------------
+    def __call__(self, flat: Tensor, inputs: Inputs, *, buffers_out: dict | None = None) -> Tensor:
+        """The model's output at parameters ``flat``.
+
+        A training-mode forward pass updates copies of the buffers, never the model's own; pass
+        ``buffers_out`` to receive the updated copies (:meth:`write_buffers` commits them).
+        Copies are made inside the call, which also keeps ``torch.func`` transforms from seeing
+        captured tensors mutated.
+        """
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        tensors = dict(self.model.named_buffers())
+        if self.model.training:
+            tensors = {k: b.clone() for k, b in tensors.items()}
+            if buffers_out is not None:
+                buffers_out.update(tensors)
+        tensors.update(self.unflatten(flat))
+        with self.replay_rng():
+            out = functional_call(self.model, tensors, args)
+        if not isinstance(out, Tensor):
+            raise TypeError(
+                "SGN needs a model whose forward returns one tensor, got "
+                f"{type(out).__name__}; wrap the model to select the output the loss uses"
+            )
+        return out
+
+    @contextmanager
+    def consistent(self) -> Iterator[None]:
+        """Within this block, every forward pass draws the same random numbers.
+
+        On normal exit the global random state is where one forward pass would have left it;
+        if the block raises, it is restored to where it was on entry.
+        """
+        if not self.model.training:
+            yield
+            return
+        start = self.freeze_rng()
+        try:
+            yield
+        except BaseException:
+            _set_rng(self.device, start)
+            raise
+        else:
+            if self._after_first is not None:
+                _set_rng(self.device, self._after_first)
+        finally:
+            self._rng_state = self._after_first = None
+
+    def freeze_rng(self) -> dict:
+        """Makes every later forward pass replay the current random state; returns it."""
+        self._rng_state = _get_rng(self.device)
+        self._after_first = None
+        return self._rng_state
+
+    @contextmanager
+    def replay_rng(self) -> Iterator[None]:
+        if self._rng_state is None:
+            yield
+            return
+        outside = _get_rng(self.device)
+        _set_rng(self.device, self._rng_state)
+        try:
+            yield
+        finally:
+            if self._after_first is None:
+                self._after_first = _get_rng(self.device)
+            _set_rng(self.device, outside)
+
+
+def _get_rng(device: torch.device) -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng(device: torch.device, state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+class FunctionalEngine:
+    """Loss, gradient and a ``G v`` closure from one forward pass, for any model.
+
+    The forward pass that gives the gradient is recorded once and its graph kept: ``J^T u``
+    reuses it at every product. ``J v`` uses forward-mode AD (``torch.func.jvp``), which
+    re-runs the forward pass with tangents.
+    """
+
+    def __init__(self, fmodel: FunctionalModel, loss: OutputLoss):
+        self.fmodel, self.loss = fmodel, loss
+
+    def __call__(
+        self, flat: Tensor, batch: Batch, buffers_out: Optional[dict] = None
+    ) -> Linearization:
+        fmodel, loss, inputs, targets = self.fmodel, self.loss, batch.inputs, batch.targets
+        leaf = flat.detach().requires_grad_(True)
+        with torch.enable_grad():
+            outputs = fmodel(leaf, inputs, buffers_out=buffers_out)
+            value, dz = loss_and_output_gradient(loss, outputs, targets)
+            (grad,) = torch.autograd.grad(outputs, leaf, dz, retain_graph=True)
+        z = outputs.detach()
+        base = flat.detach()
+        hessian = loss.hessian(z, targets)
+
+        def jvp(v: Tensor) -> Tensor:
+            return torch.func.jvp(lambda p: fmodel(p, inputs), (base,), (v,))[1]
+
+        def ggn_vp(v: Tensor) -> Tensor:
+            hjv = hessian(jvp(v))  # v -> J v -> H J v
+            with torch.enable_grad():
+                (jthjv,) = torch.autograd.grad(outputs, leaf, hjv, retain_graph=True)
+            return jthjv  # -> J^T H J v
+
+        return Linearization(value, grad, ggn_vp)

@@ -1,0 +1,92 @@
+r"""The interface between the optimizer and the curvature engines.
+
+An *engine* linearizes the model and loss at a point on a mini-batch: one call
+``engine(flat, batch, buffers_out)`` returns a :class:`Linearization` holding the loss, its
+gradient and the matrix-free product ``v -> G v`` at the parameters ``flat``. The optimizer,
+CG, the data-parallel communicator and the CUDA-graph capture consume it; the engines
+(:mod:`~torch_sgn.functional`, :mod:`~torch_sgn.layerwise`) produce it, and
+:mod:`~torch_sgn.engines` chooses one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from .losses import OutputLoss
+
+__all__ = ["Batch", "Engine", "Inputs", "Linearization", "loss_and_output_gradient"]
+
+Inputs = Union[Tensor, Tuple[Tensor, ...]]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One mini-batch: the model's ``inputs`` (a tensor, or a tuple passed positionally) and the
+    loss's ``targets``."""
+
+    inputs: Inputs
+    targets: Tensor
+
+    @property
+    def args(self) -> Tuple[Tensor, ...]:
+        """The inputs as the tuple of positional arguments of the model's forward."""
+        return self.inputs if isinstance(self.inputs, tuple) else (self.inputs,)
+
+    def __len__(self) -> int:
+        """The number of samples (the leading dimension of the first input)."""
+        return self.args[0].shape[0]
+
+    def subset(self, index: Tensor) -> Batch:
+        """The samples at ``index`` (along the leading dimension of inputs and targets)."""
+        xs = tuple(x[index] for x in self.args)
+        return Batch(xs if isinstance(self.inputs, tuple) else xs[0], self.targets[index])
+
+
+@dataclass
+class Linearization:
+    """The model and loss linearized at one point on one mini-batch.
+
+    Attributes:
+        loss: the loss at the point (detached scalar tensor).
+        grad: its gradient, flat.
+        ggn_vp: ``v -> G v`` for flat ``v``.
+        value_at: ``flat -> loss`` at other parameters on the same batch, with the same random
+            numbers (the trust region's and line search's trial points); ``None`` lets the
+            optimizer evaluate the model functionally.
+        outputs: the network's outputs at the point, where the engine keeps them.
+    """
+
+    loss: Tensor
+    grad: Tensor
+    ggn_vp: Callable[[Tensor], Tensor]
+    value_at: Optional[Callable[[Tensor], Tensor]] = None
+    outputs: Optional[Tensor] = None
+
+
+class Engine(Protocol):
+    """Linearizes a model and a loss (bound at construction) at ``flat`` on ``batch``.
+
+    ``buffers_out`` receives the buffers as the one forward pass that gives the gradient
+    updated them (training mode); the caller commits them when the step is accepted.
+    """
+
+    def __call__(
+        self, flat: Tensor, batch: Batch, buffers_out: Optional[dict] = None
+    ) -> Linearization: ...
+
+
+def loss_and_output_gradient(
+    loss: OutputLoss, outputs: Tensor, targets: Tensor, check: bool = True
+) -> Tuple[Tensor, Tensor]:
+    """The loss and its gradient with respect to the outputs (autograd in output space)."""
+    if check:
+        loss.check_targets(outputs, targets)
+    with torch.enable_grad():
+        z = outputs.detach().requires_grad_(True)
+        value = loss.value(z, targets)
+        (dz,) = torch.autograd.grad(value, z)
+    return value.detach(), dz
