@@ -513,6 +513,38 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def summary(record: dict) -> str:
+    """The record as markdown: how it was run, then one table per problem."""
+    env = record["environment"]
+    lines = [
+        f"# benchmarks/regression.py, {record['date_utc']}",
+        "",
+        "```",
+        record["command"],
+        "```",
+        "",
+        f"- commit {env['git_commit']}{' (with local changes)' if env['git_dirty'] else ''}, "
+        f"torch {env['torch']}, torch-levenberg-marquardt {env['torch_levenberg_marquardt']}, "
+        f"Python {env['python']}",
+        f"- CPU: {env['cpu']} ({env['logical_cpus']} logical CPUs), {env['threads']} torch "
+        f"thread(s); seconds are {record['clock']} time of the optimizer steps",
+        f"- evaluation: {record['evaluation']}",
+    ]
+    if record.get("note"):
+        lines.append(f"- note: {record['note']}")
+    for result in record["problems"].values():
+        lines += ["", table(result)]
+    return "\n".join(lines) + "\n"
+
+
+def write_record(folder: Path, record: dict) -> None:
+    """``record.json`` (everything, curves included) and ``README.md`` (its tables)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "record.json", "w") as f:
+        json.dump(_jsonable(record), f, indent=1, default=str)
+    (folder / "README.md").write_text(summary(_jsonable(record)))
+
+
 def record_dir(out: Path, name: str) -> Path:
     stem = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}_{name}"
     path, i = out / stem, 2
@@ -570,12 +602,23 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="run", help="short description: the record's folder name")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "regression"))
     p.add_argument("--note", default="", help="free text kept in the record")
+    p.add_argument(
+        "--summarize",
+        metavar="RECORD_JSON",
+        help="run nothing: rewrite README.md beside this record.json from it and print it",
+    )
     return p
 
 
 def main(argv: Optional[List[str]] = None) -> Path:
     """Runs the benchmark; returns the record's folder."""
     args = parser().parse_args(argv)
+    if args.summarize:
+        folder = Path(args.summarize).parent
+        record = json.loads(Path(args.summarize).read_text())
+        (folder / "README.md").write_text(summary(record))
+        print(summary(record))
+        return folder
     args.sgn = args.sgn or ["default"]
     try:
         methods = build_methods(args)
@@ -649,9 +692,7 @@ def main(argv: Optional[List[str]] = None) -> Path:
             print(f"  {name} {m.label}: {r['status']} final MSE {r.get('final_mse')}", flush=True)
         record["problems"][name] = result
         print(table(result), flush=True)
-        folder.mkdir(parents=True, exist_ok=True)  # written after each problem: partial runs keep
-        with open(folder / "record.json", "w") as f:
-            json.dump(_jsonable(record), f, indent=1, default=str)
+        write_record(folder, record)  # after each problem: an interrupted run keeps the rest
     print(f"record: {folder / 'record.json'}")
     return folder
 

@@ -54,6 +54,12 @@ def test_quick_run_writes_a_falling_curve(regression, tmp_path):
     for level, t in run["seconds_to"].items():
         hits = [s for s, m in zip(times, mse) if m <= float(level)]
         assert t == (hits[0] if hits else None)
+    # README.md holds the table; --summarize rebuilds it from record.json alone.
+    readme = (folder / "README.md").read_text()
+    assert record["command"] in readme and "| SGN default |" in readme
+    (folder / "README.md").unlink()
+    regression.main(["--summarize", str(folder / "record.json")])
+    assert (folder / "README.md").read_text() == readme
 
 
 def test_unknown_sgn_option_is_a_clear_error(regression, capsys):
