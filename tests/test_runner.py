@@ -14,6 +14,7 @@ import torch
 
 from torch_sgn.experiments import cli, runner
 from torch_sgn.experiments.data import boston
+from torch_sgn.experiments.models import PRESETS
 from torch_sgn.experiments.runner import (
     GRIDS,
     AdamOptions,
@@ -400,3 +401,16 @@ def test_image_presets_run_end_to_end(tmp_path, generated_data, preset, n_train,
     for acc, n in ((e["train_acc"], n_train), (e["test_acc"], 5)):
         assert all(0 <= a <= 1 and abs(a * n - round(a * n)) < 1e-9 for a in acc)
     assert all(math.isfinite(x) for x in e["train_loss"] + e["test_loss"])
+
+
+def test_cli_run_help_lists_the_choices(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps long lines
+    assert "--preset {" + ",".join(sorted(PRESETS)) + "}" in text
+    assert "--optimizer {sgn,sgd,adam}" in text
+    assert "--init {paper,torch}" in text and "--dtype {float32,float64}" in text
+    assert "--sgd-schedule {const,step,cos,linear}" in text
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--preset", "imagenet", "--epochs", "1", "--out", "x"])
+    assert "invalid choice: 'imagenet'" in capsys.readouterr().err

@@ -27,6 +27,7 @@ from typing import Any, Optional, Sequence
 import torch.distributed
 
 from . import runner
+from .models import PRESETS
 from .runner import GRIDS, AdamOptions, RunConfig, SGDOptions, SGNOptions
 
 _SHARED = (
@@ -43,6 +44,10 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+#: Choices of string fields whose values a dict, not the type, names.
+_CHOICES = {"preset": sorted(PRESETS)}
+
+
 def _add_fields(parser, cls, prefix: str, names: Optional[Sequence[str]] = None) -> None:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -51,10 +56,13 @@ def _add_fields(parser, cls, prefix: str, names: Optional[Sequence[str]] = None)
         if f.name in ("sgn", "sgd", "adam"):
             continue
         hint = hints[f.name]
-        args = typing.get_args(hint)
-        base = next((a for a in args if a is not type(None)), hint) if args else hint
+        base = hint
+        if typing.get_origin(hint) is typing.Union:  # Optional[X]: the flag takes an X
+            base = next(a for a in typing.get_args(hint) if a is not type(None))
         kwargs: dict[str, Any] = {}
-        if typing.get_origin(base) is typing.Literal:
+        if f.name in _CHOICES:
+            kwargs["choices"] = _CHOICES[f.name]
+        elif typing.get_origin(base) is typing.Literal:
             kwargs["choices"] = typing.get_args(base)
         elif base is bool:
             kwargs["type"] = _bool
