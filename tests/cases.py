@@ -50,7 +50,7 @@ def _log_cosh(outputs: Tensor, targets: Tensor) -> Tensor:
 class LossCase:
     name: str
     make: Callable[[], object]
-    targets: str  # "real", "index", "index-ignored" (some -100), "binary", "probs"
+    targets: str  # "real", "index", "index-ignored" (some -100), "binary", "probs", "multi-hot"
 
 
 LOSSES = [
@@ -62,6 +62,13 @@ LOSSES = [
     ),
     LossCase("CE-mean-smooth", lambda: nn.CrossEntropyLoss(label_smoothing=0.2), "index"),
     LossCase("CE-probs", lambda: "cross_entropy", "probs"),
+    # Rows of 0s and 1s: each sums to the number of its labels, 0 included.
+    LossCase("CE-multi-hot", lambda: "cross_entropy", "multi-hot"),
+    LossCase(
+        "CE-sum-smooth-multi-hot",
+        lambda: nn.CrossEntropyLoss(reduction="sum", label_smoothing=0.2),
+        "multi-hot",
+    ),
     LossCase("CE-ignore-index", lambda: "cross_entropy", "index-ignored"),
     LossCase(
         "CE-sum-smooth-ignore",
@@ -96,6 +103,8 @@ def make_batch(model_case: ModelCase, loss_case: LossCase, dtype=torch.float64, 
         y = torch.rand(out_shape, generator=g, dtype=dtype)
     elif loss_case.targets == "probs":
         y = torch.softmax(torch.randn(out_shape, generator=g, dtype=dtype), dim=1)
+    elif loss_case.targets == "multi-hot":
+        y = (torch.rand(out_shape, generator=g) < 0.5).to(dtype)
     else:
         y = torch.randint(0, c, (n, *out_shape[2:]), generator=g)
         if loss_case.targets == "index-ignored":  # torch's default ignore_index

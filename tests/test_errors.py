@@ -197,3 +197,35 @@ def test_finiteness_check_survives_an_overflowing_sum():
     assert _all_finite(big)
     assert not _all_finite(torch.tensor([1.0, float("nan")]))
     assert not _all_finite(torch.tensor([1.0, float("-inf")]))
+
+
+@pytest.mark.parametrize(
+    "loss", ["cross_entropy", nn.CrossEntropyLoss(weight=torch.ones(1, dtype=torch.float64))]
+)
+def test_one_output_cross_entropy_is_refused_with_advice(loss):
+    model = nn.Sequential(nn.Linear(4, 1)).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.zeros(6, dtype=torch.long)
+    opt = SGN(model, loss)
+    snap = _snapshot(model, opt)
+    with pytest.raises(ValueError, match="single output is always 0.*give the model 2 outputs.*"
+                       "loss='bce_with_logits'"):  # fmt: skip
+        opt.step(x, y)
+    _assert_unchanged(model, opt, snap)
+
+
+def test_negative_probability_rows_are_refused():
+    model, x, y = make_batch(MODELS[0], LOSSES[2])
+    opt = SGN(model, "cross_entropy")
+    probs = torch.softmax(torch.randn(6, 3, dtype=torch.float64), 1)
+    probs[2] = -probs[2]
+    with pytest.raises(ValueError, match="rows that sum to >= 0"):
+        opt.step(x, probs)
+
+
+def test_a_loss_class_is_refused_at_construction_with_the_fix():
+    model, _, _ = make_batch(MODELS[0], LOSSES[0])
+    with pytest.raises(TypeError, match=r"loss=MSELoss is a class; pass an instance, e\.g\. "
+                       r"loss=MSELoss\(\)"):  # fmt: skip
+        SGN(model, nn.MSELoss)
+    with pytest.raises(TypeError, match="loss=CrossEntropyLoss is a class"):
+        GGN(model, nn.CrossEntropyLoss, torch.randn(2, 4), torch.zeros(2, dtype=torch.long))

@@ -74,3 +74,24 @@ def test_ggn_leaves_batchnorm_buffers_alone():
     G @ torch.randn(G.shape[0], dtype=torch.float64)
     for k, b in model.named_buffers():
         assert torch.equal(b, before[k]), k
+
+
+def test_kl_div_batchmean_is_supported_and_warns_that_its_ggn_is_zero():
+    """KLDivLoss is linear in its input, so G = J^T 0 J; the warning names the user's line
+    and the fix, whose G (softmax inside the loss) matches the dense reference."""
+    model, x, y = make_batch(MODELS[0], LOSSES[5])  # probability targets
+    with pytest.warns(UserWarning, match="KLDivLoss is linear.*log_softmax") as record:
+        G = GGN(nn.Sequential(model, nn.LogSoftmax(1)), nn.KLDivLoss(reduction="batchmean"), x, y)
+    assert [r.filename for r in record if "KLDivLoss" in str(r.message)] == [__file__]
+    G_ref, g_ref, _ = dense_ggn(
+        nn.Sequential(model, nn.LogSoftmax(1)), nn.KLDivLoss(reduction="batchmean"), x, y
+    )
+    assert torch.count_nonzero(G_ref) == 0 and torch.count_nonzero(G.to_dense()) == 0
+    torch.testing.assert_close(G.gradient, g_ref, rtol=1e-10, atol=1e-12)
+
+    def fix(z, t):
+        return nn.functional.kl_div(nn.functional.log_softmax(z, dim=1), t, reduction="batchmean")
+
+    G_ref, g_ref, _ = dense_ggn(model, fix, x, y)
+    assert G_ref.abs().max() > 1e-3
+    torch.testing.assert_close(GGN(model, fix, x, y).to_dense(), G_ref, rtol=1e-9, atol=1e-11)

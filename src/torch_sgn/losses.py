@@ -5,15 +5,21 @@ respect to ``outputs`` and products of its output-space Hessian ``H`` with a vec
 small (one block per sample) and, for the usual losses, known in closed form:
 
 * mean squared error: ``H = 2 I / n`` (``n`` the number of elements; ``2 I`` for ``sum``),
-* cross-entropy on logits: ``H_i = diag(p_i) - p_i p_i^T`` per sample, ``p_i = softmax(z_i)``,
-  divided by the number of samples for ``mean`` (label smoothing leaves it unchanged since the
-  smoothed target still sums to one); samples whose class index is ``-100`` (torch's
-  ``ignore_index``) count for nothing, as in :func:`torch.nn.functional.cross_entropy`,
+* cross-entropy on logits: ``H_i = s_i (diag(p_i) - p_i p_i^T)`` per sample,
+  ``p_i = softmax(z_i)``, ``s_i`` the sum of the sample's target row (1 for class indices and
+  for probability targets, with or without label smoothing; any value ``>= 0`` for multi-hot
+  targets), divided by the number of samples for ``mean``; samples whose class index is
+  ``ignore_index`` count for nothing, as in :func:`torch.nn.functional.cross_entropy`,
 * binary cross-entropy on logits: ``H = diag(s (1 - s))`` with ``s = sigmoid(z)``, divided by
   the number of elements for ``mean``.
 
 Any other callable is treated generically: its Hessian products come from forward-over-reverse
 autograd in output space (never in parameter space).
+
+An :class:`OutputLoss` is the one place that knows what its loss is: besides the value and the
+Hessian, its :attr:`~OutputLoss.reduction`, the :meth:`~OutputLoss.normalizer` of a batch (what
+the mean divides by) and whether its Hessian has a closed form. The curvature subset, the
+data-parallel weighting and CUDA graphs ask it.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from typing import Callable, Union
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .diagnostics import warn
 
 LossSpec = Union[str, nn.Module, Callable[[Tensor, Tensor], Tensor]]
 
@@ -35,9 +43,18 @@ class OutputLoss:
     Subclasses implement :meth:`value`, :meth:`hvp` and :meth:`check_targets`. Gradients with
     respect to the outputs come from autograd on :meth:`value`, so they are exactly the
     gradients of the loss as torch computes it.
+
+    Attributes:
+        name: the loss's name in messages.
+        reduction: ``"mean"`` (the per-sample terms are divided by :meth:`normalizer`) or
+            ``"sum"``.
+        closed_form: whether :meth:`hessian` is a closed form (no autograd), which CUDA graphs
+            can capture.
     """
 
     name = "custom"
+    reduction = "mean"
+    closed_form = False
 
     def value(self, outputs: Tensor, targets: Tensor) -> Tensor:
         raise NotImplementedError
@@ -57,20 +74,33 @@ class OutputLoss:
     def check_targets(self, outputs: Tensor, targets: Tensor) -> None:
         """Raises ``ValueError`` if ``targets`` cannot be the targets of ``outputs``."""
 
+    def normalizer(self, targets: Tensor) -> float:
+        """What a ``mean`` over this batch divides by, whatever :attr:`reduction` is.
+
+        It weighs the batch in a mean over several batches (data-parallel shards): the number
+        of elements for squared error and binary cross-entropy, the number of kept targets (or
+        the sum of their class weights) for cross-entropy; for a callable, the number of
+        samples (it is assumed to be a mean over samples). Zero for an empty batch. May wait
+        for the device (class-index targets).
+        """
+        return float(targets.shape[0]) if targets.dim() else 1.0
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
 
 
-def _check_reduction(reduction: str) -> str:
-    if reduction not in ("mean", "sum"):
+def _check_reduction(reduction: str, allowed: tuple = ("mean", "sum")) -> str:
+    if reduction not in allowed:
         raise ValueError(
-            f"SGN needs a scalar loss: reduction must be 'mean' or 'sum', got {reduction!r}"
+            "SGN needs a scalar loss: reduction must be "
+            f"{' or '.join(map(repr, allowed))}, got {reduction!r}"
         )
     return reduction
 
 
 class _MSE(OutputLoss):
     name = "mse"
+    closed_form = True
 
     def __init__(self, reduction: str = "mean"):
         self.reduction = _check_reduction(reduction)
@@ -81,6 +111,9 @@ class _MSE(OutputLoss):
     def hvp(self, outputs: Tensor, targets: Tensor, u: Tensor) -> Tensor:
         scale = 2.0 / outputs.numel() if self.reduction == "mean" else 2.0
         return u * scale
+
+    def normalizer(self, targets: Tensor) -> float:
+        return float(targets.numel())
 
     def check_targets(self, outputs: Tensor, targets: Tensor) -> None:
         if not targets.is_floating_point():
@@ -98,31 +131,43 @@ class _MSE(OutputLoss):
 
 class _CrossEntropy(OutputLoss):
     name = "cross_entropy"
-    ignore_index = -100  # torch's default: class-index targets equal to it are left out
+    closed_form = True
 
-    def __init__(self, reduction: str = "mean", label_smoothing: float = 0.0):
+    def __init__(
+        self, reduction: str = "mean", label_smoothing: float = 0.0, ignore_index: int = -100
+    ):
         self.reduction = _check_reduction(reduction)
         if not 0.0 <= label_smoothing <= 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
         self.label_smoothing = label_smoothing
+        self.ignore_index = ignore_index  # class-index targets equal to it are left out
 
     def value(self, outputs: Tensor, targets: Tensor) -> Tensor:
         return F.cross_entropy(
-            outputs, targets, reduction=self.reduction, label_smoothing=self.label_smoothing
+            outputs,
+            targets,
+            reduction=self.reduction,
+            label_smoothing=self.label_smoothing,
+            ignore_index=self.ignore_index,
         )
 
     def hvp(self, outputs: Tensor, targets: Tensor, u: Tensor) -> Tensor:
         return self.hessian(outputs, targets)(u)
 
     def hessian(self, outputs: Tensor, targets: Tensor) -> Callable[[Tensor], Tensor]:
-        # Per sample (and per extra position for (N, C, d1, ...) outputs), the Hessian of
-        # -sum_c q_c log softmax(z)_c is diag(p) - p p^T whenever sum_c q_c = 1. The softmax,
-        # the ignored samples' mask and the mean's 1 / count are folded into one factor once;
-        # nothing here waits for the device.
+        # Per sample (and per extra position for (N, C, d1, ...) outputs), the loss is
+        # -sum_c q_c log softmax(z)_c = -q^T z + s logsumexp(z), s = sum_c q_c, whose Hessian is
+        # s (diag(p) - p p^T). Class indices and probability rows have s = 1, smoothed or not;
+        # multi-hot rows have their own s. The softmax, the row sums, the ignored samples' mask
+        # and the mean's 1 / count are folded into one factor once; nothing here waits for the
+        # device.
         p = torch.softmax(outputs, dim=1)
         if targets.is_floating_point():
-            count = outputs.numel() // outputs.shape[1]
-            scaled = p / count if self.reduction == "mean" else p
+            eps = self.label_smoothing  # torch smooths probabilities to (1 - eps) q + eps / C
+            rows = targets.sum(dim=1, keepdim=True).to(p.dtype) * (1 - eps) + eps
+            scaled = p * rows
+            if self.reduction == "mean":
+                scaled = scaled / (outputs.numel() // outputs.shape[1])
         else:
             keep = (targets != self.ignore_index).unsqueeze(1).to(p.dtype)
             scaled = p * keep
@@ -134,43 +179,85 @@ class _CrossEntropy(OutputLoss):
 
         return product
 
+    def normalizer(self, targets: Tensor) -> float:
+        return _cross_entropy_normalizer(targets, self.ignore_index, None)
+
     def check_targets(self, outputs: Tensor, targets: Tensor) -> None:
-        if outputs.dim() < 2:
+        _check_class_targets(self.name, outputs, targets, self.ignore_index)
+
+
+def _cross_entropy_normalizer(targets: Tensor, ignore_index: int, weight: Tensor | None) -> float:
+    """What torch's mean cross-entropy (or NLL) divides by: the positions for probability
+    targets; the kept class indices, or the sum of their class weights."""
+    if targets.is_floating_point():  # a mean over every position, weighted or not
+        return float(targets.numel() // targets.shape[1]) if targets.dim() > 1 else 1.0
+    keep = targets != ignore_index
+    if weight is None:
+        return float(keep.sum())
+    return float(weight[targets[keep]].sum())
+
+
+def _check_class_targets(
+    name: str, outputs: Tensor, targets: Tensor, ignore_index: int, probabilities: bool = True
+) -> None:
+    """Raises ``ValueError`` unless ``targets`` fit the logits (or log-probabilities)
+    ``outputs`` of a cross-entropy (``probabilities``) or negative log-likelihood loss."""
+    if outputs.dim() < 2:
+        raise ValueError(
+            f"{name} expects logits of shape (N, C) or (N, C, d1, ...), got outputs of "
+            f"shape {tuple(outputs.shape)}"
+        )
+    num_classes = outputs.shape[1]
+    if num_classes == 1:
+        raise ValueError(
+            f"{name} over the model's single output is always 0 (a softmax over one class is "
+            "1), so training would do nothing: for two classes give the model 2 outputs, or "
+            "use loss='bce_with_logits' with float targets of shape (N, 1)"
+        )
+    if targets.is_floating_point() and probabilities:
+        if targets.shape != outputs.shape:
             raise ValueError(
-                "cross_entropy expects logits of shape (N, C) or (N, C, d1, ...), got outputs of "
-                f"shape {tuple(outputs.shape)}"
+                f"{name} expects integer class indices of shape "
+                f"{(outputs.shape[0], *outputs.shape[2:])} (dtype torch.long), or class "
+                f"probabilities of the outputs' shape {tuple(outputs.shape)}; got "
+                f"{targets.dtype} targets of shape {tuple(targets.shape)}"
             )
-        num_classes = outputs.shape[1]
-        if targets.is_floating_point():
-            if targets.shape != outputs.shape:
-                raise ValueError(
-                    "cross_entropy expects integer class indices of shape "
-                    f"{(outputs.shape[0], *outputs.shape[2:])} (dtype torch.long), or class "
-                    f"probabilities of the outputs' shape {tuple(outputs.shape)}; got "
-                    f"{targets.dtype} targets of shape {tuple(targets.shape)}"
-                )
-            return
-        if targets.dtype in (torch.bool, torch.complex64, torch.complex128):
-            raise ValueError(f"cross_entropy expects torch.long class indices, got {targets.dtype}")
-        expected = (outputs.shape[0], *outputs.shape[2:])
-        if tuple(targets.shape) != expected:
+        # A row's sum scales its Hessian (see _CrossEntropy.hessian): a negative one makes
+        # the loss concave in the logits there, and G indefinite.
+        if targets.numel() and bool((targets.sum(dim=1) < 0).any()):
             raise ValueError(
-                f"cross_entropy expects class indices of shape {expected}, got "
-                f"{tuple(targets.shape)}"
+                f"{name} with class-probability targets needs rows that sum to >= 0 (the loss "
+                "is concave in the logits where a row sums to less); got a negative row sum"
             )
-        if targets.numel():  # one transfer from the device; ignored targets count as class 0
-            kept = targets.masked_fill(targets == self.ignore_index, 0)
-            lo, hi = torch.stack(torch.aminmax(kept)).tolist()
-            if lo < 0 or hi >= num_classes:
-                raise ValueError(
-                    f"cross_entropy class index out of range: targets span [{lo}, {hi}] but the "
-                    f"model has {num_classes} outputs (valid indices 0..{num_classes - 1}, or "
-                    f"{self.ignore_index} to leave a sample out)"
-                )
+        return
+    if targets.is_floating_point() or targets.dtype in (
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+    ):
+        raise ValueError(
+            f"{name} expects torch.long class indices, got {targets.dtype}; convert them "
+            "with targets.long()"
+        )
+    expected = (outputs.shape[0], *outputs.shape[2:])
+    if tuple(targets.shape) != expected:
+        raise ValueError(
+            f"{name} expects class indices of shape {expected}, got {tuple(targets.shape)}"
+        )
+    if targets.numel():  # one transfer from the device; ignored targets count as class 0
+        kept = targets.masked_fill(targets == ignore_index, 0)
+        lo, hi = torch.stack(torch.aminmax(kept)).tolist()
+        if lo < 0 or hi >= num_classes:
+            raise ValueError(
+                f"{name} class index out of range: targets span [{lo}, {hi}] but the "
+                f"model has {num_classes} outputs (valid indices 0..{num_classes - 1}, or "
+                f"{ignore_index} to leave a sample out)"
+            )
 
 
 class _BCEWithLogits(OutputLoss):
     name = "bce_with_logits"
+    closed_form = True
 
     def __init__(self, reduction: str = "mean"):
         self.reduction = _check_reduction(reduction)
@@ -188,6 +275,9 @@ class _BCEWithLogits(OutputLoss):
             diagonal = diagonal / outputs.numel()
         return lambda u: diagonal * u
 
+    def normalizer(self, targets: Tensor) -> float:
+        return float(targets.numel())
+
     def check_targets(self, outputs: Tensor, targets: Tensor) -> None:
         if not targets.is_floating_point():
             raise ValueError(
@@ -204,11 +294,18 @@ class _BCEWithLogits(OutputLoss):
 
 
 class _Generic(OutputLoss):
-    """Any callable ``loss(outputs, targets) -> scalar`` that is convex in ``outputs``."""
+    """Any callable ``loss(outputs, targets) -> scalar`` that is convex in ``outputs``.
+
+    A ``torch.nn`` loss module's ``reduction`` is read from it (``"batchmean"`` is a mean over
+    samples); a plain callable is taken to be a mean over samples.
+    """
 
     def __init__(self, fn: Callable[[Tensor, Tensor], Tensor], name: str | None = None):
         self.fn = fn
         self.name = name or getattr(fn, "__name__", type(fn).__name__)
+        reduction = getattr(fn, "reduction", "mean")
+        self._per_element = isinstance(fn, nn.modules.loss._Loss) and reduction != "batchmean"
+        self.reduction = "sum" if reduction == "sum" else "mean"
 
     def value(self, outputs: Tensor, targets: Tensor) -> Tensor:
         loss = self.fn(outputs, targets)
@@ -227,6 +324,39 @@ class _Generic(OutputLoss):
         with torch.enable_grad():
             return torch.func.jvp(grad_fn, (outputs.detach(),), (u,))[1]
 
+    def normalizer(self, targets: Tensor) -> float:
+        if self._per_element:  # torch's loss modules average over elements
+            return float(targets.numel())
+        return super().normalizer(targets)
+
+
+class _WeightedCrossEntropy(_Generic):
+    """``nn.CrossEntropyLoss`` with class weights, or ``nn.NLLLoss`` (log-probabilities in):
+    Hessian products by autograd, the targets checked and the mean's divisor read as torch
+    computes them."""
+
+    def __init__(self, fn: nn.Module, name: str):
+        super().__init__(fn, name)
+        self.probabilities = isinstance(fn, nn.CrossEntropyLoss)
+
+    def normalizer(self, targets: Tensor) -> float:
+        return _cross_entropy_normalizer(targets, self.fn.ignore_index, self.fn.weight)
+
+    def check_targets(self, outputs: Tensor, targets: Tensor) -> None:
+        _check_class_targets(
+            self.name, outputs, targets, self.fn.ignore_index, probabilities=self.probabilities
+        )
+
+
+class _WeightedBCEWithLogits(_Generic):
+    """``nn.BCEWithLogitsLoss`` with ``weight`` or ``pos_weight``: products by autograd."""
+
+    def normalizer(self, targets: Tensor) -> float:
+        return float(targets.numel())
+
+    def check_targets(self, outputs: Tensor, targets: Tensor) -> None:
+        _BCEWithLogits.check_targets(self, outputs, targets)
+
 
 _NAMED = {"mse": _MSE, "cross_entropy": _CrossEntropy, "bce_with_logits": _BCEWithLogits}
 
@@ -235,11 +365,16 @@ def resolve_loss(loss: LossSpec) -> OutputLoss:
     """Turns a loss given by name, ``torch.nn`` module or callable into an :class:`OutputLoss`.
 
     Module forms with options the closed-form Hessians do not cover (class ``weight``,
-    ``pos_weight``, a non-default ``ignore_index``) are handled by the generic autograd path,
-    which is exact for them too.
+    ``pos_weight``) are handled by the generic autograd path, which is exact for them too.
+    ``nn.KLDivLoss`` takes ``reduction="batchmean"`` as well.
     """
     if isinstance(loss, OutputLoss):
         return loss
+    if isinstance(loss, type):
+        raise TypeError(
+            f"loss={loss.__name__} is a class; pass an instance, e.g. loss={loss.__name__}(), "
+            "or a name such as 'mse'"
+        )
     if isinstance(loss, str):
         if loss not in _NAMED:
             raise ValueError(
@@ -250,15 +385,28 @@ def resolve_loss(loss: LossSpec) -> OutputLoss:
     if isinstance(loss, nn.MSELoss):
         return _MSE(loss.reduction)
     if isinstance(loss, nn.CrossEntropyLoss):
-        if loss.weight is None and loss.ignore_index == -100:
-            return _CrossEntropy(loss.reduction, loss.label_smoothing)
+        if loss.weight is None:
+            return _CrossEntropy(loss.reduction, loss.label_smoothing, loss.ignore_index)
         _check_reduction(loss.reduction)
-        return _Generic(loss, "cross_entropy")
+        return _WeightedCrossEntropy(loss, "cross_entropy")
+    if isinstance(loss, nn.NLLLoss):
+        _check_reduction(loss.reduction)
+        return _WeightedCrossEntropy(loss, "nll")
     if isinstance(loss, nn.BCEWithLogitsLoss):
         if loss.weight is None and loss.pos_weight is None:
             return _BCEWithLogits(loss.reduction)
         _check_reduction(loss.reduction)
-        return _Generic(loss, "bce_with_logits")
+        return _WeightedBCEWithLogits(loss, "bce_with_logits")
+    if isinstance(loss, nn.KLDivLoss):
+        _check_reduction(loss.reduction, ("mean", "sum", "batchmean"))
+        warn(
+            "nn.KLDivLoss is linear in the model's outputs (log-probabilities), so its "
+            "Gauss-Newton matrix is zero and each SGN step is a gradient step of length "
+            "lr / damping. To give SGN the curvature of the softmax, end the model at the logits "
+            "and pass loss=lambda z, t: F.kl_div(F.log_softmax(z, dim=1), t, "
+            "reduction='batchmean')"
+        )
+        return _Generic(loss, "kl_div")
     if isinstance(loss, nn.modules.loss._Loss):
         _check_reduction(loss.reduction)
     if callable(loss):
