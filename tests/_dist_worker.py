@@ -31,7 +31,7 @@ class Case:
     name: str
     loss: Callable[[], object]
     sizes: tuple  # examples per rank; None: torch_sgn.distributed.shard
-    targets: str  # "real" or "index"
+    targets: str  # "real", "index" or "index-first-ignored" (rank 0's 5 targets are -100)
     lr: float = 1.0
     # Cross-entropy on a tiny batch is ill-conditioned: with less damping, merely reversing the
     # batch's order moves one process's result by 1e-8 (the test checks the order-sensitivity).
@@ -50,6 +50,8 @@ CASES = [
         lr=4.0,
         damping=0.1,
     ),
+    # A shard with no target that counts: its mean is NaN, its weight 0.
+    Case("ce-shard-all-ignored", lambda: "cross_entropy", (5, 7), "index-first-ignored", 4.0, 0.1),
 ]
 
 
@@ -66,6 +68,8 @@ def batch(case: Case, step: int, reverse: bool = False) -> tuple:
         y = torch.randn(n, 3, generator=g, dtype=torch.float64)
     else:
         y = torch.randint(0, 3, (n,), generator=g)
+        if case.targets == "index-first-ignored":
+            y[:5] = -100
     return (x.flip(0), y.flip(0)) if reverse else (x, y)
 
 

@@ -347,13 +347,19 @@ def test_eval_mode_dropout_is_the_identity():
     torch.testing.assert_close(GGN(model, "mse", x, y, engine="fast").to_dense(), G_ref)
 
 
+_WEIGHT = torch.tensor([1.0, 3.0, 0.5, 2.0], dtype=D)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["closed-form", "class-weights"])
 @pytest.mark.parametrize("engine", ["fast", "functional"])
-def test_curvature_subset_is_the_scaled_ggn_of_a_seeded_subset(reduction, engine):
+def test_curvature_subset_is_the_scaled_ggn_of_a_seeded_subset(reduction, weighted, engine):
+    """A sum over a quarter of the batch is scaled by 4, a mean is not, whichever path the
+    loss takes (class weights go through the generic autograd wrapper)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 5), nn.Sigmoid(), nn.Linear(5, 4)).to(D)
     x, y = _batch(model, (3,), 20, "index")
-    loss = nn.CrossEntropyLoss(reduction=reduction)
+    loss = nn.CrossEntropyLoss(weight=_WEIGHT if weighted else None, reduction=reduction)
     opt = SGN(model, loss, engine=engine, curvature_fraction=0.25)
     step = 3  # the subset of step t comes from a generator seeded with t
     lin = opt._step_engine(step)(opt._fmodel.flat(), Batch(x, y))

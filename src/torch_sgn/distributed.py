@@ -160,7 +160,7 @@ class _DataParallel:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        self.sum_reduction = _reduction(loss) == "sum"
+        self.sum_reduction = loss.reduction == "sum"
         self._loss = loss
         self._fmodel = fmodel
         self._step = -1
@@ -209,13 +209,17 @@ class _DataParallel:
         lin = None
         try:
             count = targets.shape[0] if targets.dim() else 1
+            # This shard's weight in the full batch's mean: what its own mean divides by.
+            scale = 1.0 if self.sum_reduction else loss.normalizer(targets)
             if count == 0:  # an empty shard contributes nothing
                 lin, scale = Linearization(flat.new_zeros(()), flat.new_zeros(n), None), 0.0
                 if buffers_out is not None:
                     buffers_out.update({k: b.clone() for k, b in fmodel.model.named_buffers()})
             else:
                 lin = engine(flat, batch, buffers_out)
-                scale = _share(loss, targets)
+                if scale == 0:  # every target ignored: its forward pass counts for the
+                    # buffers only (its own mean is NaN, and NaN * 0 is NaN)
+                    lin = Linearization(flat.new_zeros(()), flat.new_zeros(n), None)
             payload = [
                 lin.grad * scale,
                 (lin.loss * scale).reshape(1).to(flat.dtype),
@@ -340,36 +344,6 @@ class _DataParallel:
                 "or did not call SGN.step (every rank must call it once per global batch). "
                 f"Check the other ranks' logs. Cause: {e}"
             ) from e
-
-
-def _reduction(loss: OutputLoss) -> str:
-    reduction = getattr(loss, "reduction", None)
-    if reduction is None:
-        reduction = getattr(getattr(loss, "fn", None), "reduction", "mean")
-    return reduction
-
-
-def _share(loss: OutputLoss, targets: Tensor) -> float:
-    """What this shard's mean-reduced loss divides by: its weight in the full batch's mean.
-
-    Exact for the built-in losses (elements for MSE and BCE; non-ignored targets, or their
-    class weights, for cross-entropy). A custom callable is assumed to be a mean over samples.
-    """
-    if _reduction(loss) == "sum":
-        return 1.0
-    name = loss.name
-    if name in ("mse", "bce_with_logits"):
-        return float(targets.numel())
-    if name == "cross_entropy":
-        if targets.is_floating_point():  # class probabilities: a mean over all but dim 1
-            return float(targets.numel() // targets.shape[1])
-        fn = getattr(loss, "fn", None)
-        keep = targets != getattr(fn, "ignore_index", -100)
-        weight = getattr(fn, "weight", None)
-        if weight is None:
-            return float(keep.sum())
-        return float(weight[targets[keep]].sum())
-    return float(targets.shape[0])
 
 
 def _float_buffer_names(fmodel: FunctionalModel) -> list[str]:

@@ -58,7 +58,7 @@ def curvature_subset(engine: Engine, loss: OutputLoss, fraction: float, seed: in
             return full
         idx = torch.randperm(n, generator=generator)[:m].sort().values
         sub = engine(flat, batch.subset(idx.to(batch.args[0].device)))
-        scale = n / m if getattr(loss, "reduction", "mean") == "sum" else 1.0
+        scale = n / m if loss.reduction == "sum" else 1.0
         if scale == 1.0:
             return replace(full, ggn_vp=sub.ggn_vp)
         return replace(full, ggn_vp=lambda v: sub.ggn_vp(v) * scale)

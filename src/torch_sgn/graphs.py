@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from .functional import FunctionalModel
 from .linearization import Batch, Linearization
-from .losses import _MSE, OutputLoss, _BCEWithLogits, _CrossEntropy
+from .losses import OutputLoss
 
 #: How many batch shapes keep their graphs (a run has two: full batches and the last one).
 _MAX_SHAPES = 4
@@ -87,7 +87,7 @@ def obstacle(steps, model: nn.Module, loss: OutputLoss, device: torch.device) ->
         return "some layer is not evaluated by hand (padding other than zeros, average pooling)"
     if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.training for m in model.modules()):
         return "training-mode dropout draws new random numbers every step"
-    if type(loss) not in (_MSE, _CrossEntropy, _BCEWithLogits):
+    if not loss.closed_form:
         return f"the loss {loss.name!r} has no closed-form Hessian"
     return None
 

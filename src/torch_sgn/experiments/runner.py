@@ -56,11 +56,11 @@ from typing import Any, Callable, Literal, Optional, Sequence, Union
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import __version__
 from .. import distributed as sgn_dist
+from ..losses import OutputLoss, resolve_loss
 from ..optimizer import SGN
 from .data import Dataset, load
 from .models import PRESETS
@@ -412,32 +412,30 @@ def _make_optimizer(cfg: RunConfig, model: nn.Module, loss: str):
     return opt, None
 
 
-def _loss_fn(name: str) -> Callable[[Tensor, Tensor], Tensor]:
-    return F.mse_loss if name == "mse" else F.cross_entropy
-
-
-def _baseline_step(model: nn.Module, opt, loss_fn, x: Tensor, y: Tensor, total: int) -> float:
-    """One SGD or Adam step on this rank's shard ``(x, y)`` of a batch of ``total`` examples.
+def _baseline_step(model: nn.Module, opt, loss: OutputLoss, x: Tensor, y: Tensor) -> float:
+    """One SGD or Adam step on this rank's shard ``(x, y)`` of a batch.
 
     In a distributed run the gradients and the loss are all-reduced in one flat vector, each
-    rank's weighted by its share ``len(x) / total`` of the batch: the presets' losses are means
-    over examples (MSE over one output each, cross-entropy without class weights), so this is
-    the full batch's gradient and loss, for unequal (or empty) shards too. Returns the batch's
-    loss.
+    rank's weighted by what its mean divides by (:meth:`~torch_sgn.losses.OutputLoss.normalizer`),
+    so this is the full batch's gradient and loss, for unequal (or empty) shards too. Returns
+    the batch's loss.
     """
     opt.zero_grad(set_to_none=True)
     params = [p for p in model.parameters() if p.requires_grad]
-    if x.shape[0]:
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        value = loss.detach()
+    weight = loss.normalizer(y)
+    if weight:
+        value = loss.value(model(x), y)
+        value.backward()
+        value = value.detach()
     else:  # an empty shard: nothing to add (the mean of nothing would be NaN)
         value = params[0].new_zeros(())
     if sgn_dist.world_size() > 1:
+        share = 1.0 if loss.reduction == "sum" else weight
         grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads] + [value.reshape(1)])
-        flat *= x.shape[0] / total
+        flat = torch.cat([g.reshape(-1) for g in grads] + [value.reshape(1), value.new_ones(1)])
+        flat *= share
         dist.all_reduce(flat)
+        flat = flat[:-1] / (flat[-1] if loss.reduction != "sum" else 1.0)
         for p, g in zip(params, flat[:-1].split([p.numel() for p in params])):
             p.grad = g.view_as(p).clone()
         value = flat[-1]
@@ -450,21 +448,20 @@ def evaluate(
     model: nn.Module, loss: str, x: Tensor, y: Tensor, chunk: int = 10000
 ) -> tuple[float, Optional[float]]:
     """Mean loss and, for classification, accuracy of ``model`` on ``(x, y)``."""
-    fn = _loss_fn(loss)
-    total, correct = 0.0, 0
+    fn = resolve_loss(loss)
+    total, count, correct = 0.0, 0.0, 0
     was_training = model.training
     model.eval()
     for i in range(0, x.shape[0], chunk):
         out = model(x[i : i + chunk])
         target = y[i : i + chunk]
-        total += fn(out, target, reduction="sum").item()
+        weight = fn.normalizer(target)  # a chunk's mean times what it divides by: its sum
+        total += fn.value(out, target).item() * weight
+        count += weight
         if loss == "cross_entropy":
             correct += (out.argmax(1) == target).sum().item()
     model.train(was_training)
-    n = x.shape[0]
-    # F.mse_loss averages over every element; the presets' regression outputs have one.
-    mean = total / (n * (y[0].numel() if loss == "mse" else 1))
-    return mean, (correct / n if loss == "cross_entropy" else None)
+    return total / count, (correct / x.shape[0] if loss == "cross_entropy" else None)
 
 
 def _new_results(cfg: RunConfig) -> dict:
@@ -581,7 +578,7 @@ def _train(cfg, out, data, on_epoch, quiet, position) -> dict:
     model = preset.build(cfg.init, cfg.init_seed).to(device=device, dtype=dtype)
     opt, scheduler = _make_optimizer(cfg, model, preset.loss)
     gen = torch.Generator(device).manual_seed(cfg.seed)
-    loss_fn = _loss_fn(preset.loss)
+    loss_fn = resolve_loss(preset.loss)
     distributed = sgn_dist.world_size() > 1
     main = sgn_dist.is_main_process()
     if distributed and cfg.optimizer != "sgn":  # SGN broadcasts rank 0's model itself
@@ -654,7 +651,7 @@ def _train(cfg, out, data, on_epoch, quiet, position) -> dict:
                 else:
                     per_iter["lr"].append(opt.param_groups[0]["lr"])
                     # .item() inside synchronises; the original printed the loss too
-                    value = _baseline_step(model, opt, loss_fn, x_r, y_r, x.shape[0])
+                    value = _baseline_step(model, opt, loss_fn, x_r, y_r)
                     if scheduler is not None:
                         scheduler.step()
                     batch_losses.append(value)
