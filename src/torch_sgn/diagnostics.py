@@ -17,7 +17,7 @@ from typing import Type
 
 import torch
 
-__all__ = ["user_stacklevel", "warn"]
+__all__ = ["warn"]
 
 _SKIPPED = (
     os.path.dirname(os.path.abspath(__file__)) + os.sep,
@@ -25,7 +25,7 @@ _SKIPPED = (
 )
 
 
-def user_stacklevel() -> int:
+def _user_stacklevel() -> int:
     """The ``stacklevel`` for a ``warnings.warn`` called by this function's caller that names
     the first frame outside this package and torch (the outermost frame if there is none)."""
     frame = sys._getframe(1)  # the frame that calls warnings.warn: stacklevel 1
@@ -40,4 +40,4 @@ def user_stacklevel() -> int:
 
 def warn(message: str, category: Type[Warning] = UserWarning) -> None:
     """``warnings.warn(message, category)`` attributed to the user's line."""
-    warnings.warn(message, category, stacklevel=user_stacklevel())
+    warnings.warn(message, category, stacklevel=_user_stacklevel())

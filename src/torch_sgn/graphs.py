@@ -25,13 +25,13 @@ any of these captures again, and more than :data:`_MAX_SHAPES` of them in turn w
 
 from __future__ import annotations
 
-import warnings
 from collections import OrderedDict
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
+from .diagnostics import warn
 from .functional import FunctionalModel
 from .linearization import Batch, Linearization
 from .losses import OutputLoss
@@ -188,10 +188,9 @@ class Graphs:
             except RuntimeError as e:  # an op that cannot be captured, out of memory, ...
                 self.failed = str(e).splitlines()[0] if str(e) else type(e).__name__
                 self._by_key.clear()
-                warnings.warn(
+                warn(
                     f"capturing the step as CUDA graphs failed ({self.failed}); running "
-                    "eagerly from now on",
-                    stacklevel=4,
+                    "eagerly from now on"
                 )
                 return None
             self._by_key[key] = captured
@@ -199,11 +198,10 @@ class Graphs:
                 self._by_key.popitem(last=False)
                 if not self._evicted:
                     self._evicted = True
-                    warnings.warn(
+                    warn(
                         f"more than {_MAX_SHAPES} batch shapes (or layer settings) came round; "
                         "each new one is captured again, which costs more than it saves if it "
-                        "goes on: keep batch shapes fixed, or use cuda_graphs=False",
-                        stacklevel=4,
+                        "goes on: keep batch shapes fixed, or use cuda_graphs=False"
                     )
         else:  # the capture checked its first targets; these are new
             self._by_key.move_to_end(key)

@@ -27,7 +27,6 @@ hands over to the functional engine with a one-time warning (``"auto"``).
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -35,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import graphs
+from .diagnostics import warn
 from .functional import FunctionalEngine, FunctionalModel
 from .linearization import Batch, Linearization, loss_and_output_gradient
 from .losses import OutputLoss
@@ -416,9 +416,9 @@ class LayerwiseEngine:
         self._warned = False
         self._graphs = graphs.Graphs() if cuda_graphs else None
         self._graphs_warned = False
-        self._plan(fmodel, stacklevel=4)
+        self._plan(fmodel)
 
-    def _plan(self, fmodel: FunctionalModel, stacklevel: int = 5) -> Optional[List[_Step]]:
+    def _plan(self, fmodel: FunctionalModel) -> Optional[List[_Step]]:
         key = _structure(fmodel.model)
         if key != self._key:
             self._key = key
@@ -430,16 +430,15 @@ class LayerwiseEngine:
                 self._steps = None
                 if self.strict:
                     raise ValueError(f"engine='fast' cannot evaluate this model: {why}") from None
-                self._warn(f"the fast curvature engine does not apply ({why})", stacklevel)
+                self._warn(f"the fast curvature engine does not apply ({why})")
         return self._steps
 
-    def _warn(self, why: str, stacklevel: int) -> None:
+    def _warn(self, why: str) -> None:
         if not self._warned:
             self._warned = True
-            warnings.warn(
+            warn(
                 f"{why}; using the functional engine, which re-runs the forward pass at "
-                "every G v product",
-                stacklevel=stacklevel,
+                "every G v product"
             )
 
     def __call__(
@@ -452,7 +451,7 @@ class LayerwiseEngine:
             if len(inputs) != 1:
                 if self.strict:
                     raise ValueError("engine='fast' takes one input tensor, got a tuple")
-                self._warn("the fast curvature engine takes one input tensor", 3)
+                self._warn("the fast curvature engine takes one input tensor")
                 steps = None
             else:
                 inputs = inputs[0]
@@ -468,9 +467,7 @@ class LayerwiseEngine:
                     return lin
             elif not self._graphs_warned:
                 self._graphs_warned = True
-                warnings.warn(
-                    f"cuda_graphs=True does not apply ({why}); running eagerly", stacklevel=3
-                )
+                warn(f"cuda_graphs=True does not apply ({why}); running eagerly")
         if steps is None:
             return self._functional(flat, batch, buffers_out)
         if all(step.by_hand for step in steps):
