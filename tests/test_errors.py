@@ -1,6 +1,7 @@
 """Bad input: a clear error, and the step leaves everything as it was."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -35,6 +36,8 @@ def _state_equal(a, b):
         return len(a) == len(b) and all(_state_equal(x, y) for x, y in zip(a, b))
     if isinstance(a, torch.Tensor):
         return torch.equal(a, b)
+    if isinstance(a, float) and math.isnan(a):
+        return isinstance(b, float) and math.isnan(b)
     return a == b
 
 
@@ -133,7 +136,13 @@ def test_bad_regression_and_binary_targets(loss, targets, match):
     [
         (dict(lr=0.0), "invalid lr=0.0"),
         (dict(lr=-1.0), "invalid lr=-1.0"),
+        (dict(lr=math.inf), "invalid lr=inf: must be > 0 and finite"),
+        (dict(lr=math.nan), "invalid lr=nan"),
         (dict(damping=0.0), "invalid damping=0.0"),
+        (dict(damping=math.inf), "invalid damping=inf: must be > 0 and finite"),
+        (dict(damping=math.nan), "invalid damping=nan"),
+        (dict(cg_tol=math.inf), "invalid cg_tol=inf"),
+        (dict(momentum=math.nan), "invalid momentum=nan"),
         (dict(damping=1e-4, damping_min=1e-3), "invalid damping_min=0.001"),
         (dict(cg_iters=0), "invalid cg_iters=0"),
         (dict(cg_iters=2.5), "invalid cg_iters=2.5"),
@@ -229,3 +238,94 @@ def test_a_loss_class_is_refused_at_construction_with_the_fix():
         SGN(model, nn.MSELoss)
     with pytest.raises(TypeError, match="loss=CrossEntropyLoss is a class"):
         GGN(model, nn.CrossEntropyLoss, torch.randn(2, 4), torch.zeros(2, dtype=torch.long))
+
+
+@pytest.mark.parametrize(
+    "key,value,match",
+    [
+        ("lr", -1.0, "invalid param_groups\\[0\\]\\['lr'\\]=-1.0: must be > 0 and finite"),
+        ("lr", math.inf, "\\['lr'\\]=inf"),
+        ("damping", math.nan, "\\['damping'\\]=nan"),
+        ("cg_iters", 0, "\\['cg_iters'\\]=0: must be an int >= 1"),
+        ("gradient_averaging", 1.0, "\\['gradient_averaging'\\]=1.0: must be in \\[0, 1\\)"),
+        ("damping_schedule", "linear", "needs trust_region=False"),
+        ("ls_c", None, "\\['ls_c'\\]=None"),
+    ],
+)
+def test_options_changed_in_param_groups_are_checked_at_the_step(key, value, match):
+    model, opt, x, y = _trained()
+    opt.param_groups[0][key] = value
+    snap = _snapshot(model, opt)
+    with pytest.raises(ValueError, match=match + ".*changed after SGN was built.*not taken"):
+        opt.step(x, y)
+    _assert_unchanged(model, opt, snap)
+
+
+@pytest.mark.parametrize(
+    "targets,match",
+    [
+        (torch.zeros(0, dtype=torch.long), "the batch is empty.*skip empty batches"),
+        (torch.full((6,), -100), "no target of this batch counts.*ignore_index.*skip such batches"),
+    ],
+    ids=["empty", "all-ignored"],
+)
+def test_batches_with_nothing_to_average_say_so(targets, match):
+    model, opt, x, y = _trained(MODELS[0], LOSSES[2], loss="cross_entropy")
+    x = x[: targets.shape[0]]
+    snap = _snapshot(model, opt)
+    with pytest.raises(ValueError, match=match):
+        opt.step(x, targets)
+    _assert_unchanged(model, opt, snap)
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        lambda ps: torch.optim.Adam(ps),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),  # has a "momentum" key too
+        lambda ps: torch.optim.LBFGS(ps),
+    ],
+    ids=["Adam", "SGD", "LBFGS"],
+)
+def test_another_optimizers_state_dict_is_refused_at_load_time(other):
+    model, opt, x, y = _trained()
+    foreign = other(model.parameters())
+    foreign.zero_grad()
+    model[0](x).square().mean().backward()
+    if not isinstance(foreign, torch.optim.LBFGS):
+        foreign.step()
+    snap = _snapshot(model, opt)
+    with pytest.raises(ValueError, match="not an SGN state_dict.*lacks SGN's options.*another "
+                       "optimizer: load it into that optimizer, or start SGN afresh"):  # fmt: skip
+        opt.load_state_dict(foreign.state_dict())
+    _assert_unchanged(model, opt, snap)
+    for p in model.parameters():
+        p.grad = None
+    opt.step(x, y)  # still SGN's own state
+
+
+def test_a_state_dict_with_bad_values_is_refused_at_load_time():
+    model, opt, x, y = _trained()
+    state = copy.deepcopy(opt.state_dict())
+    state["param_groups"][0]["lr"] = math.inf
+    with pytest.raises(ValueError, match="invalid lr=inf"):
+        opt.load_state_dict(state)
+
+
+def test_a_closure_gets_an_explanation():
+    model, opt, x, y = _trained()
+
+    def closure():
+        return nn.functional.mse_loss(model(x), y)
+
+    with pytest.raises(TypeError, match=r"takes the mini-batch, opt\.step\(inputs, targets\), "
+                       "not a closure.*Gauss-Newton matrix"):  # fmt: skip
+        opt.step(closure)
+    with pytest.raises(TypeError, match="needs the targets"):
+        opt.step(x)
+
+
+def test_the_loss_is_a_required_argument():
+    model, _, _ = make_batch(MODELS[0], LOSSES[0])
+    with pytest.raises(TypeError, match="missing 1 required positional argument: 'loss'"):
+        SGN(model)

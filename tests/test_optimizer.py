@@ -401,3 +401,140 @@ def test_cuda_step_matches_cpu_step():
     SGN(model, "cross_entropy", cg_iters=3).step(x, y)
     SGN(gpu, "cross_entropy", cg_iters=3).step(x.cuda(), y.cuda())
     torch.testing.assert_close(_flat(gpu).cpu(), _flat(model), rtol=1e-8, atol=1e-10)
+
+
+def _pair(options):
+    model, x, y = make_batch(MODELS[1], LOSSES[2])
+    model = nn.Sequential(*model, nn.Dropout(0.2))  # a random state to follow too
+    opt = SGN(model, "cross_entropy", cg_iters=3, **options)
+    batches = [(x + 0.1 * k, y) for k in range(4)]
+    _run(model, opt, batches[:2])
+    return model, opt, batches[2:]
+
+
+def _same_future(model, opt, twin_model, twin_opt, batches):
+    assert twin_model is not model and twin_opt._fmodel.model is twin_model
+    state = torch.get_rng_state()
+    reference = _run(model, opt, batches)
+    torch.set_rng_state(state)
+    assert _run(twin_model, twin_opt, batches) == reference
+    for p, q in zip(model.parameters(), twin_model.parameters()):
+        assert torch.equal(p, q)
+
+
+OPTIONS = [dict(), dict(momentum=0.9, warm_start=0.7, curvature_fraction=0.5)]
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=["paper", "momentum-warmstart-subset"])
+def test_a_deepcopied_model_and_optimizer_step_as_the_original(options):
+    model, opt, batches = _pair(options)
+    twin = copy.deepcopy({"model": model, "opt": opt})
+    before = _flat(model)
+    _run(twin["model"], twin["opt"], batches[:1])  # the copy steps its own model only
+    assert torch.equal(_flat(model), before)
+    model, opt, batches = _pair(options)
+    twin = copy.deepcopy({"model": model, "opt": opt})
+    _same_future(model, opt, twin["model"], twin["opt"], batches)
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=["paper", "momentum-warmstart-subset"])
+def test_a_saved_and_loaded_optimizer_steps_as_the_original(options, tmp_path):
+    import pickle
+
+    def copied(model, opt):  # the optimizer alone: it carries a copy of its model
+        twin = copy.deepcopy(opt)
+        return twin._fmodel.model, twin
+
+    def pickled(model, opt):
+        twin = pickle.loads(pickle.dumps(opt))
+        return twin._fmodel.model, twin
+
+    def saved(model, opt):
+        torch.save({"model": model, "opt": opt}, tmp_path / "both.pt")
+        both = torch.load(tmp_path / "both.pt", weights_only=False)
+        assert both["opt"]._fmodel.model is both["model"]
+        return both["model"], both["opt"]
+
+    for twin in (copied, pickled, saved):
+        model, opt, batches = _pair(options)
+        _same_future(model, opt, *twin(model, opt), batches)
+
+
+def test_a_data_parallel_optimizer_refuses_to_be_copied():
+    model, _, _ = make_batch(MODELS[0], LOSSES[0])
+    opt = SGN(model, "mse")
+    opt._comm = object()  # stands in for a communicator over several processes
+    with pytest.raises(TypeError, match="data-parallel group.*cannot be copied or pickled.*"
+                       "state_dict"):  # fmt: skip
+        copy.deepcopy(opt)
+
+
+def test_schedulers_that_cycle_momentum_leave_the_gradient_averaging_alone():
+    """SGN's beta is not a "momentum" key: OneCycleLR and CyclicLR refuse cycle_momentum=True
+    with their own error, and without it schedule the step size alone."""
+    model, x, y = make_batch(MODELS[0], LOSSES[0])
+    opt = SGN(model, "mse", line_search=False, trust_region=False)
+    with pytest.raises(ValueError, match="cycle_momentum"):
+        torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1.0, total_steps=5)
+    with pytest.raises(ValueError, match="cycle_momentum"):
+        torch.optim.lr_scheduler.CyclicLR(opt, base_lr=0.1, max_lr=1.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=1.0, total_steps=5, cycle_momentum=False
+    )
+    sizes, expected = [], []
+    for _ in range(4):
+        expected.append(opt.param_groups[0]["lr"])
+        sizes.append(opt.step(x, y).step_size)
+        sched.step()
+    assert sizes == expected and len(set(sizes)) == 4
+    assert opt.param_groups[0]["gradient_averaging"] == 0.0
+    assert "momentum" not in opt.param_groups[0]
+
+
+def test_a_state_dict_saved_with_the_former_momentum_key_loads():
+    model, x, y = make_batch(MODELS[0], LOSSES[0])
+    opt = SGN(model, "mse", momentum=0.5)
+    opt.step(x, y)
+    state = copy.deepcopy(opt.state_dict())
+    state["param_groups"][0]["momentum"] = state["param_groups"][0].pop("gradient_averaging")
+    fresh = SGN(copy.deepcopy(model), "mse")
+    fresh.load_state_dict(state)
+    assert fresh.param_groups[0]["gradient_averaging"] == 0.5
+    assert "momentum" not in fresh.param_groups[0]
+
+
+def test_a_parameter_frozen_after_construction_keeps_its_value_and_the_rest_step_exactly():
+    """The step is the damped Gauss-Newton step of the trainable block alone:
+    -(G_tt + rho I)^-1 g_t, from the dense reference."""
+    model, x, y = make_batch(MODELS[0], LOSSES[0])
+    damping = 1e-2
+    opt = SGN(model, "mse", damping=damping, cg_iters=100, **EXACT)
+    model[0].weight.requires_grad_(False)
+    G, g, theta = dense_ggn(model, "mse", x, y)  # over the parameters still trainable
+    model[0].weight.requires_grad_(True)
+    _, _, everything = dense_ggn(model, "mse", x, y)
+    model[0].weight.requires_grad_(False)
+    frozen = model[0].weight.detach().clone()
+    opt.step(x, y)
+    assert torch.equal(model[0].weight, frozen)
+    expected = theta - torch.linalg.solve(G + damping * torch.eye(len(g), dtype=G.dtype), g)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    torch.testing.assert_close(
+        nn.utils.parameters_to_vector(trainable), expected, rtol=1e-8, atol=1e-10
+    )
+    assert not torch.equal(theta, expected) and len(everything) > len(theta)
+
+
+def test_a_parameter_frozen_mid_run_stays_put_with_averaging_and_warm_start():
+    model, x, y = make_batch(MODELS[0], LOSSES[0])
+    opt = SGN(model, "mse", momentum=0.9, warm_start=1.0, cg_iters=3)
+    opt.step(x, y)
+    opt.step(x * 0.5, y)  # the averaged gradient and the last direction are non-zero
+    model[2].bias.requires_grad_(False)
+    frozen = model[2].bias.detach().clone()
+    others = _flat(model)
+    opt.step(x, y)
+    assert torch.equal(model[2].bias, frozen) and not torch.equal(_flat(model), others)
+    model[2].bias.requires_grad_(True)  # unfrozen: it trains again
+    opt.step(x, y)
+    assert not torch.equal(model[2].bias, frozen)

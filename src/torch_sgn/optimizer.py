@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
 from .cg import CGResult, conjugate_gradient
-from .damping import DAMPING_SCHEDULES, scheduled_damping, trust_region_update
+from .damping import scheduled_damping, trust_region_update
 from .distributed import ProcessGroup, _communicator, _SingleProcess
 from .engines import ENGINES, curvature_subset, select_engine
 from .functional import FunctionalModel
 from .line_search import LineSearchResult, backtracking
 from .linearization import Batch, Inputs, Linearization
-from .losses import LossSpec, resolve_loss
+from .losses import LossSpec, OutputLoss, resolve_loss
+from .options import check_loaded_state, check_options
 
 __all__ = ["SGN", "StepInfo"]
 
@@ -79,10 +81,12 @@ class SGN(torch.optim.Optimizer):
 
     Args:
         model: any ``nn.Module`` whose forward returns one tensor. Its trainable parameters are
-            optimized; it is evaluated functionally with its buffers.
+            optimized (one frozen later keeps its value); it is evaluated functionally with its
+            buffers.
         loss: ``"mse"``, ``"cross_entropy"``, ``"bce_with_logits"``, the matching ``torch.nn``
             loss module (``reduction`` ``"mean"`` or ``"sum"``; ``label_smoothing``), or any
-            callable ``loss(outputs, targets) -> scalar`` convex in ``outputs``.
+            callable ``loss(outputs, targets) -> scalar`` convex in ``outputs``. Required: a
+            loss that does not fit the model must fail, not train silently.
         lr: step size :math:`\alpha` (the original's ``ALPHA``). Default 1, the natural step of
             a Newton-type method and the paper's value; kept in ``param_groups`` so
             ``torch.optim.lr_scheduler`` can change it.
@@ -101,7 +105,10 @@ class SGN(torch.optim.Optimizer):
         momentum: gradient averaging :math:`\beta` (``BETA``):
             :math:`m \leftarrow \beta m + (1-\beta) g`,
             :math:`\hat m = m / (1 - \beta^t)` is the CG right-hand side. Default 0 (plain
-            gradient), as the original and the paper.
+            gradient), as the original and the paper. Kept in ``param_groups`` under
+            ``"gradient_averaging"``, not ``"momentum"``, so that schedulers which cycle momentum
+            (``OneCycleLR``, ``CyclicLR``) do not turn it on: they ask for
+            ``cycle_momentum=False``.
         warmup_cg_iters: CG iterations during the first ``warmup_steps`` steps
             (``MIN_CG_ITERS``); ``None`` uses ``cg_iters`` throughout. Default ``None``; the
             paper's runs used 10 for the first 10 steps (see the benchmark presets).
@@ -168,7 +175,7 @@ class SGN(torch.optim.Optimizer):
     def __init__(
         self,
         model: nn.Module,
-        loss: LossSpec = "cross_entropy",
+        loss: LossSpec,
         *,
         lr: float = 1.0,
         damping: float = 1e-4,
@@ -194,57 +201,16 @@ class SGN(torch.optim.Optimizer):
         curvature_fraction: float = 1.0,
         process_group: ProcessGroup = None,
     ):
-        _check(lr > 0, "lr", lr, "must be > 0")
-        _check(damping > 0, "damping", damping, "must be > 0")
-        _check(0 <= damping_min <= damping, "damping_min", damping_min, "must be in [0, damping]")
-        _check(_is_int(cg_iters) and cg_iters >= 1, "cg_iters", cg_iters, "must be an int >= 1")
-        _check(cg_tol >= 0, "cg_tol", cg_tol, "must be >= 0")
-        _check(0 <= momentum < 1, "momentum", momentum, "must be in [0, 1)")
-        _check(
-            warmup_cg_iters is None or (_is_int(warmup_cg_iters) and warmup_cg_iters >= 1),
-            "warmup_cg_iters",
-            warmup_cg_iters,
-            "must be None or an int >= 1",
-        )
-        _check(
-            _is_int(warmup_steps) and warmup_steps >= 0,
-            "warmup_steps",
-            warmup_steps,
-            "must be an int >= 0",
-        )
-        _check(
-            damping_schedule in DAMPING_SCHEDULES,
-            "damping_schedule",
-            damping_schedule,
-            f"must be one of {DAMPING_SCHEDULES}",
-        )
-        _check(
-            not (trust_region and damping_schedule != "constant"),
-            "damping_schedule",
-            damping_schedule,
-            "needs trust_region=False (the trust region adapts the damping)",
-        )
-        _check(
-            _is_int(damping_decay_steps) and damping_decay_steps >= 1,
-            "damping_decay_steps",
-            damping_decay_steps,
-            "must be an int >= 1",
-        )
-        _check(
-            preconditioner_exponent > 0,
-            "preconditioner_exponent",
-            preconditioner_exponent,
-            "must be > 0",
-        )
-        _check(0 <= warm_start <= 1, "warm_start", warm_start, "must be in [0, 1]")
-        _check(0 < ls_c < 1, "ls_c", ls_c, "must be in (0, 1)")
-        _check(0 < ls_shrink < 1, "ls_shrink", ls_shrink, "must be in (0, 1)")
-        _check(
-            _is_int(ls_max_evals) and ls_max_evals >= 1,
-            "ls_max_evals",
-            ls_max_evals,
-            "must be an int >= 1",
-        )
+        defaults = dict(
+            lr=lr, damping=damping, damping_min=damping_min, cg_iters=cg_iters, cg_tol=cg_tol,
+            line_search=line_search, trust_region=trust_region, gradient_averaging=momentum,
+            warmup_cg_iters=warmup_cg_iters, warmup_steps=warmup_steps,
+            damping_schedule=damping_schedule, damping_decay_steps=damping_decay_steps,
+            preconditioner=preconditioner, preconditioner_exponent=preconditioner_exponent,
+            warm_start=warm_start, ls_c=ls_c, ls_shrink=ls_shrink, ls_max_evals=ls_max_evals,
+            keep_grad=keep_grad,
+        )  # fmt: skip
+        check_options(defaults)
         _check(engine in ENGINES, "engine", engine, f"must be one of {ENGINES}")
         _check(
             not (cuda_graphs and engine == "functional"),
@@ -262,15 +228,6 @@ class SGN(torch.optim.Optimizer):
         self._fmodel = FunctionalModel(model)
         self._loss = resolve_loss(loss)
         self._comm = _communicator(self._fmodel, self._loss, process_group)
-        defaults = dict(
-            lr=lr, damping=damping, damping_min=damping_min, cg_iters=cg_iters, cg_tol=cg_tol,
-            line_search=line_search, trust_region=trust_region, momentum=momentum,
-            warmup_cg_iters=warmup_cg_iters, warmup_steps=warmup_steps,
-            damping_schedule=damping_schedule, damping_decay_steps=damping_decay_steps,
-            preconditioner=preconditioner, preconditioner_exponent=preconditioner_exponent,
-            warm_start=warm_start, ls_c=ls_c, ls_shrink=ls_shrink, ls_max_evals=ls_max_evals,
-            keep_grad=keep_grad,
-        )  # fmt: skip
         super().__init__(self._fmodel.params, defaults)
         if len(self.param_groups) != 1:  # pragma: no cover - guarded by add_param_group
             raise ValueError("SGN doesn't support per-parameter options (parameter groups)")
@@ -280,6 +237,7 @@ class SGN(torch.optim.Optimizer):
                 "processes (shards may differ in shape); leave it off there"
             )
         self._engine = select_engine(self._fmodel, self._loss, engine, cuda_graphs)
+        self._engine_options = (engine, cuda_graphs)  # a copy builds its own engine
         self._curvature_fraction = curvature_fraction
         self._global_state()  # created now, so that a failed first step changes nothing
 
@@ -291,6 +249,32 @@ class SGN(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     # --- state -------------------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Loads SGN's state; another optimizer's ``state_dict`` raises ``ValueError`` here."""
+        super().load_state_dict(check_loaded_state(state_dict, self.defaults))
+
+    def __getstate__(self) -> dict:
+        # torch's Optimizer pickles only its defaults, state and groups; SGN's model, loss and
+        # communicator go along, and the copy builds its engine (which caches plans and CUDA
+        # graphs) afresh from the copied model.
+        if not isinstance(self._comm, _SingleProcess):
+            raise TypeError(
+                "an SGN in a data-parallel group of several processes cannot be copied or "
+                "pickled (its process group cannot): save opt.state_dict() and load it into an "
+                "SGN built on each rank"
+            )
+        state = super().__getstate__()
+        own = ("_fmodel", "_loss", "_curvature_fraction", "_engine_options")
+        state.update({k: self.__dict__[k] for k in own})
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._comm = _SingleProcess()
+        with warnings.catch_warnings():  # the original already warned about its engine
+            warnings.simplefilter("ignore")
+            self._engine = select_engine(self._fmodel, self._loss, *self._engine_options)
+
     def _global_state(self) -> dict:
         """SGN's state, kept on the first parameter so that load_state_dict casts it."""
         state = self.state[self._fmodel.params[0]]
@@ -301,12 +285,12 @@ class SGN(torch.optim.Optimizer):
 
     # --- one step ----------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, inputs: Inputs, targets: Tensor) -> StepInfo:  # type: ignore[override]
+    def step(self, inputs: Inputs, targets: Optional[Tensor] = None) -> StepInfo:  # type: ignore[override]
         """Performs one SGN iteration on the mini-batch ``(inputs, targets)``.
 
         Args:
             inputs: the model's input: a tensor, or a tuple of tensors passed positionally.
-            targets: the loss's targets for this batch.
+            targets: the loss's targets for this batch (required).
 
         Returns:
             A :class:`StepInfo` describing the step.
@@ -316,20 +300,33 @@ class SGN(torch.optim.Optimizer):
                 its gradient, or targets that do not fit the loss.
             FloatingPointError: the loss or its gradient is not finite at the current point
                 on a finite batch.
+            TypeError: a closure instead of a batch (see below).
+
+        .. note::
+            Unlike :class:`torch.optim.LBFGS`, SGN takes no closure: a closure returns the
+            loss's value, while SGN needs the model's outputs and the targets to form the
+            Gauss-Newton matrix :math:`J^\top H J` of the loss in output space. It runs the
+            forward passes itself. A parameter frozen (``requires_grad=False``) after SGN was
+            built keeps its value: steps are taken in the other parameters alone.
         """
         group = self.param_groups[0]
+        check_options(group, in_step=True)  # a user or a scheduler may have changed them
         state = self._global_state()
         _check_batch(inputs, targets)
         batch = Batch(inputs, targets)
         t = state["step"]
         theta = self._fmodel.flat()
         buffers: dict = {}
+        trainable = self._trainable_mask()
         with self._fmodel.consistent():
             lin = self._comm.linearize(t, self._step_engine(t), theta, batch, buffers)
-            loss0, grad_norm = _finite_loss(lin, batch)
+            work = state  # what the direction is computed from
+            if trainable is not None:  # restricted to the parameters still trainable
+                lin, work = _restrict(lin, trainable), _restrict_state(state, trainable)
+            loss0, grad_norm = _finite_loss(lin, batch, self._loss)
             damping = self._damping(state, t)
-            rhs, momentum_buffer = self._momentum(lin.grad, state, t)
-            cg = self._solve(lin, rhs, damping, state, t)
+            rhs, momentum_buffer = self._momentum(lin.grad, work, t)
+            cg = self._solve(lin, rhs, damping, work, t)
             direction = cg.x
             step = group["lr"] * direction
 
@@ -390,6 +387,18 @@ class SGN(torch.optim.Optimizer):
         return info
 
     # --- the step's parts --------------------------------------------------------------------
+    def _trainable_mask(self) -> Optional[Tensor]:
+        """1 at the parameters still trainable, 0 at those frozen since construction; ``None``
+        when none is frozen."""
+        flags = [p.requires_grad for p in self._fmodel.params]
+        if all(flags):
+            return None
+        fm = self._fmodel
+        return torch.cat([
+            torch.full((n,), float(f), dtype=fm.dtype, device=fm.device)
+            for n, f in zip(fm.numels, flags)
+        ])  # fmt: skip
+
     def _step_engine(self, t: int):
         """The engine for step ``t``: the curvature subset is drawn from a generator seeded
         with ``t``, so a resumed run, or a step retried after a failure, draws the same one."""
@@ -430,7 +439,7 @@ class SGN(torch.optim.Optimizer):
 
     def _momentum(self, grad: Tensor, state: dict, t: int) -> tuple[Tensor, Optional[Tensor]]:
         """The CG right-hand side ``m_hat`` and the new moving average (None without momentum)."""
-        beta = self.param_groups[0]["momentum"]
+        beta = self.param_groups[0]["gradient_averaging"]
         if beta == 0:
             return grad, None
         m = state.get("momentum_buffer")
@@ -510,7 +519,7 @@ class _Solution:
         return _Solution(lr * g_d + 0.5 * lr * lr * curv, lr * m_d, res, d_max != 0)
 
 
-def _finite_loss(lin: Linearization, batch: Batch) -> tuple[float, float]:
+def _finite_loss(lin: Linearization, batch: Batch, loss_fn: OutputLoss) -> tuple[float, float]:
     """The loss and the gradient's norm (one host transfer); raises unless both are finite.
 
     The batch is scanned for NaN and infinite values only then, to name the cause: a
@@ -526,6 +535,7 @@ def _finite_loss(lin: Linearization, batch: Batch) -> tuple[float, float]:
     )
     if not finite:
         _check_finite_batch(batch.inputs, batch.targets)
+        _check_counted_targets(batch.targets, loss_fn)
     if not math.isfinite(loss):
         raise FloatingPointError(
             f"the loss is {loss} at the current parameters on this batch; the parameters were "
@@ -540,7 +550,32 @@ def _finite_loss(lin: Linearization, batch: Batch) -> tuple[float, float]:
     return loss, grad_norm
 
 
-def _check_batch(inputs: Inputs, targets: Tensor) -> None:
+def _restrict(lin: Linearization, mask: Tensor) -> Linearization:
+    """The linearization in the directions where ``mask`` is 1: ``P g`` and ``P G P``."""
+    ggn_vp = lin.ggn_vp
+    return replace(lin, grad=lin.grad * mask, ggn_vp=lambda v: ggn_vp(v * mask) * mask)
+
+
+def _restrict_state(state: dict, mask: Tensor) -> dict:
+    """A view of the state whose vectors (gradient average, previous direction) are zero where
+    ``mask`` is: CG's iterates then stay in the trainable directions."""
+    view = dict(state)
+    for key in ("momentum_buffer", "prev_direction"):
+        if view.get(key) is not None:
+            view[key] = view[key] * mask
+    return view
+
+
+def _check_batch(inputs: Inputs, targets: Optional[Tensor]) -> None:
+    if targets is None:
+        if callable(inputs):
+            raise TypeError(
+                "SGN.step takes the mini-batch, opt.step(inputs, targets), not a closure: SGN "
+                "needs the model's outputs and the targets, not only the loss a closure "
+                "returns, to form the Gauss-Newton matrix J^T H J, and runs the forward passes "
+                "itself"
+            )
+        raise TypeError("SGN.step(inputs, targets) needs the targets of the batch")
     items = inputs if isinstance(inputs, tuple) else (inputs,)
     for i, x in enumerate(items):
         if not isinstance(x, Tensor):
@@ -549,6 +584,21 @@ def _check_batch(inputs: Inputs, targets: Tensor) -> None:
             )
     if not isinstance(targets, Tensor):
         raise TypeError(f"targets must be a tensor, got {type(targets).__name__}")
+
+
+def _check_counted_targets(targets: Tensor, loss: OutputLoss) -> None:
+    """Raises ``ValueError`` if the batch has no target that a mean of the loss counts."""
+    if targets.numel() == 0:
+        raise ValueError(
+            f"the batch is empty (targets of shape {tuple(targets.shape)}): the mean loss of no "
+            "samples is NaN; skip empty batches"
+        )
+    if loss.reduction == "mean" and loss.normalizer(targets) == 0:
+        raise ValueError(
+            f"no target of this batch counts toward the mean {loss.name} loss (each one is "
+            "ignore_index, or of a class of weight 0), so the mean is 0 / 0: skip such "
+            "batches, or use reduction='sum'"
+        )
 
 
 def _check_finite_batch(inputs: Inputs, targets: Tensor) -> None:

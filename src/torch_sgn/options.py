@@ -1,0 +1,118 @@
+"""SGN's options as kept in ``param_groups``: checked at construction, at every step (a user or
+a scheduler may have changed them since) and when a ``state_dict`` is loaded.
+
+SGN's gradient averaging :math:`\\beta` (the constructor's ``momentum``) is kept under the key
+``"gradient_averaging"``, not ``"momentum"``: learning-rate schedulers that cycle momentum
+(:class:`~torch.optim.lr_scheduler.OneCycleLR`, :class:`~torch.optim.lr_scheduler.CyclicLR`)
+write any ``"momentum"`` key they find, which would silently turn the averaging on. Without the
+key they refuse ``cycle_momentum=True`` with their own error.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Mapping
+
+from .damping import DAMPING_SCHEDULES
+
+__all__ = ["ARGUMENT_NAMES", "check_loaded_state", "check_options"]
+
+#: The constructor's argument for each group key named otherwise.
+ARGUMENT_NAMES = {"gradient_averaging": "momentum"}
+
+
+def check_options(group: Mapping, in_step: bool = False) -> None:
+    """Raises ``ValueError`` naming the first invalid option of ``group`` and its valid range.
+
+    ``in_step``: the values come from ``param_groups`` at a step, where the message names the
+    group key and says that the step was not taken.
+    """
+
+    def need(ok: Callable[[object], bool], key: str, what: str) -> None:
+        value = group[key]
+        try:
+            valid = bool(ok(value))
+        except TypeError:  # a value of the wrong type: None, a string, ...
+            valid = False
+        if not valid:
+            if in_step:
+                raise ValueError(
+                    f"invalid param_groups[0][{key!r}]={value!r}: {what}. It was changed after "
+                    "SGN was built; set a valid value (the step was not taken)"
+                )
+            raise ValueError(f"invalid {ARGUMENT_NAMES.get(key, key)}={value!r}: {what}")
+
+    g = group
+    need(lambda v: _finite(v) and v > 0, "lr", "must be > 0 and finite")
+    need(lambda v: _finite(v) and v > 0, "damping", "must be > 0 and finite")
+    need(lambda v: 0 <= v <= g["damping"], "damping_min", "must be in [0, damping]")
+    need(lambda v: _is_int(v) and v >= 1, "cg_iters", "must be an int >= 1")
+    need(lambda v: _finite(v) and v >= 0, "cg_tol", "must be >= 0 and finite")
+    need(lambda v: 0 <= v < 1, "gradient_averaging", "must be in [0, 1)")
+    need(
+        lambda v: v is None or (_is_int(v) and v >= 1),
+        "warmup_cg_iters",
+        "must be None or an int >= 1",
+    )
+    need(lambda v: _is_int(v) and v >= 0, "warmup_steps", "must be an int >= 0")
+    need(
+        lambda v: v in DAMPING_SCHEDULES,
+        "damping_schedule",
+        f"must be one of {DAMPING_SCHEDULES}",
+    )
+    need(
+        lambda v: not (g["trust_region"] and v != "constant"),
+        "damping_schedule",
+        "needs trust_region=False (the trust region adapts the damping)",
+    )
+    need(lambda v: _is_int(v) and v >= 1, "damping_decay_steps", "must be an int >= 1")
+    need(lambda v: _finite(v) and v > 0, "preconditioner_exponent", "must be > 0 and finite")
+    need(lambda v: 0 <= v <= 1, "warm_start", "must be in [0, 1]")
+    need(lambda v: 0 < v < 1, "ls_c", "must be in (0, 1)")
+    need(lambda v: 0 < v < 1, "ls_shrink", "must be in (0, 1)")
+    need(lambda v: _is_int(v) and v >= 1, "ls_max_evals", "must be an int >= 1")
+
+
+def check_loaded_state(state_dict: Mapping, defaults: Mapping) -> dict:
+    """``state_dict`` checked as SGN's before :meth:`torch.optim.Optimizer.load_state_dict`.
+
+    Returns a copy whose group uses the current key names (a ``state_dict`` saved before the
+    gradient averaging's key was renamed loads too). Raises ``ValueError`` for another
+    optimizer's ``state_dict``, at load time rather than at the next step.
+    """
+    groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
+    if not isinstance(groups, (list, tuple)) or len(groups) != 1:
+        count = len(groups) if isinstance(groups, (list, tuple)) else "no"
+        raise ValueError(
+            f"this is not an SGN state_dict: it has {count} parameter groups where SGN has one; "
+            "load it into the optimizer that saved it"
+        )
+    group = dict(groups[0])
+    if "momentum" in group and "gradient_averaging" not in group and "trust_region" in group:
+        group["gradient_averaging"] = group.pop("momentum")  # saved under the former key
+    missing = sorted(set(defaults) - set(group))
+    if missing:
+        foreign = sorted(set(group) - set(defaults) - {"params"})
+        raise ValueError(
+            f"this is not an SGN state_dict: its parameter group lacks SGN's options {missing}"
+            + (f" and has options SGN does not know, {foreign}" if foreign else "")
+            + ". It was saved by another optimizer: load it into that optimizer, or start SGN "
+            "afresh (load only the model's state_dict)"
+        )
+    first = state_dict.get("state", {}).get(group["params"][0] if group["params"] else 0, {})
+    if not {"step", "damping"} <= set(first):
+        raise ValueError(
+            "this is not an SGN state_dict: the state of the first parameter lacks SGN's "
+            f"'step' and 'damping' (it has {sorted(first)}); load it into the optimizer that "
+            "saved it"
+        )
+    check_options(group)
+    return {**state_dict, "param_groups": [group]}
+
+
+def _finite(value: object) -> bool:
+    return not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
