@@ -19,7 +19,7 @@ from .functional import FunctionalModel
 from .line_search import LineSearchResult, backtracking
 from .linearization import Batch, Inputs, Linearization
 from .losses import LossSpec, OutputLoss, resolve_loss
-from .options import check_loaded_state, check_options
+from .options import KEYS, check_loaded_state, check_options
 
 __all__ = ["SGN", "StepInfo"]
 
@@ -210,6 +210,7 @@ class SGN(torch.optim.Optimizer):
             warm_start=warm_start, ls_c=ls_c, ls_shrink=ls_shrink, ls_max_evals=ls_max_evals,
             keep_grad=keep_grad,
         )  # fmt: skip
+        assert set(defaults) == set(KEYS)
         check_options(defaults)
         _check(engine in ENGINES, "engine", engine, f"must be one of {ENGINES}")
         _check(
@@ -251,7 +252,7 @@ class SGN(torch.optim.Optimizer):
     # --- state -------------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads SGN's state; another optimizer's ``state_dict`` raises ``ValueError`` here."""
-        super().load_state_dict(check_loaded_state(state_dict, self.defaults))
+        super().load_state_dict(check_loaded_state(state_dict))
 
     def __getstate__(self) -> dict:
         # torch's Optimizer pickles only its defaults, state and groups; SGN's model, loss and
@@ -270,6 +271,8 @@ class SGN(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
+        if "_comm" in self.__dict__:  # load_state_dict's call: the optimizer is built already
+            return
         self._comm = _SingleProcess()
         with warnings.catch_warnings():  # the original already warned about its engine
             warnings.simplefilter("ignore")

@@ -15,7 +15,15 @@ from typing import Callable, Mapping
 
 from .damping import DAMPING_SCHEDULES
 
-__all__ = ["ARGUMENT_NAMES", "check_loaded_state", "check_options"]
+__all__ = ["ARGUMENT_NAMES", "KEYS", "check_loaded_state", "check_options"]
+
+#: SGN's options, the keys of its parameter group besides ``"params"``.
+KEYS = (
+    "lr", "damping", "damping_min", "cg_iters", "cg_tol", "line_search", "trust_region",
+    "gradient_averaging", "warmup_cg_iters", "warmup_steps", "damping_schedule",
+    "damping_decay_steps", "preconditioner", "preconditioner_exponent", "warm_start", "ls_c",
+    "ls_shrink", "ls_max_evals", "keep_grad",
+)  # fmt: skip
 
 #: The constructor's argument for each group key named otherwise.
 ARGUMENT_NAMES = {"gradient_averaging": "momentum"}
@@ -73,7 +81,7 @@ def check_options(group: Mapping, in_step: bool = False) -> None:
     need(lambda v: _is_int(v) and v >= 1, "ls_max_evals", "must be an int >= 1")
 
 
-def check_loaded_state(state_dict: Mapping, defaults: Mapping) -> dict:
+def check_loaded_state(state_dict: Mapping) -> dict:
     """``state_dict`` checked as SGN's before :meth:`torch.optim.Optimizer.load_state_dict`.
 
     Returns a copy whose group uses the current key names (a ``state_dict`` saved before the
@@ -90,9 +98,10 @@ def check_loaded_state(state_dict: Mapping, defaults: Mapping) -> dict:
     group = dict(groups[0])
     if "momentum" in group and "gradient_averaging" not in group and "trust_region" in group:
         group["gradient_averaging"] = group.pop("momentum")  # saved under the former key
-    missing = sorted(set(defaults) - set(group))
+    missing = sorted(set(KEYS) - set(group))
     if missing:
-        foreign = sorted(set(group) - set(defaults) - {"params"})
+        # torch adds options of its own to every group (differentiable, foreach, ...)
+        foreign = sorted(set(group) - set(KEYS) - {"params"} - _TORCH_KEYS)
         raise ValueError(
             f"this is not an SGN state_dict: its parameter group lacks SGN's options {missing}"
             + (f" and has options SGN does not know, {foreign}" if foreign else "")
@@ -108,6 +117,9 @@ def check_loaded_state(state_dict: Mapping, defaults: Mapping) -> dict:
         )
     check_options(group)
     return {**state_dict, "param_groups": [group]}
+
+
+_TORCH_KEYS = {"differentiable", "foreach", "maximize", "capturable", "fused"}
 
 
 def _finite(value: object) -> bool:
