@@ -11,6 +11,7 @@ from cases import MODELS, dense_ggn
 from torch_sgn import GGN, SGN
 from torch_sgn.experiments.models import PRESETS
 from torch_sgn.functional import FunctionalModel
+from torch_sgn.layer_rules import RULES
 from torch_sgn.layerwise import LayerwiseEngine, Unsupported, plan
 from torch_sgn.linearization import Batch
 from torch_sgn.losses import resolve_loss
@@ -97,12 +98,17 @@ def _zoo():
         nn.Conv3d(1, 2, 2), nn.ELU(), nn.MaxPool3d(2), nn.AvgPool3d(1), nn.AdaptiveAvgPool3d(1),
         nn.Flatten(), nn.Linear(2, 2),
     )  # fmt: skip
+    avg_pools = nn.Sequential(
+        nn.Conv2d(1, 2, 3), nn.AvgPool2d(2, stride=1), nn.Sigmoid(), nn.Flatten(2),
+        nn.AdaptiveAvgPool1d(3), nn.Flatten(), nn.Linear(6, 2),
+    )  # fmt: skip
     return [
         ("mlp-all-activations", mlp, (3,), "real"),
         ("conv1d-pool-dropout", conv1d.eval(), (2, 16), "index"),
         ("conv2d-nested", conv2d, (1, 7, 7), "index"),
         ("conv3d", conv3d, (1, 5, 5, 5), "real"),
         ("bare-linear", nn.Linear(4, 2), (4,), "real"),
+        ("avg-pools", avg_pools, (1, 6, 6), "real"),
     ] + _by_hand_zoo()
 
 
@@ -346,9 +352,21 @@ def test_warnings_name_the_users_line():
     assert [r.filename for r in record] == [__file__] * 4
 
 
-def test_training_mode_dropout_matches_functional_engine_and_random_state():
+#: every dropout type, each on a sample shape it drops over (whole channels where it does)
+_DROPOUTS = [
+    (nn.Dropout(0.5), (8,)),
+    (nn.Dropout1d(0.5), (2, 4)),
+    (nn.Dropout2d(0.5), (2, 2, 2)),
+    (nn.Dropout3d(0.5), (2, 2, 1, 2)),
+]
+
+
+@pytest.mark.parametrize("dropout,shape", _DROPOUTS, ids=[type(d).__name__ for d, _ in _DROPOUTS])
+def test_training_mode_dropout_matches_functional_engine_and_random_state(dropout, shape):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.5), nn.Tanh(), nn.Linear(8, 2)).to(D)
+    model = nn.Sequential(
+        nn.Linear(3, 8), nn.Unflatten(1, shape), dropout, nn.Flatten(), nn.Tanh(), nn.Linear(8, 2)
+    ).to(D)
     x, y = _batch(model, (3,), 16, "real")
     twin = copy.deepcopy(model)
     states = []
@@ -420,3 +438,11 @@ def test_frozen_first_layer_takes_no_cotangent_but_later_layers_do():
     G = GGN(model, "cross_entropy", x, y, engine="fast")
     torch.testing.assert_close(G.gradient, g_ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(G.to_dense(), G_ref, rtol=1e-9, atol=1e-11)
+
+
+def test_every_registered_layer_type_is_checked_here():
+    # A new rule in the registry must come with a model in the zoo (checked against the dense
+    # reference) or, for dropout, a case in the dropout test.
+    models = [case[1] for case in _trial_cases()] + [d for d, _ in _DROPOUTS]
+    checked = {type(m) for model in models for m in model.modules()}
+    assert set(RULES) - checked == set()

@@ -15,8 +15,9 @@ replays the loss: one launch each where eager execution issues dozens. CG's vect
 and the step's decisions stay eager, on the host, as before.
 
 Graphs apply where the engine runs the whole chain by hand (no autograd graph): a CUDA
-model of Linear, zero-padded convolution, max pooling, activation, reshape and eval-mode
-dropout layers with a named loss (``mse``, ``cross_entropy``, ``bce_with_logits``). Elsewhere
+model whose every layer's rule allows capture (see :mod:`torch_sgn.layer_rules`, and
+``docs/LAYERS.md`` for the table; for example training-mode dropout does not) with a named
+loss (``mse``, ``cross_entropy``, ``bce_with_logits``). Elsewhere
 the step runs eagerly, with a one-time warning that says why; so it does after a capture
 fails. A capture is keyed on the batch's shapes and dtypes, the parameters' dtype and device,
 the loss's options and every layer's settings (``extra_repr``, training mode): a change of
@@ -29,7 +30,7 @@ from collections import OrderedDict
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from .diagnostics import warn
 from .functional import FunctionalModel
@@ -79,14 +80,16 @@ def _capture_cuda(
 _CAPTURE: Dict[str, Capture] = {"cuda": _capture_cuda}
 
 
-def obstacle(steps, model: nn.Module, loss: OutputLoss, device: torch.device) -> Optional[str]:
-    """Why graphs cannot apply to this chain, loss and device; ``None`` if they can."""
+def obstacle(steps, loss: OutputLoss, device: torch.device) -> Optional[str]:
+    """Why graphs cannot apply to this chain (of :class:`~torch_sgn.layer_rules.LayerRule`),
+    loss and device; ``None`` if they can. Each layer's rule says whether it can be captured
+    (:attr:`~torch_sgn.layer_rules.LayerRule.capture_obstacle`)."""
     if device.type not in _CAPTURE:
         return f"the model is on {device.type}, not on a CUDA device"
-    if not all(step.by_hand for step in steps):
-        return "some layer is not evaluated by hand (padding other than zeros, average pooling)"
-    if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.training for m in model.modules()):
-        return "training-mode dropout draws new random numbers every step"
+    for step in steps:
+        why = step.capture_obstacle
+        if why is not None:
+            return why
     if not loss.closed_form:
         return f"the loss {loss.name!r} has no closed-form Hessian"
     return None

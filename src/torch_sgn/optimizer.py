@@ -128,18 +128,19 @@ class SGN(torch.optim.Optimizer):
         keep_grad: write the mini-batch gradient into each parameter's ``.grad``. Default off:
             SGN leaves ``.grad`` untouched.
         engine: how ``G v`` products are computed. ``"fast"``: the layer-wise engine of
-            :mod:`torch_sgn.layerwise` for ``nn.Sequential`` chains of known layers (one forward
-            pass per step, about one gradient per product); raises if the model is not such a
-            chain. ``"functional"``: ``torch.func`` forward-mode AD, any model (re-runs the
+            :mod:`torch_sgn.layerwise` for ``nn.Sequential`` chains of the layers listed by
+            ``torch_sgn.layer_rules.supported_layers()`` (one forward pass per step, about one
+            gradient per product); raises if the model is not such a chain.
+            ``"functional"``: ``torch.func`` forward-mode AD, any model (re-runs the
             forward pass at every product). ``"auto"``: fast where it applies, else functional
             with a one-time warning. Default ``"auto"``.
         cuda_graphs: capture the fast engine's set-up, ``G v`` product and trial-point loss
             as CUDA graphs, once per batch shape, and replay them every step (see
             :mod:`torch_sgn.graphs`): for small models on a GPU, whose steps cost kernel
             launches more than arithmetic. Applies to CUDA models whose chain the fast engine
-            runs by hand (Linear, zero-padded convolutions, max pooling, activations,
-            reshapes, eval-mode dropout) with a named loss; elsewhere the step runs eagerly
-            after a one-time warning. Single process only. Default off.
+            runs by hand with a named loss (each layer's rule in :mod:`torch_sgn.layer_rules`
+            says whether it can be captured; ``docs/LAYERS.md`` has the table); elsewhere the
+            step runs eagerly after a one-time warning. Single process only. Default off.
         curvature_fraction: compute ``G v`` on a random subset of this fraction of each batch
             (drawn at step ``t`` from a generator seeded with ``t``), the loss and gradient on
             the whole batch (Martens, 2010). Default 1 (the whole batch, as the paper).
