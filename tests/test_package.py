@@ -1,7 +1,9 @@
 """The package's shape: the optimizer library stands apart from the experiment tooling."""
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import torch_sgn
 
@@ -36,3 +38,19 @@ def test_command_line_entry_points():
         check=True,
     ).stdout
     assert "--preset" in out
+
+
+def test_the_version_is_written_once():
+    # pyproject.toml reads it from the package; no other file of the package states it.
+    root = Path(__file__).resolve().parents[1]
+    pyproject = (root / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject
+    assert 'version = { attr = "torch_sgn.__version__" }' in pyproject
+    assert not re.search(r'^version\s*=\s*"', pyproject, re.M)  # no static version
+    assert re.fullmatch(r"\d+\.\d+\.\d+\S*", torch_sgn.__version__)
+    stated = [
+        p.relative_to(root)
+        for p in (root / "src").rglob("*.py")
+        if f'"{torch_sgn.__version__}"' in p.read_text()
+    ]
+    assert [str(p) for p in stated] == ["src/torch_sgn/__init__.py"], stated

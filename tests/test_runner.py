@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import torch_sgn
 from torch_sgn.experiments import cli, runner
 from torch_sgn.experiments.data import boston
 from torch_sgn.experiments.models import PRESETS
@@ -67,6 +68,7 @@ def test_run_writes_config_and_results(tmp_path, boston_data, optimizer):
     assert config["config"] == dataclasses.asdict(cfg)
     env = config["environment"]
     assert env["torch"] == torch.__version__ and env["device"] == "cpu" and env["device_name"]
+    assert env["torch_sgn"] == torch_sgn.__version__
     assert env["threads"] >= 1
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     if head.returncode == 0:  # the commit of the checkout the code came from
@@ -183,6 +185,36 @@ def test_config_validation():
     assert RunConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     assert (cfg.label, cfg.name) == ("SGD(0.01, m=0.5)", "sgd_0.01_m0.5_seed1")
     assert (tiny().label, tiny().name) == ("SGN(2)", "sgn_2_seed1")
+
+
+def test_every_sgn_option_reaches_sgn():
+    # The runner builds SGN from its options in one place: a field not passed on (or passed
+    # under another name) would silently leave SGN's own default in force.
+    changed = {}
+    for f in dataclasses.fields(SGNOptions):
+        default = getattr(SGNOptions(), f.name)
+        if isinstance(default, bool):
+            changed[f.name] = not default
+        elif default is None or isinstance(default, int):
+            changed[f.name] = 7 if default != 7 else 8
+        else:
+            changed[f.name] = default * 0.5 if default else 0.25
+    cfg = RunConfig(epochs=1, sgn=SGNOptions(**changed))
+    model = PRESETS["boston"].build()
+    group = runner._OPTIMIZERS["sgn"](cfg, model, "mse").opt.param_groups[0]
+    assert {name: group[name] for name in changed} == changed
+
+
+def test_labels_and_run_names_of_every_optimizer():
+    sgd = SGDOptions(lr=0.1, schedule="cos", momentum=0.9)
+    cases = [
+        (RunConfig(epochs=1, sgn=SGNOptions(cg_iters=5)), "SGN(5)", "sgn_5_seed1"),
+        (RunConfig(epochs=1, optimizer="sgd", sgd=sgd), "SGD(0.1, cos, m=0.9)",
+         "sgd_0.1_cos_m0.9_seed1"),
+        (RunConfig(epochs=1, optimizer="adam", seed=3), "Adam(0.001)", "adam_0.001_seed3"),
+    ]  # fmt: skip
+    for cfg, label, name in cases:
+        assert (cfg.label, cfg.name) == (label, name)
 
 
 # --------------------------------------------------------------------------- resumption

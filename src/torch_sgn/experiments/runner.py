@@ -180,14 +180,13 @@ class RunConfig:
     adam: AdamOptions = field(default_factory=AdamOptions)
 
     def __post_init__(self) -> None:
-        for name in ("sgn", "sgd", "adam"):  # accept the dicts of a config.json
+        for name, kind in _OPTIMIZERS.items():  # accept the dicts of a config.json
             value = getattr(self, name)
             if isinstance(value, dict):
-                cls = {"sgn": SGNOptions, "sgd": SGDOptions, "adam": AdamOptions}[name]
-                setattr(self, name, cls(**value))
+                setattr(self, name, kind.options_type(**value))
         if self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; expected one of {sorted(PRESETS)}")
-        if self.optimizer not in ("sgn", "sgd", "adam"):
+        if self.optimizer not in _OPTIMIZERS:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; expected sgn, sgd or adam")
         if self.epochs is None and self.time_budget is None:
             raise ValueError("give an epoch budget, a time budget, or both")
@@ -202,26 +201,12 @@ class RunConfig:
     @property
     def label(self) -> str:
         """The setting as the paper names it: ``SGN(5)``, ``SGD(0.1)``, ``Adam(0.001)``."""
-        if self.optimizer == "sgn":
-            return f"SGN({self.sgn.cg_iters})"
-        if self.optimizer == "sgd":
-            extra = "" if self.sgd.schedule == "const" else f", {self.sgd.schedule}"
-            extra += f", m={self.sgd.momentum:g}" if self.sgd.momentum else ""
-            return f"SGD({self.sgd.lr:g}{extra})"
-        return f"Adam({self.adam.lr:g})"
+        return _OPTIMIZERS[self.optimizer].label(self.options)
 
     @property
     def name(self) -> str:
         """Directory name of the run: ``sgn_5_seed1``, ``sgd_0.1_seed1``, ``adam_0.001_seed1``."""
-        if self.optimizer == "sgn":
-            key = f"sgn_{self.sgn.cg_iters}"
-        elif self.optimizer == "sgd":
-            key = f"sgd_{self.sgd.lr:g}"
-            key += "" if self.sgd.schedule == "const" else f"_{self.sgd.schedule}"
-            key += f"_m{self.sgd.momentum:g}" if self.sgd.momentum else ""
-        else:
-            key = f"adam_{self.adam.lr:g}"
-        return f"{key}_seed{self.seed}"
+        return f"{_OPTIMIZERS[self.optimizer].key(self.options)}_seed{self.seed}"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -384,32 +369,151 @@ def _lr_lambda(opts: SGDOptions) -> Callable[[int], float]:
     return factor
 
 
-def _make_optimizer(cfg: RunConfig, model: nn.Module, loss: str):
-    if cfg.optimizer == "sgn":
-        o = cfg.sgn
-        opt = SGN(
-            model,
-            loss,
-            lr=o.lr,
-            damping=o.damping,
-            damping_min=o.damping_min,
-            cg_iters=o.cg_iters,
-            cg_tol=o.cg_tol,
-            line_search=o.line_search,
-            trust_region=o.trust_region,
-            momentum=o.momentum,
-            warmup_cg_iters=o.warmup_cg_iters,
-            warmup_steps=o.warmup_steps,
-            preconditioner=o.preconditioner,
-            cuda_graphs=cfg.cuda_graphs,
+# --------------------------------------------------------------------------- optimizers
+
+
+class _Optimizer:
+    """What the training loop needs of one kind of optimizer: how to build it from the run's
+    config, how to take a step, what to log per iteration, and what to checkpoint.
+
+    Attributes:
+        options_type: The options dataclass of :class:`RunConfig` for this optimizer.
+        per_iteration: The keys of ``results.json``'s ``"iterations"`` (``"loss"`` first).
+        broadcasts_model: Whether the optimizer broadcasts rank 0's model itself in a
+            distributed run (else the runner does).
+    """
+
+    options_type: type = object
+    per_iteration: tuple[str, ...] = ("loss",)
+    broadcasts_model = False
+
+    def __init__(self, cfg: RunConfig, model: nn.Module, loss: str):
+        self.model = model
+        self.opt: Any = None
+        self.scheduler: Any = None
+
+    @staticmethod
+    def label(options: Any) -> str:
+        """The setting as the paper names it, e.g. ``SGN(5)``."""
+        raise NotImplementedError
+
+    @staticmethod
+    def key(options: Any) -> str:
+        """The run directory's prefix, e.g. ``sgn_5``."""
+        raise NotImplementedError
+
+    def step(self, x: Tensor, y: Tensor) -> tuple[Optional[dict], bool]:
+        """One step on this rank's shard of a batch: the iteration's record (keys
+        :attr:`per_iteration`; ``None``: nothing to log) and whether the run goes on (``False``
+        once it diverged)."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        return {
+            "optimizer": self.opt.state_dict(),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.opt.load_state_dict(state["optimizer"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+
+
+class _SGN(_Optimizer):
+    options_type = SGNOptions
+    per_iteration = ("loss", "damping", "step_size", "cg_iters")
+    broadcasts_model = True
+
+    def __init__(self, cfg: RunConfig, model: nn.Module, loss: str):
+        super().__init__(cfg, model, loss)
+        # Every option is one of SGN's arguments, by the same name: SGNOptions is the one
+        # place the runner's SGN settings live.
+        self.opt = SGN(model, loss, cuda_graphs=cfg.cuda_graphs, **asdict(cfg.sgn))
+
+    @staticmethod
+    def label(options: SGNOptions) -> str:
+        return f"SGN({options.cg_iters})"
+
+    @staticmethod
+    def key(options: SGNOptions) -> str:
+        return f"sgn_{options.cg_iters}"
+
+    def step(self, x, y):
+        try:
+            info = self.opt.step(x, y)
+        except FloatingPointError:  # the step left the parameters as they were
+            return None, False
+        record = {
+            "loss": info.loss,
+            "damping": info.damping,
+            "step_size": info.step_size,
+            "cg_iters": info.cg_iters,
+        }
+        return record, True
+
+
+class _Baseline(_Optimizer):
+    """A first-order baseline: a gradient on this rank's shard, all-reduced across ranks."""
+
+    per_iteration = ("loss", "lr")
+
+    def __init__(self, cfg: RunConfig, model: nn.Module, loss: str):
+        super().__init__(cfg, model, loss)
+        self.loss = resolve_loss(loss)
+
+    def step(self, x, y):
+        lr = self.opt.param_groups[0]["lr"]
+        # .item() inside synchronises; the original printed the loss too
+        value = _baseline_step(self.model, self.opt, self.loss, x, y)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return {"loss": value, "lr": lr}, math.isfinite(value)
+
+
+class _SGD(_Baseline):
+    options_type = SGDOptions
+
+    def __init__(self, cfg: RunConfig, model: nn.Module, loss: str):
+        super().__init__(cfg, model, loss)
+        o = cfg.sgd
+        self.opt = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt, _lr_lambda(o))
+
+    @staticmethod
+    def _extra(options: SGDOptions, sep: str, m: str) -> str:
+        extra = "" if options.schedule == "const" else f"{sep}{options.schedule}"
+        return extra + (f"{m}{options.momentum:g}" if options.momentum else "")
+
+    @classmethod
+    def label(cls, options: SGDOptions) -> str:
+        return f"SGD({options.lr:g}{cls._extra(options, ', ', ', m=')})"
+
+    @classmethod
+    def key(cls, options: SGDOptions) -> str:
+        return f"sgd_{options.lr:g}{cls._extra(options, '_', '_m')}"
+
+
+class _Adam(_Baseline):
+    options_type = AdamOptions
+
+    def __init__(self, cfg: RunConfig, model: nn.Module, loss: str):
+        super().__init__(cfg, model, loss)
+        o = cfg.adam
+        self.opt = torch.optim.Adam(
+            model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps
         )
-        return opt, None
-    if cfg.optimizer == "sgd":
-        opt = torch.optim.SGD(model.parameters(), lr=cfg.sgd.lr, momentum=cfg.sgd.momentum)
-        return opt, torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg.sgd))
-    a = cfg.adam
-    opt = torch.optim.Adam(model.parameters(), lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps)
-    return opt, None
+
+    @staticmethod
+    def label(options: AdamOptions) -> str:
+        return f"Adam({options.lr:g})"
+
+    @staticmethod
+    def key(options: AdamOptions) -> str:
+        return f"adam_{options.lr:g}"
+
+
+_OPTIMIZERS: dict[str, type[_Optimizer]] = {"sgn": _SGN, "sgd": _SGD, "adam": _Adam}
 
 
 def _baseline_step(model: nn.Module, opt, loss: OutputLoss, x: Tensor, y: Tensor) -> float:
@@ -465,8 +569,6 @@ def evaluate(
 
 
 def _new_results(cfg: RunConfig) -> dict:
-    per_iter = ["loss", "damping", "step_size", "cg_iters"] if cfg.optimizer == "sgn" else []
-    per_iter = per_iter or ["loss", "lr"]
     return {
         "format": FORMAT,
         "status": "running",
@@ -482,8 +584,18 @@ def _new_results(cfg: RunConfig) -> dict:
             "test_loss": [],
             "test_acc": [],
         },
-        "iterations": {k: [] for k in per_iter},
+        "iterations": {k: [] for k in _OPTIMIZERS[cfg.optimizer].per_iteration},
     }
+
+
+@dataclass
+class _Progress:
+    """Where a run stands: its results so far, epochs, training seconds and iterations done."""
+
+    results: dict
+    epoch: int = 0
+    elapsed: float = 0.0
+    iters: int = 0
 
 
 def _record_epoch(res, epoch, elapsed, iters, model, loss, data, batch_losses) -> None:
@@ -554,155 +666,179 @@ def run(
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     try:
-        return _train(cfg, out, data, on_epoch, quiet, position)
+        return _Training(cfg, out, data).train(on_epoch, quiet, position)
     finally:
         torch.set_num_threads(threads)
 
 
-def _train(cfg, out, data, on_epoch, quiet, position) -> dict:
-    config_path, results_path, ckpt_path = (
-        out / "config.json",
-        out / "results.json",
-        out / "checkpoint.pt",
-    )
-    wanted = _jsonable(cfg.to_dict())
-    device = torch.device(cfg.device)
-    dtype = getattr(torch, cfg.dtype)
-    preset = PRESETS[cfg.preset]
-    if data is None:
-        data = load_data(cfg)
-    data = data.to(device, dtype)
-    batch_size = cfg.batch_size or preset.batch_size
-    batch_size = min(batch_size, data.n_train)
+class _Training:
+    """One run's training: set up, then :meth:`train` runs its parts (restore, epochs,
+    evaluation, checkpoints) and writes the results."""
 
-    model = preset.build(cfg.init, cfg.init_seed).to(device=device, dtype=dtype)
-    opt, scheduler = _make_optimizer(cfg, model, preset.loss)
-    gen = torch.Generator(device).manual_seed(cfg.seed)
-    loss_fn = resolve_loss(preset.loss)
-    distributed = sgn_dist.world_size() > 1
-    main = sgn_dist.is_main_process()
-    if distributed and cfg.optimizer != "sgn":  # SGN broadcasts rank 0's model itself
-        with torch.no_grad():
-            for t in list(model.parameters()) + list(model.buffers()):
-                dist.broadcast(t, 0)
-    if main:
-        _atomic_write_json(config_path, {"config": wanted, "environment": _environment(device)})
+    def __init__(self, cfg: RunConfig, out: Path, data: Optional[Dataset]):
+        self.cfg, self.out = cfg, out
+        self.ckpt_path = out / "checkpoint.pt"
+        self.wanted = _jsonable(cfg.to_dict())
+        self.device = torch.device(cfg.device)
+        dtype = getattr(torch, cfg.dtype)
+        self.preset = preset = PRESETS[cfg.preset]
+        self.data = (load_data(cfg) if data is None else data).to(self.device, dtype)
+        self.batch_size = min(cfg.batch_size or preset.batch_size, self.data.n_train)
+        self.model = preset.build(cfg.init, cfg.init_seed).to(device=self.device, dtype=dtype)
+        self.optimizer = _OPTIMIZERS[cfg.optimizer](cfg, self.model, preset.loss)
+        self.gen = torch.Generator(self.device).manual_seed(cfg.seed)
+        self.distributed = sgn_dist.world_size() > 1
+        self.main = sgn_dist.is_main_process()
+        if self.distributed and not self.optimizer.broadcasts_model:
+            with torch.no_grad():
+                for t in list(self.model.parameters()) + list(self.model.buffers()):
+                    dist.broadcast(t, 0)
+        if self.main:
+            _atomic_write_json(
+                out / "config.json",
+                {"config": self.wanted, "environment": _environment(self.device)},
+            )
 
-    ckpt = None
-    if ckpt_path.exists():
+    def train(self, on_epoch, quiet: bool, position: int) -> dict:
+        cfg = self.cfg
+        progress = self.restore()
+        if self.distributed:  # every rank has read the checkpoint before rank 0 may replace it
+            dist.barrier()
+        from tqdm.auto import tqdm
+
+        bar = tqdm(
+            total=cfg.epochs,
+            initial=progress.epoch,
+            desc=f"{cfg.preset} {cfg.label} seed {cfg.seed}",
+            unit="ep",
+            leave=False,
+            disable=quiet or not self.main,
+            position=position,
+            dynamic_ncols=True,
+        )
+        last_ckpt = time.monotonic()
+        status = "running"
         try:
-            ckpt = torch.load(ckpt_path, map_location=device, weights_only=True)
-        except Exception as e:  # a checkpoint from an older torch, or damaged by hand
-            logger.warning("%s: unreadable checkpoint (%s); restarting the run", ckpt_path, e)
-    if ckpt is not None and same_run(ckpt.get("config"), wanted):
-        model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
-        if scheduler is not None:
-            scheduler.load_state_dict(ckpt["scheduler"])
-        gen.set_state(ckpt["generator"].to(gen.get_state().device))
-        torch.set_rng_state(ckpt["cpu_rng"])
-        res, epoch, elapsed, iters = ckpt["results"], ckpt["epoch"], ckpt["time"], ckpt["iters"]
-        logger.info("%s: resuming after epoch %d (%.1f s)", out, epoch, elapsed)
-    else:
-        res, epoch, elapsed, iters = _new_results(cfg), 0, 0.0, 0
-        res["task"] = data.task
-        _record_epoch(res, 0, 0.0, 0, model, preset.loss, data, [])
-    if distributed:  # every rank has read the checkpoint before rank 0 may replace it
-        dist.barrier()
-
-    def budget_left() -> bool:
-        if cfg.epochs is not None and epoch >= cfg.epochs:
-            return False
-        return cfg.time_budget is None or elapsed < cfg.time_budget
-
-    from tqdm.auto import tqdm
-
-    bar = tqdm(
-        total=cfg.epochs,
-        initial=epoch,
-        desc=f"{cfg.preset} {cfg.label} seed {cfg.seed}",
-        unit="ep",
-        leave=False,
-        disable=quiet or not main,
-        position=position,
-        dynamic_ncols=True,
-    )
-    last_ckpt = time.monotonic()
-    status = "running"
-    per_iter = res["iterations"]
-    try:
-        while budget_left():
-            batch_losses: list[float] = []
-            _synchronize(device)
-            start = time.perf_counter()
-            for x, y in data.batches(batch_size, gen):
-                x_r, y_r = sgn_dist.shard(x, y)  # the whole batch in a single process
-                if cfg.optimizer == "sgn":
-                    try:
-                        info = opt.step(x_r, y_r)
-                    except FloatingPointError:
-                        status = "diverged"
-                        break
-                    batch_losses.append(info.loss)
-                    per_iter["loss"].append(info.loss)
-                    per_iter["damping"].append(info.damping)
-                    per_iter["step_size"].append(info.step_size)
-                    per_iter["cg_iters"].append(info.cg_iters)
-                else:
-                    per_iter["lr"].append(opt.param_groups[0]["lr"])
-                    # .item() inside synchronises; the original printed the loss too
-                    value = _baseline_step(model, opt, loss_fn, x_r, y_r)
-                    if scheduler is not None:
-                        scheduler.step()
-                    batch_losses.append(value)
-                    per_iter["loss"].append(value)
-                    if not math.isfinite(value):
-                        status = "diverged"
-                        break
-                iters += 1
-            _synchronize(device)
-            took = time.perf_counter() - start
-            if distributed:  # the slowest rank's time, so that every rank sees the same budget
-                took_t = torch.tensor([took], dtype=torch.float64, device=device)
-                dist.all_reduce(took_t, dist.ReduceOp.MAX)
-                took = took_t.item()
-            elapsed += took
-            epoch += 1
-            _record_epoch(res, epoch, elapsed, iters, model, preset.loss, data, batch_losses)
-            bar.update(1)
-            bar.set_postfix(loss=f"{res['epochs']['train_loss'][-1]:.4g}", t=f"{elapsed:.1f}s")
-            if status == "diverged":
-                break
-            if main and time.monotonic() - last_ckpt >= cfg.checkpoint_every and budget_left():
-                _atomic_torch_save(
-                    ckpt_path,
-                    {
-                        "config": wanted,
-                        "model": model.state_dict(),
-                        "optimizer": opt.state_dict(),
-                        "scheduler": None if scheduler is None else scheduler.state_dict(),
-                        "generator": gen.get_state(),
-                        "cpu_rng": torch.get_rng_state(),
-                        "results": res,
-                        "epoch": epoch,
-                        "time": elapsed,
-                        "iters": iters,
-                    },
+            while self.budget_left(progress):
+                batch_losses, diverged = self.epoch(progress)
+                self.evaluate(progress, batch_losses)
+                bar.update(1)
+                bar.set_postfix(
+                    loss=f"{progress.results['epochs']['train_loss'][-1]:.4g}",
+                    t=f"{progress.elapsed:.1f}s",
                 )
-                last_ckpt = time.monotonic()
-            if on_epoch is not None:
-                on_epoch(epoch)
-    finally:
-        bar.close()
-    res["status"] = "finished" if status == "running" else status
-    res["total_time"] = elapsed
-    res["total_iterations"] = iters
-    res["total_epochs"] = epoch
-    if not main:
-        return _jsonable(res)
-    _atomic_write_json(results_path, res)
-    ckpt_path.unlink(missing_ok=True)
-    return read_json(results_path)
+                if diverged:
+                    status = "diverged"
+                    break
+                due = time.monotonic() - last_ckpt >= cfg.checkpoint_every
+                if self.main and due and self.budget_left(progress):
+                    self.checkpoint(progress)
+                    last_ckpt = time.monotonic()
+                if on_epoch is not None:
+                    on_epoch(progress.epoch)
+        finally:
+            bar.close()
+        return self.finish(progress, status)
+
+    def budget_left(self, progress: _Progress) -> bool:
+        cfg = self.cfg
+        if cfg.epochs is not None and progress.epoch >= cfg.epochs:
+            return False
+        return cfg.time_budget is None or progress.elapsed < cfg.time_budget
+
+    def restore(self) -> _Progress:
+        """The progress saved in the checkpoint, with the model, optimizer and random states
+        restored; a new run's (with the untrained network evaluated) if there is none."""
+        ckpt = None
+        if self.ckpt_path.exists():
+            try:
+                ckpt = torch.load(self.ckpt_path, map_location=self.device, weights_only=True)
+            except Exception as e:  # a checkpoint from an older torch, or damaged by hand
+                logger.warning(
+                    "%s: unreadable checkpoint (%s); restarting the run", self.ckpt_path, e
+                )
+        if ckpt is not None and same_run(ckpt.get("config"), self.wanted):
+            self.model.load_state_dict(ckpt["model"])
+            self.optimizer.load_state_dict(ckpt)
+            self.gen.set_state(ckpt["generator"].to(self.gen.get_state().device))
+            torch.set_rng_state(ckpt["cpu_rng"])
+            progress = _Progress(ckpt["results"], ckpt["epoch"], ckpt["time"], ckpt["iters"])
+            logger.info(
+                "%s: resuming after epoch %d (%.1f s)", self.out, progress.epoch, progress.elapsed
+            )
+            return progress
+        progress = _Progress(_new_results(self.cfg))
+        progress.results["task"] = self.data.task
+        self.evaluate(progress, [], advance=False)
+        return progress
+
+    def epoch(self, progress: _Progress) -> tuple[list[float], bool]:
+        """One pass over the training set, timed; returns the mini-batch losses and whether
+        the run diverged. The clock covers the steps and drawing the batches only."""
+        batch_losses: list[float] = []
+        per_iter = progress.results["iterations"]
+        diverged = False
+        _synchronize(self.device)
+        start = time.perf_counter()
+        for x, y in self.data.batches(self.batch_size, self.gen):
+            x_r, y_r = sgn_dist.shard(x, y)  # the whole batch in a single process
+            record, going = self.optimizer.step(x_r, y_r)
+            if record is not None:
+                batch_losses.append(record["loss"])
+                for key, value in record.items():
+                    per_iter[key].append(value)
+            if not going:
+                diverged = True
+                break
+            progress.iters += 1
+        _synchronize(self.device)
+        took = time.perf_counter() - start
+        if self.distributed:  # the slowest rank's time, so that every rank sees the same budget
+            took_t = torch.tensor([took], dtype=torch.float64, device=self.device)
+            dist.all_reduce(took_t, dist.ReduceOp.MAX)
+            took = took_t.item()
+        progress.elapsed += took
+        return batch_losses, diverged
+
+    def evaluate(self, progress: _Progress, batch_losses: list[float], advance=True) -> None:
+        """Ends an epoch (``advance``; epoch 0 is the untrained network): records the loss
+        and accuracy on the training and test sets and the epoch's mean mini-batch loss."""
+        if advance:
+            progress.epoch += 1
+        _record_epoch(
+            progress.results, progress.epoch, progress.elapsed, progress.iters, self.model,
+            self.preset.loss, self.data, batch_losses,
+        )  # fmt: skip
+
+    def checkpoint(self, progress: _Progress) -> None:
+        """Saves everything :meth:`restore` needs, atomically."""
+        _atomic_torch_save(
+            self.ckpt_path,
+            {
+                "config": self.wanted,
+                "model": self.model.state_dict(),
+                **self.optimizer.state_dict(),  # "optimizer" and "scheduler"
+                "generator": self.gen.get_state(),
+                "cpu_rng": torch.get_rng_state(),
+                "results": progress.results,
+                "epoch": progress.epoch,
+                "time": progress.elapsed,
+                "iters": progress.iters,
+            },
+        )
+
+    def finish(self, progress: _Progress, status: str) -> dict:
+        """Writes ``results.json`` (rank 0) and removes the checkpoint; returns the results."""
+        res = progress.results
+        res["status"] = "finished" if status == "running" else status
+        res["total_time"] = progress.elapsed
+        res["total_iterations"] = progress.iters
+        res["total_epochs"] = progress.epoch
+        if not self.main:
+            return _jsonable(res)
+        _atomic_write_json(self.out / "results.json", res)
+        self.ckpt_path.unlink(missing_ok=True)
+        return read_json(self.out / "results.json")
 
 
 # --------------------------------------------------------------------------- grids
@@ -786,8 +922,7 @@ class Grid:
 
 
 def _options(optimizer: str, options: dict) -> Any:
-    cls = {"sgn": SGNOptions, "sgd": SGDOptions, "adam": AdamOptions}[optimizer]
-    return cls(**options)
+    return _OPTIMIZERS[optimizer].options_type(**options)
 
 
 def _paper_settings(sgd_lrs: Sequence[float], sgd_epochs=None, sgn_epochs=None, adam_epochs=None):
