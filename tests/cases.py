@@ -140,3 +140,27 @@ def dense_ggn(model: nn.Module, loss, x: Tensor, y: Tensor) -> tuple[Tensor, Ten
     H = hessian(lambda z: fn(z.view(out.shape), y), out.detach().reshape(-1))
     g = torch.func.grad(lambda t: fn(f(t), y))(theta)
     return J.T @ H @ J, g, theta
+
+
+def dense_ggn_of_module(model: nn.Module, loss, x, y: Tensor) -> tuple[Tensor, Tensor]:
+    """(G, g) through the model's own parameters: one reverse-mode pass per output element
+    (no ``torch.func``, no forward mode, parameters never swapped), so it holds for any model
+    autograd can differentiate, shared modules and tied weights included."""
+    params = [p for p in model.parameters() if p.requires_grad]  # each tensor once
+    out = model(x)
+    rows = []
+    for o in out.reshape(-1):
+        grads = torch.autograd.grad(o, params, retain_graph=True, allow_unused=True)
+        rows.append(
+            torch.cat(
+                [
+                    (torch.zeros_like(p) if g is None else g).reshape(-1)
+                    for g, p in zip(grads, params)
+                ]
+            )
+        )
+    J = torch.stack(rows)
+    fn = loss_fn(loss)
+    H = hessian(lambda z: fn(z.view(out.shape), y), out.detach().reshape(-1))
+    g = torch.autograd.grad(fn(model(x), y), params)
+    return J.T @ H @ J, torch.cat([t.reshape(-1) for t in g])

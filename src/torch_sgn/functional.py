@@ -3,19 +3,28 @@
 :class:`FunctionalModel` evaluates any ``nn.Module`` at parameters given as one vector (the
 layout of :func:`torch.nn.utils.parameters_to_vector`) with ``torch.func.functional_call``.
 :class:`FunctionalEngine` linearizes it for any model: ``J v`` by forward-mode AD, which
-re-runs the forward pass at every product, and ``J^T u`` through the autograd graph of the
+re-runs the forward pass at every product (or, where an operator has no forward-mode rule, as
+:mod:`torch_sgn.forward_mode` finds), and ``J^T u`` through the autograd graph of the
 gradient's forward pass.
 """
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import FrozenSet, Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from .forward_mode import (
+    SWITCHES,
+    jvp_by_double_backward,
+    kernels,
+    missing_rule,
+    switch_for,
+)
 from .linearization import Batch, Inputs, Linearization, loss_and_output_gradient
 from .losses import OutputLoss
 
@@ -57,6 +66,18 @@ class FunctionalModel:
         self.dtype, self.device = dtypes.pop(), devices.pop()
         if not self.dtype.is_floating_point:
             raise ValueError(f"parameters must be floating point, got {self.dtype}")
+        # Where each trainable parameter sits: every (module, attribute) slot, named once.
+        # functional_call swaps tensors in by name and back afterwards; given two names of
+        # one module (self.b = self.a, a layer used twice) it swaps that slot twice and
+        # restores it to the swapped-in tensor, so the parameter silently leaves the model.
+        # named_modules() visits a module once; a parameter held by several modules (tied
+        # weights) is passed under each of its slots.
+        index = {id(p): i for i, p in enumerate(self.params)}
+        self._slots = [
+            (name, index[id(p)]) for name, p in _slots(model, "_parameters") if id(p) in index
+        ]
+        #: kernel switches (see :mod:`torch_sgn.forward_mode`) every forward pass runs with
+        self.switches: FrozenSet[str] = frozenset()
         self._rng_state: dict | None = None
         self._after_first: dict | None = None
 
@@ -93,14 +114,18 @@ class FunctionalModel:
         captured tensors mutated.
         """
         args = inputs if isinstance(inputs, tuple) else (inputs,)
-        tensors = dict(self.model.named_buffers())
+        buffers = {id(b): b for _, b in _slots(self.model, "_buffers")}
         if self.model.training:
-            tensors = {k: b.clone() for k, b in tensors.items()}
+            copies = {key: b.clone() for key, b in buffers.items()}
             if buffers_out is not None:
-                buffers_out.update(tensors)
-        tensors.update(self.unflatten(flat))
-        with self.replay_rng():
-            out = functional_call(self.model, tensors, args)
+                buffers_out.update((n, copies[id(b)]) for n, b in self.model.named_buffers())
+            buffers = copies
+        tensors = {name: buffers[id(b)] for name, b in _slots(self.model, "_buffers")}
+        chunks = [c.view(s) for c, s in zip(flat.split(self.numels), self.shapes)]
+        tensors.update((name, chunks[i]) for name, i in self._slots)
+        with self.replay_rng(), kernels(self.switches):
+            # Every slot is named, tied ones included: no tying by functional_call.
+            out = functional_call(self.model, tensors, args, tie_weights=False)
         if not isinstance(out, Tensor):
             raise TypeError(
                 "SGN needs a model whose forward returns one tensor, got "
@@ -151,6 +176,15 @@ class FunctionalModel:
             _set_rng(self.device, outside)
 
 
+def _slots(model: nn.Module, kind: str) -> Iterator[Tuple[str, Tensor]]:
+    """``(name, tensor)`` for every slot of ``kind`` (``"_parameters"`` or ``"_buffers"``) of
+    every module, each module once under its first name."""
+    for prefix, module in model.named_modules():
+        for key, tensor in getattr(module, kind).items():
+            if tensor is not None:
+                yield (f"{prefix}.{key}" if prefix else key), tensor
+
+
 def _get_rng(device: torch.device) -> dict:
     state = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
@@ -169,32 +203,98 @@ class FunctionalEngine:
 
     The forward pass that gives the gradient is recorded once and its graph kept: ``J^T u``
     reuses it at every product. ``J v`` uses forward-mode AD (``torch.func.jvp``), which
-    re-runs the forward pass with tangents.
+    re-runs the forward pass with tangents. Where an operator has no forward-mode rule, the
+    first product finds out and the engine adapts for good (:mod:`torch_sgn.forward_mode`):
+    kernels that have one where the operator has such a twin, else ``J v`` by double backward;
+    it warns once per change, and the step records its forward pass again under the change.
     """
 
     def __init__(self, fmodel: FunctionalModel, loss: OutputLoss):
         self.fmodel, self.loss = fmodel, loss
+        #: ``J v`` by double backward instead of forward mode (decided by the first product)
+        self.double_backward = False
 
     def __call__(
         self, flat: Tensor, batch: Batch, buffers_out: Optional[dict] = None
     ) -> Linearization:
+        point = self._record(flat, batch, buffers_out, check=True)
+        value, grad = point.value, point.grad
+
+        def ggn_vp(v: Tensor) -> Tensor:
+            nonlocal point
+            changes = []
+            while True:
+                try:
+                    jv = point.jvp(v)  # v -> J v
+                    break
+                except (NotImplementedError, RuntimeError) as error:
+                    changes.append(self._adapt(error))  # re-raises what it cannot get around
+                    # The products of one step share one recorded forward pass, under the
+                    # new kernels (attention dropout draws differently in each kernel).
+                    point = self._record(flat, batch, None, check=False)
+            if changes:
+                warnings.warn(
+                    "forward-mode AD has no rule for "
+                    + "; nor for ".join(changes)
+                    + ". Products stay exact; this is decided once for this model",
+                    stacklevel=2,
+                )
+            hjv = point.hessian(jv)  # -> H J v
+            with torch.enable_grad():
+                (jthjv,) = torch.autograd.grad(point.outputs, point.leaf, hjv, retain_graph=True)
+            return jthjv  # -> J^T H J v
+
+        return Linearization(value, grad, ggn_vp)
+
+    def _record(
+        self, flat: Tensor, batch: Batch, buffers_out: Optional[dict], check: bool
+    ) -> _Point:
         fmodel, loss, inputs, targets = self.fmodel, self.loss, batch.inputs, batch.targets
         leaf = flat.detach().requires_grad_(True)
         with torch.enable_grad():
             outputs = fmodel(leaf, inputs, buffers_out=buffers_out)
-            value, dz = loss_and_output_gradient(loss, outputs, targets)
-            (grad,) = torch.autograd.grad(outputs, leaf, dz, retain_graph=True)
-        z = outputs.detach()
-        base = flat.detach()
-        hessian = loss.hessian(z, targets)
+            value, dz = loss_and_output_gradient(loss, outputs, targets, check=check)
+            if self.double_backward:  # the gradient's backward pass also records J v's graph
+                grad, jvp = jvp_by_double_backward(outputs, leaf, dz)
+            else:
+                (grad,) = torch.autograd.grad(outputs, leaf, dz, retain_graph=True)
+                base = flat.detach()
 
-        def jvp(v: Tensor) -> Tensor:
-            return torch.func.jvp(lambda p: fmodel(p, inputs), (base,), (v,))[1]
+                def jvp(v: Tensor) -> Tensor:
+                    return torch.func.jvp(lambda p: fmodel(p, inputs), (base,), (v,))[1]
 
-        def ggn_vp(v: Tensor) -> Tensor:
-            hjv = hessian(jvp(v))  # v -> J v -> H J v
-            with torch.enable_grad():
-                (jthjv,) = torch.autograd.grad(outputs, leaf, hjv, retain_graph=True)
-            return jthjv  # -> J^T H J v
+        hessian = loss.hessian(outputs.detach(), targets)
+        return _Point(value, grad, leaf, outputs, hessian, jvp)
 
-        return Linearization(value, grad, ggn_vp)
+    def _adapt(self, error: BaseException) -> str:
+        """Gets around the operator ``error`` says has no forward-mode rule (or re-raises);
+        returns the operator and what changed, for the warning."""
+        op = missing_rule(error)
+        if op is None:
+            raise error
+        switch = switch_for(op)
+        if switch is not None and switch not in self.fmodel.switches:
+            self.fmodel.switches = self.fmodel.switches | {switch}
+            return (
+                f"{op}: the model runs with {SWITCHES[switch]} from now on (a G v product "
+                "keeps the cost of a forward-mode one, on kernels that may be slower)"
+            )
+        if not self.double_backward:
+            self.double_backward = True
+            return (
+                f"{op}: J v is taken by double backward from now on, J v = d/du [(J^T u) . v] "
+                "(the graph of u -> J^T u is recorded with the gradient and kept for the step)"
+            )
+        raise RuntimeError(
+            f"cannot take Gauss-Newton products: {op} has no forward-mode rule and its "
+            f"backward is not differentiable either ({error}); replace that operation or give "
+            "it a jvp"
+        ) from error
+
+
+class _Point:
+    """What the products of one step share: the recorded forward pass and ``v -> J v``."""
+
+    def __init__(self, value, grad, leaf, outputs, hessian, jvp):
+        self.value, self.grad, self.leaf, self.outputs = value, grad, leaf, outputs
+        self.hessian, self.jvp = hessian, jvp

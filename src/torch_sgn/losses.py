@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .diagnostics import warn
+from .forward_mode import missing_rule
 
 LossSpec = Union[str, nn.Module, Callable[[Tensor, Tensor], Tensor]]
 
@@ -316,13 +317,52 @@ class _Generic(OutputLoss):
             )
         return loss.reshape(())
 
-    def hvp(self, outputs: Tensor, targets: Tensor, u: Tensor) -> Tensor:
-        # Forward-over-reverse in output space: d/de grad(outputs + e u) at e = 0.
-        def grad_fn(z: Tensor) -> Tensor:
-            return torch.func.grad(lambda z_: self.value(z_, targets))(z)
+    #: products by reverse-over-reverse: set when the loss's backward lacks a forward rule
+    reverse_over_reverse = False
 
-        with torch.enable_grad():
-            return torch.func.jvp(grad_fn, (outputs.detach(),), (u,))[1]
+    def hvp(self, outputs: Tensor, targets: Tensor, u: Tensor) -> Tensor:
+        return self.hessian(outputs, targets)(u)
+
+    def hessian(self, outputs: Tensor, targets: Tensor) -> Callable[[Tensor], Tensor]:
+        # Forward-over-reverse in output space: d/de grad(outputs + e u) at e = 0. Where the
+        # loss's backward has no forward-mode rule (huber_loss_backward), reverse-over-reverse
+        # instead: the graph of z -> grad(z) is recorded once per step and a product is one
+        # backward pass through it.
+        z = outputs.detach()
+        graph: list = []
+
+        def grad_fn(z_: Tensor) -> Tensor:
+            return torch.func.grad(lambda w: self.value(w, targets))(z_)
+
+        def by_double_backward(u: Tensor) -> Tensor:
+            with torch.enable_grad():
+                if not graph:
+                    w = z.clone().requires_grad_(True)
+                    (g,) = torch.autograd.grad(self.value(w, targets), w, create_graph=True)
+                    graph.extend((w, g))
+                w, g = graph
+                if not g.requires_grad:  # linear in the outputs: H = 0
+                    return torch.zeros_like(u)
+                (hu,) = torch.autograd.grad(g, w, u, retain_graph=True, allow_unused=True)
+            return torch.zeros_like(u) if hu is None else hu
+
+        def product(u: Tensor) -> Tensor:
+            if not self.reverse_over_reverse:
+                try:
+                    with torch.enable_grad():
+                        return torch.func.jvp(grad_fn, (z,), (u,))[1]
+                except (NotImplementedError, RuntimeError) as error:
+                    op = missing_rule(error)
+                    if op is None:
+                        raise
+                    self.reverse_over_reverse = True
+                    warn(
+                        f"forward-mode AD has no rule for {op} (in the loss {self.name!r}); its "
+                        "Hessian products are taken by double backward in output space instead"
+                    )
+            return by_double_backward(u)
+
+        return product
 
     def normalizer(self, targets: Tensor) -> float:
         if self._per_element:  # torch's loss modules average over elements

@@ -1,0 +1,166 @@
+r"""Where forward-mode AD has no rule: kernels that have one, and the double-backward route.
+
+The functional engine takes ``J v`` by forward-mode AD. Some operators have no forward-mode
+rule although their gradient works: the fused attention kernels (flash, memory-efficient),
+the fast paths of ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention`` in eval mode,
+oneDNN's (CPU, float32) and cuDNN's LSTM/GRU kernels, many losses' backward kernels
+(``huber_loss_backward``), custom ``autograd.Function``\ s without a ``jvp``. Two ways
+around them, tried in this order when forward-mode AD first fails:
+
+* **another kernel**, for the operators that have an equivalent one with a rule: the math
+  attention kernel, the modules' composite paths instead of their fast paths, the native
+  RNN kernels instead of oneDNN's or cuDNN's (:data:`SWITCHES`). The model's forward passes
+  then run with these kernels (:func:`kernels`); a product keeps its cost structure.
+* **double backward**, for any operator whose backward is differentiable: ``J^T u`` is linear
+  in ``u``, so ``J v = d/du [(J^T u) . v]``. The graph of ``u -> J^T u`` is recorded once per
+  step (one backward pass with ``create_graph``), and each ``J v`` is one backward pass through
+  it. :func:`jvp_by_double_backward` builds it.
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import ExitStack, contextmanager
+from typing import Callable, Dict, FrozenSet, Iterator, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["SWITCHES", "jvp_by_double_backward", "kernels", "missing_rule", "switch_for"]
+
+_OP = re.compile(r"forward AD with (?:aten::)?([\w.]+)")
+_DERIVATIVE = re.compile(r"derivative for (?:aten::)?([\w.]+) is not implemented")
+
+#: What each kernel switch does, for the warning that names it.
+SWITCHES: Dict[str, str] = {
+    "math_attention": "the math attention kernel instead of the fused ones",
+    "no_mha_fast_path": "nn.MultiheadAttention and nn.TransformerEncoderLayer without their "
+    "fast path",
+    "no_onednn": "the native CPU kernels instead of oneDNN's (RNNs, and convolutions too)",
+    "no_cudnn": "the native CUDA kernels instead of cuDNN's (RNNs, and convolutions too)",
+}
+
+# Operators without a forward-mode rule that another kernel of the same function has.
+_SWITCH_OF: Tuple[Tuple[str, str], ...] = (
+    ("_scaled_dot_product_", "math_attention"),  # flash, efficient, cudnn attention
+    ("_flash_attention", "math_attention"),
+    ("_efficient_attention", "math_attention"),
+    ("_transformer_encoder_layer_fwd", "no_mha_fast_path"),
+    ("_native_multi_head_attention", "no_mha_fast_path"),
+    ("mkldnn_rnn", "no_onednn"),
+    ("_cudnn_rnn", "no_cudnn"),
+)
+
+
+def missing_rule(error: BaseException) -> Optional[str]:
+    """What has no forward-mode rule (or, on the double-backward route, no derivative of its
+    backward), read from the error autograd raised; ``None`` where ``error`` is another."""
+    message = str(error)
+    if isinstance(error, NotImplementedError):
+        match = _OP.search(message)
+        if match:
+            return match.group(1)
+        if "autograd.Function" in message and "jvp" in message:
+            return "a custom autograd.Function without jvp"
+    if isinstance(error, RuntimeError):
+        if "autograd.Function" in message and "setup_context" in message:
+            return "a custom autograd.Function without setup_context"  # torch.func needs it
+        match = _DERIVATIVE.search(message)
+        if match:
+            return match.group(1)
+        if "once_differentiable" in message:
+            return "a custom autograd.Function marked once_differentiable"
+    return None
+
+
+def switch_for(op: str) -> Optional[str]:
+    """The kernel switch (a key of :data:`SWITCHES`) that replaces ``op`` by a kernel with a
+    forward-mode rule, or ``None`` if there is none."""
+    for prefix, switch in _SWITCH_OF:
+        if op.startswith(prefix) or prefix in op:
+            return switch
+    return None
+
+
+@contextmanager
+def _backend_flag(module, value: bool) -> Iterator[None]:
+    """Sets ``module.enabled`` (``torch.backends.mkldnn`` or ``cudnn``) for the block."""
+    old = module.enabled
+    module.enabled = value
+    try:
+        yield
+    finally:
+        module.enabled = old
+
+
+@contextmanager
+def _mha_fast_path_off() -> Iterator[None]:
+    mha = getattr(torch.backends, "mha", None)
+    if mha is None:  # no switch: the fast path is off whenever autograd records anyway
+        yield
+        return
+    old = mha.get_fastpath_enabled()
+    mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        mha.set_fastpath_enabled(old)
+
+
+@contextmanager
+def kernels(switches: FrozenSet[str]) -> Iterator[None]:
+    """Runs the block with the kernel ``switches`` (keys of :data:`SWITCHES`) applied; the
+    global settings are restored on exit."""
+    with ExitStack() as stack:
+        if "math_attention" in switches:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            stack.enter_context(sdpa_kernel(SDPBackend.MATH))
+        if "no_mha_fast_path" in switches:
+            stack.enter_context(_mha_fast_path_off())
+        if "no_onednn" in switches:
+            stack.enter_context(_backend_flag(torch.backends.mkldnn, False))
+        if "no_cudnn" in switches:
+            stack.enter_context(_backend_flag(torch.backends.cudnn, False))
+        yield
+
+
+def jvp_by_double_backward(
+    outputs: Tensor, leaf: Tensor, cotangent: Tensor
+) -> Tuple[Tensor, Callable[[Tensor], Tensor]]:
+    """``J^T cotangent`` and the map ``v -> J v``, by reverse mode alone.
+
+    ``outputs`` must have been computed from ``leaf`` with autograd recording. One backward
+    pass with ``create_graph`` gives ``J^T u`` at ``u = cotangent`` together with its graph as
+    a function of ``u``; since ``J^T u`` is linear in ``u``, a backward pass through that graph
+    with the cotangent ``v`` is ``J v`` (the same at every ``u``). That graph is kept for the
+    step and each ``J v`` reuses it.
+    """
+    with torch.enable_grad():
+        u = cotangent.detach().requires_grad_(True)
+        (jtu,) = torch.autograd.grad(outputs, leaf, u, retain_graph=True, create_graph=True)
+
+    # J^T u is linear in u: where it is nonzero yet independent of u, the backward pass cut
+    # the graph (a custom autograd.Function whose backward detaches, or runs without grad).
+    def cut() -> RuntimeError:
+        return RuntimeError(
+            "J v by double backward needs a differentiable backward pass, but this model's "
+            "gradient does not depend on the output cotangent (a custom autograd.Function "
+            "whose backward detaches or runs without grad?); give that Function a jvp"
+        )
+
+    if not jtu.requires_grad and bool(jtu.any()):
+        raise cut()
+
+    def jvp(v: Tensor) -> Tensor:
+        jv = None
+        if jtu.requires_grad:
+            with torch.enable_grad():
+                (jv,) = torch.autograd.grad(jtu, u, v, retain_graph=True, allow_unused=True)
+        if jv is None:
+            if bool(jtu.any()):
+                raise cut()
+            return torch.zeros_like(outputs)  # J = 0 here
+        return jv
+
+    return jtu.detach(), jvp

@@ -1,0 +1,383 @@
+"""Models beyond Sequential chains: operators without a forward-mode rule (fused attention,
+the transformer fast path, oneDNN's LSTM, losses' backward kernels) and modules reachable by
+several names. Products are checked against a dense ``J^T H J`` built by reverse mode alone
+through the model's own parameters (``cases.dense_ggn_of_module``), in float64."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cases import dense_ggn_of_module
+from torch_sgn import GGN, SGN
+from torch_sgn.forward_mode import kernels, missing_rule, switch_for
+from torch_sgn.functional import FunctionalEngine, FunctionalModel
+from torch_sgn.linearization import Batch
+from torch_sgn.losses import resolve_loss
+
+L, D = 5, 8  # sequence length and width of the sequence models
+
+
+class Encoder(nn.Module):
+    """A causal transformer encoder layer (its attention goes through the fused kernels)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(D, 2, 16, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x):
+        mask = nn.Transformer.generate_square_subsequent_mask(L, dtype=x.dtype)
+        return self.head(self.layer(x, src_mask=mask, is_causal=True)).mean(1)
+
+
+class Attention(nn.Module):
+    """Multi-head causal self-attention by ``F.scaled_dot_product_attention``."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D)
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x):
+        q, k, v = (t.unflatten(-1, (2, D // 2)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.head(torch.tanh(a.transpose(1, 2).flatten(2))).mean(1)
+
+
+class Recurrent(nn.Module):
+    def __init__(self, cell):
+        super().__init__()
+        self.rnn = cell(D, 6, batch_first=True)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+class SharedModule(nn.Module):
+    """One module under two names, applied twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = self.a
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+class TiedWeight(nn.Module):
+    """An embedding tied to the output layer, as in language models."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(3, 4)
+        self.hidden = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 3)
+        self.out.weight = self.embed.weight  # both (3, 4)
+
+    def forward(self, tokens):
+        return self.out(torch.tanh(self.hidden(self.embed(tokens)))).mean(1)
+
+
+def _twice_in_sequential():
+    shared = nn.Linear(4, 4)
+    return nn.Sequential(shared, nn.Tanh(), shared, nn.Tanh(), nn.Linear(4, 3))
+
+
+# name -> (build, input shape)
+FAMILIES = {
+    "encoder": (Encoder, (4, L, D)),
+    "sdpa": (Attention, (4, L, D)),
+    "lstm": (lambda: Recurrent(nn.LSTM), (4, L, D)),
+    "gru": (lambda: Recurrent(nn.GRU), (4, L, D)),
+    "shared-module": (SharedModule, (6, 4)),
+    "twice-in-sequential": (_twice_in_sequential, (6, 4)),
+    "tied-weight": (TiedWeight, (6, 2)),  # token indices
+}
+SHARED = ["shared-module", "twice-in-sequential", "tied-weight"]
+
+
+def _probes(n, dtype=torch.float64, k=3):
+    """A few random directions: a dense G would take one product per parameter."""
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(7), dtype=dtype)
+
+
+def _family(name, mode="train", dtype=torch.float64, seed=0):
+    build, shape = FAMILIES[name]
+    torch.manual_seed(seed)
+    model = build().to(dtype)
+    model.train(mode == "train")
+    g = torch.Generator().manual_seed(seed)
+    if name == "tied-weight":
+        x = torch.randint(0, 3, shape, generator=g)
+    else:
+        x = torch.randn(shape, generator=g, dtype=dtype)
+    y = torch.randn(shape[0], 3, generator=g, dtype=dtype)
+    return model, x, y
+
+
+SEQUENCE = ["encoder", "sdpa", "lstm", "gru"]  # dropout-free, but eval mode takes fast paths
+# (family, engine, mode): every engine path that applies; "auto" hands a model that is not a
+# Sequential chain to the functional engine, "fast" takes the chain with a repeated layer.
+PRODUCT_CASES = (
+    [(n, "functional", mode) for n in SEQUENCE for mode in ("train", "eval")]
+    + [(n, "functional", "train") for n in SHARED]
+    + [(n, "auto", "train") for n in FAMILIES]
+    + [("twice-in-sequential", "fast", "train"), ("encoder", "auto", "eval")]
+)
+
+
+@pytest.mark.parametrize("name,engine,mode", PRODUCT_CASES)
+def test_products_match_the_dense_reference(name, engine, mode):
+    model, x, y = _family(name, mode)
+    G_ref, g_ref = dense_ggn_of_module(model, "mse", x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        G = GGN(model, "mse", x, y, engine=engine)
+        V = _probes(G.shape[0])
+        GV = G @ V
+    torch.testing.assert_close(G.gradient, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(GV, G_ref @ V, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize(
+    "name,mode", [(n, "train") for n in FAMILIES] + [("encoder", "eval"), ("lstm", "eval")]
+)
+def test_double_backward_route_matches_the_dense_reference(name, mode):
+    """``J v = d/du [(J^T u) . v]`` on every family, forced from the start."""
+    model, x, y = _family(name, mode)
+    G_ref, g_ref = dense_ggn_of_module(model, "mse", x, y)
+    engine = FunctionalEngine(FunctionalModel(model), resolve_loss("mse"))
+    engine.double_backward = True
+    lin = engine(FunctionalModel(model).flat(), Batch(x, y))
+    V = _probes(len(g_ref))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fused attention's backward: math kernel
+        GV = torch.stack([lin.ggn_vp(v) for v in V.T], 1)
+    torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(GV, G_ref @ V, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize(
+    "name,op",
+    [
+        ("encoder", "_scaled_dot_product_flash_attention_for_cpu"),
+        ("sdpa", "_scaled_dot_product_flash_attention_for_cpu"),
+    ],
+)
+def test_a_missing_rule_is_reported_once_and_products_stay_exact(name, op):
+    model, x, y = _family(name)
+    G_ref, _ = dense_ggn_of_module(model, "mse", x, y)
+    with pytest.warns(UserWarning, match=f"no rule for {op}") as record:
+        G = GGN(model, "mse", x, y, engine="functional")
+        V = _probes(G.shape[0])
+        first = G @ V[:, 0]
+    assert sum("no rule" in str(w.message) for w in record) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # decided once: no second notice
+        rest = G @ V
+    torch.testing.assert_close(first, G_ref @ V[:, 0], rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(rest, G_ref @ V, rtol=1e-9, atol=1e-11)
+
+
+def test_encoder_fast_path_in_eval_mode_is_switched_off_and_restored():
+    model, x, y = _family("encoder", "eval")
+    with pytest.warns(UserWarning, match="no rule for _transformer_encoder_layer_fwd"):
+        G_ref, _ = dense_ggn_of_module(model, "mse", x, y)
+        G = GGN(model, "mse", x, y, engine="functional")
+        V = _probes(G.shape[0])
+        GV = G @ V
+    torch.testing.assert_close(GV, G_ref @ V, rtol=1e-9, atol=1e-11)
+    assert torch.backends.mha.get_fastpath_enabled()  # the global setting is back
+
+
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU])
+@pytest.mark.parametrize("engine", ["auto", "functional", "double_backward"])
+def test_float32_rnn_on_the_cpu(cell, engine):
+    """float32 on the CPU takes oneDNN's LSTM kernel, which has no forward-mode rule."""
+    torch.manual_seed(0)
+    model = Recurrent(cell)
+    x, y = torch.randn(4, L, D), torch.randn(4, 3)
+    reference = Recurrent(cell).double()
+    reference.load_state_dict(model.state_dict())
+    G_ref, g_ref = dense_ggn_of_module(reference, "mse", x.double(), y.double())
+    V = _probes(len(g_ref))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if engine == "double_backward":
+            fmodel = FunctionalModel(model)
+            linearize = FunctionalEngine(fmodel, resolve_loss("mse"))
+            linearize.double_backward = True
+            lin = linearize(fmodel.flat(), Batch(x, y))
+            grad = lin.grad
+            GV = torch.stack([lin.ggn_vp(v) for v in V.float().T], 1)
+        else:
+            G = GGN(model, "mse", x, y, engine=engine)
+            grad, GV = G.gradient, G @ V.float()
+    assert torch.backends.mkldnn.enabled  # switched off for the curvature passes only
+    torch.testing.assert_close(grad.double(), g_ref, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(GV.double(), G_ref @ V, rtol=1e-4, atol=1e-6)
+
+
+LOSS_CALLABLES = {
+    "HuberLoss": (lambda: nn.HuberLoss(delta=0.5), "real"),
+    "SmoothL1Loss": (lambda: nn.SmoothL1Loss(beta=0.5), "real"),
+    "SoftMarginLoss": (nn.SoftMarginLoss, "sign"),
+}
+
+
+def _loss_batch(kind, dtype=torch.float64):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(dtype)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 4, generator=g, dtype=dtype)
+    y = torch.randn(8, 3, generator=g, dtype=dtype)
+    return model, x, (y.sign() if kind == "sign" else y)
+
+
+@pytest.mark.parametrize("engine", ["fast", "functional"])
+@pytest.mark.parametrize("name", list(LOSS_CALLABLES))
+def test_loss_callables_without_forward_rules(name, engine):
+    make, kind = LOSS_CALLABLES[name]
+    model, x, y = _loss_batch(kind)
+    G_ref, g_ref = dense_ggn_of_module(model, make(), x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        G = GGN(model, make(), x, y, engine=engine)
+        dense = G.to_dense()
+    torch.testing.assert_close(G.gradient, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(dense, G_ref, rtol=1e-9, atol=1e-11)
+    assert G_ref.abs().max() > 0  # some samples inside the quadratic zone
+
+
+def test_huber_reports_its_missing_rule_once():
+    model, x, y = _loss_batch("real")
+    loss = resolve_loss(nn.HuberLoss())
+    with pytest.warns(UserWarning, match="huber_loss_backward") as record:
+        GGN(model, loss, x, y, engine="fast").to_dense()
+    assert sum("no rule" in str(w.message) for w in record) == 1
+    assert loss.reverse_over_reverse
+
+
+@pytest.mark.parametrize("engine", ["auto", "functional", "fast"])
+@pytest.mark.parametrize("name", SHARED)
+def test_sgn_keeps_shared_parameters_in_the_model(name, engine):
+    if engine == "fast" and name != "twice-in-sequential":
+        pytest.skip("the fast engine takes Sequential chains")
+    model, x, y = _family(name, dtype=torch.float32)
+    before = list(model.parameters())
+    named = dict(model.named_parameters(remove_duplicate=False))
+    values = [p.detach().clone() for p in before]
+    opt = SGN(model, "mse", engine=engine, cg_iters=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        losses = [opt.step(x, y).loss for _ in range(3)]
+    after = list(model.parameters())
+    assert len(after) == len(before) and all(a is b for a, b in zip(after, before))
+    assert all(type(p) is nn.Parameter for p in after)
+    assert all(named[n] is p for n, p in model.named_parameters(remove_duplicate=False))
+    assert all(not torch.equal(v, p) for v, p in zip(values, after))  # every one trained
+    assert F.mse_loss(model(x), y) < losses[0]
+
+
+SGN_FAMILIES = ["encoder", "sdpa", "lstm", "gru", "shared-module", "tied-weight"]
+
+
+@pytest.mark.parametrize("name", SGN_FAMILIES)
+def test_sgn_steps_decrease_the_loss_in_float32(name):
+    model, x, y = _family(name, dtype=torch.float32)
+    start = F.mse_loss(model(x), y).item()
+    opt = SGN(model, "mse", cg_iters=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            opt.step(x, y)
+    assert F.mse_loss(model(x), y).item() < 0.9 * start
+
+
+def test_sgn_with_huber_decreases_the_loss_in_float32():
+    model, x, y = _loss_batch("real", torch.float32)
+    loss = nn.HuberLoss(delta=0.5)
+    start = loss(model(x), y).item()
+    opt = SGN(model, loss, cg_iters=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            opt.step(x, y)
+    assert loss(model(x), y).item() < 0.9 * start
+
+
+def test_missing_rules_are_read_from_torch_errors():
+    assert missing_rule(RuntimeError("something else")) is None
+    assert missing_rule(ValueError("forward AD with x")) is None
+    e = NotImplementedError("Trying to use forward AD with aten::_transformer_encoder_layer_fwd")
+    assert missing_rule(e) == "_transformer_encoder_layer_fwd"
+    assert switch_for("_scaled_dot_product_efficient_attention") == "math_attention"
+    assert switch_for("mkldnn_rnn_layer") == "no_onednn"
+    assert switch_for("huber_loss_backward") is None
+
+
+def test_kernel_switches_restore_the_global_settings():
+    with kernels(frozenset({"no_onednn", "no_mha_fast_path", "math_attention"})):
+        assert not torch.backends.mkldnn.enabled
+        assert not torch.backends.mha.get_fastpath_enabled()
+    assert torch.backends.mkldnn.enabled and torch.backends.mha.get_fastpath_enabled()
+
+
+class _NoJvp(torch.autograd.Function):
+    """sin with a backward only (old style: no setup_context, no jvp)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.sin()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * x.cos()
+
+
+class _Detached(_NoJvp):
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return (g * x.cos()).detach()
+
+
+class _CustomFunctionModel(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fn.apply(self.b(torch.tanh(self.a(x))))
+
+
+def test_custom_function_without_jvp_goes_by_double_backward():
+    torch.manual_seed(0)
+    model = _CustomFunctionModel(_NoJvp).double()
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+    G_ref, _ = dense_ggn_of_module(model, "mse", x, y)
+    with pytest.warns(UserWarning, match="custom autograd.Function.*double backward"):
+        dense = GGN(model, "mse", x, y, engine="functional").to_dense()
+    torch.testing.assert_close(dense, G_ref, rtol=1e-9, atol=1e-11)
+
+
+def test_custom_function_with_a_detached_backward_is_refused():
+    torch.manual_seed(0)
+    model = _CustomFunctionModel(_Detached).double()
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+    G = GGN(model, "mse", x, y, engine="functional")
+    with pytest.raises(RuntimeError, match="differentiable backward"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            G @ torch.ones(G.shape[0], dtype=torch.float64)
