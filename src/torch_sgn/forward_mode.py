@@ -4,17 +4,20 @@ The functional engine takes ``J v`` by forward-mode AD. Some operators have no f
 rule although their gradient works: the fused attention kernels (flash, memory-efficient),
 the fast paths of ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention`` in eval mode,
 oneDNN's (CPU, float32) and cuDNN's LSTM/GRU kernels, many losses' backward kernels
-(``huber_loss_backward``), custom ``autograd.Function``\ s without a ``jvp``. Two ways
-around them, tried in this order when forward-mode AD first fails:
+(``huber_loss_backward``), custom ``autograd.Function``\ s without a ``jvp``. The engine
+then takes ``J v`` by **double backward**, for any operator whose backward is differentiable:
+``J^T u`` is linear in ``u``, so ``J v = d/du [(J^T u) . v]``. The graph of ``u -> J^T u`` is
+recorded once per step (the gradient's backward pass, with ``create_graph``), and each ``J v``
+is one backward pass through it (:func:`jvp_by_double_backward`).
 
-* **another kernel**, for the operators that have an equivalent one with a rule: the math
-  attention kernel, the modules' composite paths instead of their fast paths, the native
-  RNN kernels instead of oneDNN's or cuDNN's (:data:`SWITCHES`). The model's forward passes
-  then run with these kernels (:func:`kernels`); a product keeps its cost structure.
-* **double backward**, for any operator whose backward is differentiable: ``J^T u`` is linear
-  in ``u``, so ``J v = d/du [(J^T u) . v]``. The graph of ``u -> J^T u`` is recorded once per
-  step (one backward pass with ``create_graph``), and each ``J v`` is one backward pass through
-  it. :func:`jvp_by_double_backward` builds it.
+Some kernels' backward is not differentiable in turn (the fused attention kernels' is not);
+those have a twin kernel whose backward is, and :func:`kernels` runs the model with it
+(:data:`SWITCHES`: the math attention kernel, the modules' composite paths instead of their
+fast paths, the native RNN kernels instead of oneDNN's or cuDNN's).
+
+Measured on a small transformer and an LSTM on a CPU (``benchmarks/fallback_cost.py``), double
+backward costs less per product than forward mode on the twin kernels (which are slower for
+RNNs), so it comes first; it keeps one more graph through the step.
 """
 
 from __future__ import annotations

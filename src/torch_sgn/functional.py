@@ -205,8 +205,8 @@ class FunctionalEngine:
     reuses it at every product. ``J v`` uses forward-mode AD (``torch.func.jvp``), which
     re-runs the forward pass with tangents. Where an operator has no forward-mode rule, the
     first product finds out and the engine adapts for good (:mod:`torch_sgn.forward_mode`):
-    kernels that have one where the operator has such a twin, else ``J v`` by double backward;
-    it warns once per change, and the step records its forward pass again under the change.
+    ``J v`` by double backward, on kernels whose backward is differentiable; it warns once,
+    and the step records its forward pass again under the change.
     """
 
     def __init__(self, fmodel: FunctionalModel, loss: OutputLoss):
@@ -229,13 +229,12 @@ class FunctionalEngine:
                     break
                 except (NotImplementedError, RuntimeError) as error:
                     changes.append(self._adapt(error))  # re-raises what it cannot get around
-                    # The products of one step share one recorded forward pass, under the
-                    # new kernels (attention dropout draws differently in each kernel).
+                    # The products of one step share one recorded forward pass, on the new
+                    # route and kernels (attention dropout draws differently in each kernel).
                     point = self._record(flat, batch, None, check=False)
             if changes:
                 warnings.warn(
-                    "forward-mode AD has no rule for "
-                    + "; nor for ".join(changes)
+                    "; ".join(changes)
                     + ". Products stay exact; this is decided once for this model",
                     stacklevel=2,
                 )
@@ -267,24 +266,28 @@ class FunctionalEngine:
         return _Point(value, grad, leaf, outputs, hessian, jvp)
 
     def _adapt(self, error: BaseException) -> str:
-        """Gets around the operator ``error`` says has no forward-mode rule (or re-raises);
-        returns the operator and what changed, for the warning."""
+        """Gets around the operator ``error`` names (or re-raises); returns the operator and
+        what changed, for the warning.
+
+        A missing forward-mode rule turns on double backward: measured on a small transformer
+        and an LSTM on a CPU (``benchmarks/fallback_cost.py``) it is cheaper than forward mode
+        on the kernels that have a rule. An operator whose backward is not differentiable in
+        turn (the fused attention kernels) is switched to a kernel whose backward is.
+        """
         op = missing_rule(error)
         if op is None:
             raise error
-        switch = switch_for(op)
-        if switch is not None and switch not in self.fmodel.switches:
-            self.fmodel.switches = self.fmodel.switches | {switch}
-            return (
-                f"{op}: the model runs with {SWITCHES[switch]} from now on (a G v product "
-                "keeps the cost of a forward-mode one, on kernels that may be slower)"
-            )
         if not self.double_backward:
             self.double_backward = True
             return (
-                f"{op}: J v is taken by double backward from now on, J v = d/du [(J^T u) . v] "
-                "(the graph of u -> J^T u is recorded with the gradient and kept for the step)"
+                f"forward-mode AD has no rule for {op}: J v is taken by double backward from "
+                "now on, J v = d/du [(J^T u) . v] (the graph of u -> J^T u is recorded with the "
+                "gradient and kept through the step)"
             )
+        switch = switch_for(op)
+        if switch is not None and switch not in self.fmodel.switches:
+            self.fmodel.switches = self.fmodel.switches | {switch}
+            return f"{op} is not differentiable: the model runs with {SWITCHES[switch]}"
         raise RuntimeError(
             f"cannot take Gauss-Newton products: {op} has no forward-mode rule and its "
             f"backward is not differentiable either ({error}); replace that operation or give "
