@@ -31,6 +31,10 @@ For each it prints, as medians over ``--repeats`` interleaved rounds after ``--w
 * ``Gv``: one ``G v`` product;
 * ``CG it``: ``(Gv + max(lin - grad, 0) / 2) / grad``, one CG iteration at k = 2 with the set-up
   beyond a gradient spread over the step (as in ``ggn_cost.py``).
+
+``lin`` and ``Gv`` are printed in milliseconds too: oneDNN's LSTM gradient, the unit of the
+``lstm`` rows, varies several-fold with what ran before it (the allocator's state), while the
+routes' own times compare directly.
 """
 
 from __future__ import annotations
@@ -165,6 +169,8 @@ def measure(case: dict, cfg: Config) -> Dict[str, Dict[str, float]]:
     for route in case["routes"]:
         lin, gv, gs = med[f"{route}: lin"], med[f"{route}: Gv"], med[f"{route}: grad*"]
         out[route] = {
+            "lin ms": lin * 1e3,
+            "Gv ms": gv * 1e3,
             "grad*/grad": gs / grad,
             "lin/grad": lin / grad,
             "Gv/grad": gv / grad,

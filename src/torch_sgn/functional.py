@@ -10,7 +10,6 @@ gradient's forward pass.
 
 from __future__ import annotations
 
-import warnings
 from contextlib import contextmanager
 from typing import FrozenSet, Iterator, Optional, Tuple
 
@@ -18,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from .diagnostics import warn
 from .forward_mode import (
     SWITCHES,
     jvp_by_double_backward,
@@ -233,10 +233,9 @@ class FunctionalEngine:
                     # route and kernels (attention dropout draws differently in each kernel).
                     point = self._record(flat, batch, None, check=False)
             if changes:
-                warnings.warn(
+                warn(
                     "; ".join(changes)
-                    + ". Products stay exact; this is decided once for this model",
-                    stacklevel=2,
+                    + ". Products stay exact; this is decided once for this model"
                 )
             hjv = point.hessian(jv)  # -> H J v
             with torch.enable_grad():

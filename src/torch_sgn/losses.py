@@ -14,7 +14,8 @@ small (one block per sample) and, for the usual losses, known in closed form:
   the number of elements for ``mean``.
 
 Any other callable is treated generically: its Hessian products come from forward-over-reverse
-autograd in output space (never in parameter space).
+autograd in output space (never in parameter space), or reverse-over-reverse where the loss's
+backward has no forward-mode rule (``nn.HuberLoss``, ``nn.SoftMarginLoss``).
 
 An :class:`OutputLoss` is the one place that knows what its loss is: besides the value and the
 Hessian, its :attr:`~OutputLoss.reduction`, the :meth:`~OutputLoss.normalizer` of a batch (what
