@@ -25,6 +25,7 @@ from torch_sgn.experiments.runner import (
     run,
     run_grid,
 )
+from torch_sgn.options import ARGUMENT_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -202,7 +203,8 @@ def test_every_sgn_option_reaches_sgn():
     cfg = RunConfig(epochs=1, sgn=SGNOptions(**changed))
     model = PRESETS["boston"].build()
     group = runner._OPTIMIZERS["sgn"](cfg, model, "mse").opt.param_groups[0]
-    assert {name: group[name] for name in changed} == changed
+    by_argument = {ARGUMENT_NAMES.get(key, key): value for key, value in group.items()}
+    assert {name: by_argument[name] for name in changed} == changed
 
 
 def test_labels_and_run_names_of_every_optimizer():
