@@ -280,8 +280,9 @@ class FunctionalEngine:
             self.double_backward = True
             return (
                 f"forward-mode AD has no rule for {op}: J v is taken by double backward from "
-                "now on, J v = d/du [(J^T u) . v] (the graph of u -> J^T u is recorded with the "
-                "gradient and kept through the step)"
+                "now on, J v = d/du [(J^T u) . v]; a product then costs about two backward "
+                "passes, and the graph of u -> J^T u (recorded with the gradient) is kept "
+                "through the step"
             )
         switch = switch_for(op)
         if switch is not None and switch not in self.fmodel.switches:
