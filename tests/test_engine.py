@@ -298,22 +298,23 @@ def _hooked():
     ],
     ids=["batchnorm", "custom-module", "custom-forward", "hooks", "unknown-layer"],
 )
-def test_unsupported_models_fall_back_with_one_warning_and_stay_exact(build, why):
+def test_models_the_fast_engine_cannot_plan_go_to_the_traced_engine_and_stay_exact(build, why):
     torch.manual_seed(0)
     model = build().to(D)
     x, y = _batch(model, (3,), 8, "real")
     with pytest.raises(ValueError, match=why):
         SGN(model, "mse", engine="fast")
-    with pytest.warns(UserWarning, match=why) as record:
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
         auto = SGN(copy.deepcopy(model), "mse", engine="auto", cg_iters=3)
         for _ in range(3):
             auto.step(x, y)
-    assert len([r for r in record if "functional engine" in str(r.message)]) == 1
+    assert not [r for r in record if "engine" in str(r.message)]  # the traced engine took it
     ref = SGN(model, "mse", engine="functional", cg_iters=3)
     for _ in range(3):
         ref.step(x, y)
     for p, q in zip(auto._fmodel.params, ref._fmodel.params):
-        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
 
 
 def test_model_changed_after_construction_is_planned_again():
@@ -323,8 +324,7 @@ def test_model_changed_after_construction_is_planned_again():
     opt = SGN(model, "mse", engine="auto")
     opt.step(x, y)
     model[1].register_forward_hook(lambda m, i, o: o * 0)  # kills the gradient of model[0]
-    with pytest.warns(UserWarning, match="hooks"):
-        lin = opt._engine(opt._fmodel.flat(), Batch(x, y))
+    lin = opt._engine(opt._fmodel.flat(), Batch(x, y))  # the traced engine runs the hook
     assert lin.grad[: 3 * 4 + 4].abs().max() == 0
 
 

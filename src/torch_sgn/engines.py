@@ -2,10 +2,12 @@
 
 :func:`select_engine` returns the :class:`~torch_sgn.linearization.Engine` for the ``engine``
 argument of :class:`~torch_sgn.SGN` and :class:`~torch_sgn.GGN`: ``"fast"`` (the layer-wise
-engine of :mod:`torch_sgn.layerwise`; raises where it cannot apply), ``"functional"``
-(:mod:`torch_sgn.functional`, any model) or ``"auto"`` (fast where it applies, else
-functional with a one-time warning). :func:`curvature_subset` wraps an engine to take ``G v``
-on a random subset of the batch.
+engine of :mod:`torch_sgn.layerwise`; raises where it cannot apply), ``"traced"`` (the traced
+engine of :mod:`torch_sgn.traced`, any model ``torch.fx`` can trace; raises where it cannot),
+``"functional"`` (:mod:`torch_sgn.functional`, any model) or ``"auto"``: the layer-wise engine
+where it applies (the fastest on the chains it knows), else the traced engine, else the
+functional engine with the reason in a one-time warning. :func:`curvature_subset` wraps an
+engine to take ``G v`` on a random subset of the batch.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from .functional import FunctionalEngine, FunctionalModel
 from .layerwise import LayerwiseEngine
 from .linearization import Batch, Engine, Linearization
 from .losses import OutputLoss
+from .traced import TracedEngine
 
 __all__ = ["ENGINES", "curvature_subset", "select_engine"]
 
-ENGINES = ("auto", "fast", "functional")
+ENGINES = ("auto", "fast", "traced", "functional")
 
 
 def select_engine(
@@ -35,7 +38,12 @@ def select_engine(
         raise ValueError(f"invalid engine={engine!r}: must be one of {ENGINES}")
     if engine == "functional":  # SGN refuses cuda_graphs with it
         return FunctionalEngine(fmodel, loss)
-    return LayerwiseEngine(fmodel, loss, strict=engine == "fast", cuda_graphs=cuda_graphs)
+    if engine == "traced":  # SGN refuses cuda_graphs with it
+        return TracedEngine(fmodel, loss, strict=True)
+    if engine == "fast":
+        return LayerwiseEngine(fmodel, loss, strict=True, cuda_graphs=cuda_graphs)
+    traced = TracedEngine(fmodel, loss, strict=False)  # falls back to functional, with a warning
+    return LayerwiseEngine(fmodel, loss, strict=False, cuda_graphs=cuda_graphs, fallback=traced)
 
 
 def curvature_subset(engine: Engine, loss: OutputLoss, fraction: float, seed: int = 0) -> Engine:

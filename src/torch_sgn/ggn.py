@@ -45,7 +45,8 @@ class GGN:
             module, or a callable ``loss(outputs, targets) -> scalar`` convex in ``outputs``.
         inputs: a tensor, or a tuple of tensors passed positionally.
         targets: the loss's targets.
-        engine: ``"auto"``, ``"fast"`` or ``"functional"``, as for :class:`~torch_sgn.SGN`.
+        engine: ``"auto"``, ``"fast"``, ``"traced"`` or ``"functional"``, as for
+            :class:`~torch_sgn.SGN`.
 
     Example:
         >>> G = GGN(model, "mse", x, y)

@@ -39,7 +39,7 @@ from . import graphs
 from .diagnostics import warn
 from .functional import FunctionalEngine, FunctionalModel
 from .layer_rules import RULES, LayerRule, Slot
-from .linearization import Batch, Linearization, loss_and_output_gradient
+from .linearization import Batch, Engine, Linearization, loss_and_output_gradient
 from .losses import OutputLoss
 
 
@@ -117,15 +117,21 @@ class LayerwiseEngine:
     pass, hand-made tangents.
 
     The plan is checked against the model's structure at every call. With ``strict`` a model
-    that cannot be planned raises ``ValueError``; otherwise the functional engine takes over,
-    with a warning the first time.
+    that cannot be planned raises ``ValueError``; otherwise ``fallback`` takes over (it reports
+    its own choices), or without one the functional engine, with a warning the first time.
     """
 
     def __init__(
-        self, fmodel: FunctionalModel, loss: OutputLoss, strict: bool, cuda_graphs: bool = False
+        self,
+        fmodel: FunctionalModel,
+        loss: OutputLoss,
+        strict: bool,
+        cuda_graphs: bool = False,
+        fallback: Optional[Engine] = None,
     ):
         self.fmodel, self.loss, self.strict = fmodel, loss, strict
-        self._functional = FunctionalEngine(fmodel, loss)
+        self._functional = FunctionalEngine(fmodel, loss) if fallback is None else fallback
+        self._quiet = fallback is not None
         self._key: Optional[tuple] = None
         self._steps: Optional[List[LayerRule]] = None
         self._warned = False
@@ -149,7 +155,7 @@ class LayerwiseEngine:
         return self._steps
 
     def _warn(self, why: str) -> None:
-        if not self._warned:
+        if not self._warned and not self._quiet:
             self._warned = True
             warn(
                 f"{why}; using the functional engine, which re-runs the forward pass at "

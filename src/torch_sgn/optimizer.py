@@ -130,10 +130,14 @@ class SGN(torch.optim.Optimizer):
         engine: how ``G v`` products are computed. ``"fast"``: the layer-wise engine of
             :mod:`torch_sgn.layerwise` for ``nn.Sequential`` chains of the layers listed by
             ``torch_sgn.layer_rules.supported_layers()`` (one forward pass per step, about one
-            gradient per product); raises if the model is not such a chain.
-            ``"functional"``: ``torch.func`` forward-mode AD, any model (re-runs the
-            forward pass at every product). ``"auto"``: fast where it applies, else functional
-            with a one-time warning. Default ``"auto"``.
+            gradient per product); raises if the model is not such a chain. ``"traced"``: the
+            traced engine of :mod:`torch_sgn.traced` for any model ``torch.fx`` can trace
+            (residual connections, normalization layers, attention, recurrent layers, custom
+            ``forward`` methods): the product is traced once per input shape and split so that
+            a CG iteration runs only its part that depends on ``v``; raises if the model cannot
+            be traced. ``"functional"``: ``torch.func`` forward-mode AD, any model (re-runs the
+            forward pass at every product). ``"auto"``: fast where it applies, else traced, else
+            functional with the reason in a one-time warning. Default ``"auto"``.
         cuda_graphs: capture the fast engine's set-up, ``G v`` product and trial-point loss
             as CUDA graphs, once per batch shape, and replay them every step (see
             :mod:`torch_sgn.graphs`): for small models on a GPU, whose steps cost kernel
@@ -215,10 +219,10 @@ class SGN(torch.optim.Optimizer):
         check_options(defaults)
         _check(engine in ENGINES, "engine", engine, f"must be one of {ENGINES}")
         _check(
-            not (cuda_graphs and engine == "functional"),
+            not (cuda_graphs and engine in ("functional", "traced")),
             "cuda_graphs",
             cuda_graphs,
-            "needs engine='fast' or 'auto' (the functional engine re-traces every product)",
+            "needs engine='fast' or 'auto' (only the layer-wise engine captures CUDA graphs)",
         )
         _check(
             0 < curvature_fraction <= 1,

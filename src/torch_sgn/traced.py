@@ -1,0 +1,382 @@
+r"""The traced curvature engine: ``G v`` at about one gradient for any traceable model.
+
+The functional engine (:mod:`torch_sgn.functional`) re-runs the whole forward pass with
+forward-mode AD at every product, and the layer-wise engine (:mod:`torch_sgn.layerwise`) only
+knows ``nn.Sequential`` chains of known layers. This engine takes any model whose forward pass
+``torch.fx`` can trace into a graph of ATen operators (residual connections, batch and layer
+normalization, embeddings, attention, recurrent layers, custom ``forward`` methods):
+
+1. Once per input shape, dtype, device and training mode it traces (``make_fx`` on fake
+   tensors) the function ``(theta, v, buffers, inputs, targets) -> (loss, g, G v)``: one
+   forward pass carrying the tangent ``v`` (forward-mode AD gives ``z = f(theta)`` and
+   ``J v`` together), the loss and its output gradient, ``g = J^T dz`` and ``G v = J^T H J v``
+   through the reverse pass of that same forward pass.
+2. It splits the graph at the operators that depend on ``v``. The rest (the forward pass, the
+   loss, the gradient, the loss's Hessian factors and every quantity the tangent formulas need
+   that does not involve ``v``) runs **once per step**; the part that depends on ``v`` (the
+   tangent pass and one reverse pass) runs at every CG iteration, reading what the first part
+   left behind.
+
+Training-mode batch normalization stays exact (its batch statistics are differentiated, so the
+samples are coupled as in the gradient), its running statistics are updated once per step into
+``buffers_out``; random numbers (dropout) are drawn once per step, with the random state the
+step replays (:meth:`~torch_sgn.functional.FunctionalModel.consistent`). Where an operator has
+no forward-mode rule, ``J v`` is traced through the reverse pass instead
+(``J v = d/du [(J^T u) . v]``). While tracing, attention uses PyTorch's math kernel and
+recurrent layers their non-mkldnn kernels: the fused kernels have no forward-mode rules, the
+math is the same.
+
+A model that cannot be traced (control flow that depends on the values of tensors, ``.item()``
+in ``forward``, an output that is not one tensor) falls back to the functional engine, with the
+reason in a one-time warning; ``strict`` raises instead. Python state that ``forward`` reads
+other than the modules' ``training`` flags and the shapes of its inputs is fixed at tracing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch import Tensor, fx, nn
+from torch.func import functional_call
+
+from .diagnostics import warn
+from .functional import FunctionalEngine, FunctionalModel
+from .linearization import Batch, Linearization
+from .losses import OutputLoss
+
+__all__ = ["TracedEngine", "Untraceable"]
+
+#: traces kept per engine (one per input shape, dtype, device and training mode); the oldest
+#: is dropped beyond this
+CACHE_SIZE = 8
+
+
+class Untraceable(Exception):
+    """The model cannot be traced into one graph; the message says why."""
+
+
+@dataclass
+class _Traced:
+    """A product split in two graphs, with what it needs to be called."""
+
+    setup: fx.GraphModule  # (theta, buffers, frozen, inputs, targets) -> (loss, g, z, *saved)
+    product: fx.GraphModule  # (v, *saved) -> G v
+    double_backward: bool  # J v through the reverse pass (an operator has no forward rule)
+
+
+class TracedEngine:
+    """The :class:`~torch_sgn.linearization.Engine` of traced, split products.
+
+    Args:
+        fmodel: the model as a function of its flat parameters.
+        loss: the loss in output space.
+        strict: raise ``ValueError`` where the model cannot be traced; otherwise use the
+            functional engine for it, with a warning the first time.
+    """
+
+    def __init__(self, fmodel: FunctionalModel, loss: OutputLoss, strict: bool = False):
+        self.fmodel, self.loss, self.strict = fmodel, loss, strict
+        self._functional = FunctionalEngine(fmodel, loss)
+        self._cache: OrderedDict[tuple, object] = OrderedDict()
+        self._warned: set = set()
+
+    def __call__(
+        self, flat: Tensor, batch: Batch, buffers_out: Optional[dict] = None
+    ) -> Linearization:
+        fmodel, model = self.fmodel, self.fmodel.model
+        args, targets = batch.args, batch.targets
+        key = _key(model, flat, args, targets)
+        traced = self._cache.get(key)
+        if traced is None:
+            try:
+                traced = _trace(fmodel, self.loss, flat, args, targets)
+            except Untraceable as why:
+                if self.strict:
+                    raise ValueError(f"engine='traced' cannot trace this model: {why}") from None
+                traced = why
+            self._cache[key] = traced
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        if isinstance(traced, Untraceable):
+            self._warn(
+                f"the traced curvature engine cannot trace this model ({traced}); using the "
+                "functional engine, which re-runs the forward pass at every G v product"
+            )
+            return self._functional(flat, batch, buffers_out)
+        if traced.double_backward:
+            self._warn(
+                "an operator of this model has no forward-mode AD rule; the traced engine "
+                "takes J v through a second reverse pass"
+            )
+        buffers = dict(model.named_buffers())
+        if model.training:  # the step's forward pass updates copies (see buffers_out)
+            buffers = {name: b.clone() for name, b in buffers.items()}
+        frozen = [p for p in model.parameters() if not p.requires_grad]
+        self.loss.check_targets(_shaped_like(traced, flat), targets)  # reads targets eagerly
+        with torch.no_grad(), fmodel.replay_rng():
+            value, grad, outputs, *saved = traced.setup(
+                flat.detach(), *buffers.values(), *frozen, *args, targets
+            )
+        if model.training and buffers_out is not None:
+            buffers_out.update(buffers)
+        product = traced.product
+
+        def ggn_vp(v: Tensor) -> Tensor:
+            with torch.no_grad():
+                return product(v, *saved)
+
+        return Linearization(value, grad, ggn_vp, outputs=outputs)
+
+    def _warn(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            warn(message)
+
+
+def _shaped_like(traced: _Traced, flat: Tensor) -> Tensor:
+    """A tensor of the outputs' shape and dtype (no storage of that size), for the targets'
+    check."""
+    shape, dtype = traced.setup.output_shape, traced.setup.output_dtype
+    return torch.zeros((), dtype=dtype, device=flat.device).expand(shape)
+
+
+def _key(model: nn.Module, flat: Tensor, args: Sequence[Tensor], targets: Tensor) -> tuple:
+    """What a trace depends on: the modules, their modes and parameters, the tensors' shapes."""
+
+    def spec(t: object) -> object:
+        if isinstance(t, Tensor):
+            return (tuple(t.shape), t.dtype, t.device, t.requires_grad)
+        return ("python", type(t).__name__, repr(t))
+
+    hooked = [bool(m._forward_hooks or m._forward_pre_hooks) for m in model.modules()]
+    return (
+        tuple((id(m), m.training, h) for m, h in zip(model.modules(), hooked)),
+        tuple((id(p), p.requires_grad) for p in model.parameters()),
+        tuple((name, id(b), spec(b)) for name, b in model.named_buffers()),
+        bool(nn.modules.module._global_forward_hooks),
+        bool(nn.modules.module._global_forward_pre_hooks),
+        spec(flat),
+        tuple(spec(a) for a in args),
+        spec(targets),
+    )
+
+
+# --- tracing -----------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _plain_kernels() -> object:
+    """Kernels with forward-mode rules: the math attention kernel, non-mkldnn recurrent layers."""
+    mkldnn = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    with contextlib.ExitStack() as stack:
+        stack.callback(setattr, torch.backends.mkldnn, "enabled", mkldnn)
+        try:
+            from torch.nn.attention import SDPBackend, sdpa_kernel  # torch >= 2.3
+
+            stack.enter_context(sdpa_kernel(SDPBackend.MATH))
+        except ImportError:  # pragma: no cover - older torch
+            stack.enter_context(
+                torch.backends.cuda.sdp_kernel(
+                    enable_flash=False, enable_math=True, enable_mem_efficient=False
+                )
+            )
+        yield
+
+
+def _whole(fmodel: FunctionalModel, loss: OutputLoss, double_backward: bool) -> Callable:
+    """``(theta, v, buffers, frozen, inputs, targets) -> (loss, g, z, G v)``, to be traced."""
+    model = fmodel.model
+    buffer_names = [name for name, _ in model.named_buffers()]
+    frozen_names = [name for name, p in model.named_parameters() if not p.requires_grad]
+
+    def forward(theta: Tensor, buffers: List[Tensor], frozen: List[Tensor], inputs) -> Tensor:
+        tensors = dict(zip(buffer_names, buffers))
+        tensors.update(zip(frozen_names, frozen))
+        tensors.update(fmodel.unflatten(theta))
+        out = functional_call(model, tensors, tuple(inputs))
+        if not isinstance(out, Tensor):
+            raise Untraceable(
+                f"the model's forward returns {type(out).__name__}, not one tensor; wrap the "
+                "model to select the output the loss uses"
+            )
+        return out
+
+    def whole(theta, v, buffers, frozen, inputs, targets):
+        theta = theta.detach().requires_grad_(True)
+        with torch.enable_grad():
+            if double_backward:
+                out = forward(theta, buffers, frozen, inputs)
+                u = torch.zeros_like(out, requires_grad=True)
+                (vjp,) = torch.autograd.grad(out, theta, u, create_graph=True)
+                (jv,) = torch.autograd.grad(vjp, u, v)
+            else:
+                with fwAD.dual_level():
+                    out, jv = fwAD.unpack_dual(
+                        forward(fwAD.make_dual(theta, v), buffers, frozen, inputs)
+                    )
+            z = out.detach().requires_grad_(True)
+            value = loss.value(z, targets)
+            (dz,) = torch.autograd.grad(value, z)
+            hjv = loss.hessian(out.detach(), targets)(jv)
+            (grad,) = torch.autograd.grad(out, theta, dz, retain_graph=True)
+            (gv,) = torch.autograd.grad(out, theta, hjv)
+        return value.detach(), grad, out.detach(), gv
+
+    return whole
+
+
+def _make_fx(fn: Callable, *example: object) -> fx.GraphModule:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    try:
+        return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
+    except TypeError as error:  # pragma: no cover - a torch without the keyword
+        if "_allow_non_fake_inputs" not in str(error):
+            raise
+        return make_fx(fn, tracing_mode="fake")(*example)
+
+
+def _trace(
+    fmodel: FunctionalModel, loss: OutputLoss, flat: Tensor, args: Sequence, targets: Tensor
+) -> _Traced:
+    """Traces the product at these shapes and splits it; raises :class:`Untraceable`."""
+    model = fmodel.model
+    buffers = [b for _, b in model.named_buffers()]
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    example = (flat.detach(), torch.zeros_like(flat), buffers, frozen, list(args), targets)
+    errors = []
+    for double_backward in (False, True):
+        try:
+            with _plain_kernels():
+                graph = _make_fx(_whole(fmodel, loss, double_backward), *example)
+            break
+        except Untraceable:
+            raise
+        except NotImplementedError as error:  # a forward-mode rule is missing: try reverse
+            errors.append(error)
+            continue
+        except Exception as error:  # noqa: BLE001 - any failure to trace means: not traceable
+            raise Untraceable(_reason(error)) from error
+    else:
+        raise Untraceable(_reason(errors[-1]))
+    setup, product = _split(graph)
+    return _Traced(setup, product, double_backward)
+
+
+def _reason(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    first = text[0] if text else ""
+    if len(first) > 300:
+        first = first[:300] + "..."
+    return f"{type(error).__name__}: {first}"
+
+
+# --- splitting ---------------------------------------------------------------------------------
+def _is_impure(node: fx.Node) -> bool:
+    """Operators that must run even when their result is unused: writes into their arguments
+    (running statistics) and random draws (later draws must see the same random state)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    return target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags
+
+
+def _written(node: fx.Node) -> List[fx.Node]:
+    """The argument nodes that ``node`` writes into."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return []
+    out = []
+    for arg, value in zip(target._schema.arguments, node.args):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            out += [n for n in _flat_nodes(value)]
+    for name, value in node.kwargs.items():
+        for arg in target._schema.arguments:
+            if arg.name == name and arg.alias_info is not None and arg.alias_info.is_write:
+                out += _flat_nodes(value)
+    return out
+
+
+def _flat_nodes(value: object) -> List[fx.Node]:
+    nodes: List[fx.Node] = []
+    fx.map_arg(value, nodes.append)
+    return nodes
+
+
+def _needed(roots: Sequence[fx.Node], keep: Callable[[fx.Node], bool], nodes) -> set:
+    """The nodes the ``roots`` depend on, among those ``keep`` admits, plus impure ones."""
+    needed = set()
+    stack = list(roots) + [n for n in nodes if keep(n) and _is_impure(n)]
+    while stack:
+        n = stack.pop()
+        if n in needed or not keep(n):
+            continue
+        needed.add(n)
+        stack.extend(n.all_input_nodes)
+    return needed
+
+
+def _split(gm: fx.GraphModule) -> Tuple[fx.GraphModule, fx.GraphModule]:
+    """Splits ``(theta, v, ...) -> (loss, g, z, G v)`` into the set-up (no ``v``) and the
+    product (``v`` and what the set-up saved for it)."""
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    (output,) = [n for n in nodes if n.op == "output"]
+    value, grad, outputs, gv = output.args[0]
+    # The placeholders in order: theta, v, then the buffers, frozen parameters, inputs and
+    # targets, flattened by make_fx.
+    v = placeholders[1]
+    depends = {v}
+    for n in nodes:
+        if n.op != "placeholder" and any(a in depends for a in n.all_input_nodes):
+            depends.add(n)
+    if any(n in depends for n in (value, grad, outputs)):
+        raise Untraceable("the loss or the gradient depends on the product's vector")
+    per_product = _needed([gv], lambda n: n in depends, nodes)
+    once_roots = [value, grad, outputs]
+    saved = []
+    for n in nodes:
+        if n in depends or n.op == "output" or n is v:
+            continue
+        if any(u in per_product for u in n.users):
+            saved.append(n)
+    once = _needed(once_roots + saved, lambda n: n not in depends and n.op != "output", nodes)
+    for n in per_product:  # a product must not write into what the next product reads
+        if any(w not in depends for w in _written(n)):
+            raise Untraceable(f"the product writes into a tensor of the set-up ({n.target})")
+    read_by_product = set(saved)
+    for n in once:  # the set-up runs first: it must not overwrite what a product reads
+        if any(w in read_by_product and w.op == "placeholder" for w in _written(n)):
+            raise Untraceable(f"the set-up overwrites an input the product reads ({n.target})")
+
+    setup = fx.Graph()
+    env: Dict[fx.Node, fx.Node] = {}
+    for n in nodes:
+        if n.op == "placeholder" and n is not v:
+            env[n] = setup.placeholder(n.name)
+        elif n in once and n.op != "placeholder":
+            env[n] = setup.node_copy(n, lambda a: env[a])
+    setup.output(tuple(env[n] for n in [value, grad, outputs, *saved]))
+
+    product = fx.Graph()
+    penv: Dict[fx.Node, fx.Node] = {v: product.placeholder("v")}
+    for i, n in enumerate(saved):
+        penv[n] = product.placeholder(f"saved_{i}")
+    for n in nodes:
+        if n in per_product and n is not v:
+            penv[n] = product.node_copy(n, lambda a: penv[a])
+    product.output(penv[gv])
+
+    setup_module = fx.GraphModule(gm, setup)
+    product_module = fx.GraphModule(gm, product)
+    meta = outputs.meta.get("val")
+    setup_module.output_shape = tuple(meta.shape)
+    setup_module.output_dtype = meta.dtype
+    return setup_module, product_module

@@ -1,0 +1,317 @@
+"""The traced engine: exact products for models that are not chains of known layers."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.functional import hessian, jacobian
+from torch.func import functional_call
+
+from torch_sgn import GGN, SGN
+from torch_sgn.engines import select_engine
+from torch_sgn.functional import FunctionalModel
+from torch_sgn.layerwise import LayerwiseEngine
+from torch_sgn.linearization import Batch
+from torch_sgn.losses import resolve_loss
+from torch_sgn.traced import TracedEngine
+
+D = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: one thread spares the tests the waits of a shared machine's thread pool."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def dense_reference(model, loss_fn, inputs, targets):
+    """(G, g) from full Jacobians and the output-space Hessian by autograd; every evaluation
+    works on fresh copies of the buffers, as one forward pass of the step does."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = [p.detach() for _, p in model.named_parameters() if p.requires_grad]
+    theta = torch.cat([p.reshape(-1) for p in params])
+    buffers = {n: b.detach() for n, b in model.named_buffers()}
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+
+    def f(flat):
+        tensors = {n: b.clone() for n, b in buffers.items()}
+        chunks = flat.split([p.numel() for p in params])
+        tensors.update({n: c.view(p.shape) for n, c, p in zip(names, chunks, params)})
+        return functional_call(model, tensors, args)
+
+    out = f(theta)
+    J = jacobian(f, theta).reshape(out.numel(), -1)
+    H = hessian(lambda z: loss_fn(z.view(out.shape), targets), out.detach().reshape(-1))
+    g = jacobian(lambda t: loss_fn(f(t), targets), theta)
+    return J.T @ H @ J, g
+
+
+# --- the families ------------------------------------------------------------------------------
+class _Residual(nn.Module):
+    """Convolutions, batch norm, a skip connection, global pooling."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(3)
+        self.skip = nn.Conv2d(2, 3, 1)
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x):
+        h = F.relu(self.bn(self.conv(x)) + self.skip(x))
+        return self.head(h.mean((2, 3)))
+
+
+class _Attention(nn.Module):
+    """Embedding, pre-norm causal self-attention (scaled_dot_product_attention), LayerNorm."""
+
+    def __init__(self, vocab=5, width=4, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, width)
+        self.norm = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, vocab)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        n, length, width = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(n, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + a.transpose(1, 2).reshape(n, length, width)
+        return self.out(x).transpose(1, 2)  # (N, classes, L) for cross-entropy per position
+
+
+class _MultiheadMask(nn.Module):
+    """nn.MultiheadAttention with an explicit causal mask, dropout and a GELU MLP."""
+
+    def __init__(self, width=4):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(width, 2, dropout=0.2, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(width, 6), nn.GELU(), nn.Dropout(0.3), nn.Linear(6, 2))
+
+    def forward(self, x):
+        length = x.shape[1]
+        mask = torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)
+        a, _ = self.attn(x, x, x, attn_mask=mask, need_weights=False)
+        return self.mlp(x + a)
+
+
+class _Recurrent(nn.Module):
+    def __init__(self, cell):
+        super().__init__()
+        self.rnn = cell(3, 4, batch_first=True)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+class _TwoInputs(nn.Module):
+    """A custom forward with two inputs and a frozen parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 4)
+        self.b = nn.Linear(2, 4)
+        self.scale = nn.Parameter(torch.tensor(1.5), requires_grad=False)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x, z):
+        return self.head(torch.tanh(self.a(x)) * self.b(z).sigmoid() * self.scale)
+
+
+def _encoder_layer():
+    layer = nn.TransformerEncoderLayer(4, 2, dim_feedforward=6, dropout=0.0, batch_first=True)
+    return nn.Sequential(layer, nn.Flatten(), nn.Linear(12, 2))
+
+
+def _family(name, seed=0, dtype=D):
+    """(model, inputs, targets, loss) of one family, small enough for a dense reference."""
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    if name == "resnet-bn":
+        model, x = _Residual(), torch.randn(6, 2, 4, 4, generator=g)
+        y = torch.randint(0, 3, (6,), generator=g)
+        return model.to(dtype), x.to(dtype), y, "cross_entropy"
+    if name == "attention":
+        model, x = _Attention(), torch.randint(0, 5, (3, 4), generator=g)
+        return model.to(dtype), x, torch.randint(0, 5, (3, 4), generator=g), "cross_entropy"
+    if name == "mha-mask":
+        model, x = _MultiheadMask(), torch.randn(2, 3, 4, generator=g)
+        return model.to(dtype), x.to(dtype), torch.randn(2, 3, 2, generator=g).to(dtype), "mse"
+    if name in ("lstm", "gru"):
+        model = _Recurrent(nn.LSTM if name == "lstm" else nn.GRU)
+        x = torch.randn(4, 3, 3, generator=g)
+        return model.to(dtype), x.to(dtype), torch.randn(4, 2, generator=g).to(dtype), "mse"
+    if name == "two-inputs":
+        model = _TwoInputs()
+        x = (torch.randn(5, 3, generator=g).to(dtype), torch.randn(5, 2, generator=g).to(dtype))
+        return model.to(dtype), x, torch.randint(0, 2, (5,), generator=g), "cross_entropy"
+    if name == "encoder-layer":
+        model, x = _encoder_layer(), torch.randn(3, 3, 4, generator=g)
+        return model.to(dtype), x.to(dtype), torch.randn(3, 2, generator=g).to(dtype), "mse"
+    raise KeyError(name)
+
+
+FAMILIES = ["resnet-bn", "attention", "mha-mask", "lstm", "gru", "two-inputs", "encoder-layer"]
+_LOSS_FN = {"mse": F.mse_loss, "cross_entropy": F.cross_entropy}
+
+
+def _traced(model, loss):
+    return TracedEngine(FunctionalModel(model), resolve_loss(loss), strict=True)
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_traced_products_match_the_dense_reference(name, train):
+    model, x, y, loss = _family(name)
+    model.train(train)
+    if train and name == "mha-mask":
+        model.eval()  # dropout: a random function; its train mode is tested below
+    G_ref, g_ref = dense_reference(model, _LOSS_FN[loss], x, y)
+    engine = _traced(model, loss)
+    fmodel = engine.fmodel
+    lin = engine(fmodel.flat(), Batch(x, y))
+    torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
+    eye = torch.eye(fmodel.numel, dtype=D)
+    G = torch.stack([lin.ggn_vp(e) for e in eye], dim=1)
+    torch.testing.assert_close(G, G_ref, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(G, G.T, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(lin.loss, _LOSS_FN[loss](lin.outputs, y))
+    if not train:
+        with torch.no_grad():
+            z = model(*(x if isinstance(x, tuple) else (x,)))
+        torch.testing.assert_close(lin.outputs, z)
+
+
+def test_batch_norm_running_statistics_are_updated_once_per_step():
+    model, x, y, loss = _family("resnet-bn")
+    twin = copy.deepcopy(model)
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    engine = _traced(model, loss)
+    out: dict = {}
+    lin = engine(engine.fmodel.flat(), Batch(x, y), out)
+    for _ in range(3):
+        lin.ggn_vp(torch.ones(engine.fmodel.numel, dtype=D))
+    for n, b in model.named_buffers():  # the model's own buffers are untouched
+        assert torch.equal(b, before[n])
+    twin(x)  # one eager training-mode forward pass
+    expected = dict(twin.named_buffers())
+    assert set(out) == set(expected)
+    for n, b in out.items():
+        torch.testing.assert_close(b, expected[n], rtol=1e-13, atol=0)
+    assert int(out["bn.num_batches_tracked"]) == 1
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_training_mode_dropout_is_consistent_and_matches_the_functional_engine(fraction):
+    # With a curvature subset the engine runs twice per step: both replay the step's numbers.
+    model, x, y, loss = _family("mha-mask")
+    twin = copy.deepcopy(model)
+    states, infos = [], {}
+    for m, engine in ((model, "traced"), (twin, "functional")):
+        torch.manual_seed(3)
+        opt = SGN(m, loss, engine=engine, cg_iters=4, curvature_fraction=fraction)
+        infos[engine] = [opt.step(x, y) for _ in range(3)]
+        states.append(torch.get_rng_state())
+    torch.testing.assert_close(dict(model.named_parameters()), dict(twin.named_parameters()))
+    assert torch.equal(states[0], states[1])  # one forward pass's random numbers per step
+    for a, b in zip(infos["traced"], infos["functional"]):
+        assert a.loss == pytest.approx(b.loss, rel=1e-12)
+        assert a.loss_after == pytest.approx(b.loss_after, rel=1e-12)
+
+
+def test_one_trace_per_shape_and_mode():
+    model, x, y, loss = _family("resnet-bn")
+    engine = _traced(model, loss)
+    flat = engine.fmodel.flat()
+    for _ in range(2):
+        engine(flat, Batch(x, y))
+    assert len(engine._cache) == 1
+    engine(flat, Batch(x[:4], y[:4]))
+    model.eval()
+    lin = engine(flat, Batch(x, y))
+    assert len(engine._cache) == 3
+    G_ref, _ = dense_reference(model, F.cross_entropy, x, y)
+    v = torch.randn(engine.fmodel.numel, dtype=D)
+    torch.testing.assert_close(lin.ggn_vp(v), G_ref @ v, rtol=1e-9, atol=1e-11)
+
+
+class _Branches(nn.Module):
+    """Control flow on the values of a tensor: a trace would fix one branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        if h.sum() > 0:
+            return torch.tanh(h)
+        return h * 2
+
+
+def test_untraceable_model_falls_back_to_functional_with_the_reason_once():
+    torch.manual_seed(0)
+    model = _Branches().to(D)
+    x, y = torch.randn(5, 3, dtype=D), torch.randn(5, 2, dtype=D)
+    with pytest.raises(ValueError, match="cannot trace"):
+        GGN(model, "mse", x, y, engine="traced")
+    with pytest.warns(UserWarning, match="cannot trace.*functional engine") as record:
+        opt = SGN(copy.deepcopy(model), "mse", engine="auto", cg_iters=3)
+        for _ in range(3):
+            opt.step(x, y)
+    assert len([r for r in record if "cannot trace" in str(r.message)]) == 1
+    ref = SGN(model, "mse", engine="functional", cg_iters=3)
+    for _ in range(3):
+        ref.step(x, y)
+    trained, reference = opt._fmodel.model.named_parameters(), model.named_parameters()
+    torch.testing.assert_close(dict(trained), dict(reference))
+    for flip in (1.0, -1.0):  # both branches, as the model takes them
+        xs = flip * x
+        G_ref, _ = dense_reference(model, F.mse_loss, xs, y)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            G = GGN(model, "mse", xs, y, engine="auto").to_dense()
+        torch.testing.assert_close(G, G_ref, rtol=1e-9, atol=1e-11)
+
+
+def test_auto_takes_the_layerwise_engine_for_chains_and_the_traced_engine_else():
+    chain = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
+    loss = resolve_loss("mse")
+    auto = select_engine(FunctionalModel(chain), loss, "auto")
+    assert isinstance(auto, LayerwiseEngine) and auto._steps is not None
+    model, x, y, loss_name = _family("resnet-bn")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning: the traced engine applies
+        auto = select_engine(FunctionalModel(model), resolve_loss(loss_name), "auto")
+        lin = auto(FunctionalModel(model).flat(), Batch(x, y))
+    assert auto._steps is None and isinstance(auto._functional, TracedEngine)
+    assert len(auto._functional._cache) == 1  # it traced the model
+    G_ref, _ = dense_reference(model, F.cross_entropy, x, y)
+    v = torch.randn(G_ref.shape[0], dtype=D)
+    torch.testing.assert_close(lin.ggn_vp(v), G_ref @ v, rtol=1e-9, atol=1e-11)
+
+
+def test_tracing_leaves_the_kernel_settings_as_they_were():
+    mkldnn = torch.backends.mkldnn.enabled
+    model, x, y, loss = _family("lstm", dtype=torch.float32)
+    _traced(model, loss)(FunctionalModel(model).flat(), Batch(x, y))
+    assert torch.backends.mkldnn.enabled == mkldnn
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_sgn_steps_in_float32_reduce_the_loss(name):
+    model, x, y, loss = _family(name, dtype=torch.float32)
+    model.train(name != "mha-mask")
+    opt = SGN(model, loss, engine="traced", cg_iters=5)
+    infos = [opt.step(x, y) for _ in range(4)]
+    assert all(torch.isfinite(torch.tensor([i.loss, i.loss_after])).all() for i in infos)
+    assert infos[-1].loss_after < infos[0].loss
