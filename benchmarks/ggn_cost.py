@@ -1,10 +1,28 @@
-"""Cost of a Gauss-Newton product and of an SGN step, in gradients, on the paper's five models.
+"""Cost of a Gauss-Newton product and of an SGN step, in gradients, on the paper's five models
+and on three models that are not chains of known layers.
 
 Command (from the repository root)::
 
     PYTHONPATH=src python benchmarks/ggn_cost.py                 # CPU, and CUDA when present
     PYTHONPATH=src python benchmarks/ggn_cost.py --devices cpu --models boston sine
     PYTHONPATH=src python benchmarks/ggn_cost.py --threads 1      # a CPU shared with other jobs
+    PYTHONPATH=src python benchmarks/ggn_cost.py --models resnet_bn transformer lstm \
+        --engines functional traced --ks 2 5                      # any model: the traced engine
+
+The models beyond the paper's (:data:`ANY_MODELS`): ``resnet_bn``, a CIFAR-shaped ResNet (three
+stages of residual blocks with batch norm in training mode, widths 16-32-64, batch 128);
+``transformer``, a causal pre-norm transformer (2 layers, width 128, 4 heads, sequence 64,
+batch 32, vocabulary 64, cross-entropy per position); ``lstm``, an embedding, one LSTM layer of
+width 128 and a linear read-out per position (same data shape). Engines that do not apply to a
+model (``fast`` and ``graphs`` on these) are left out of its rows.
+
+With ``--curvlinops`` (default on; skipped with a message when ``curvlinops-for-pytorch`` is
+not installed) the ``G v`` of curvlinops' ``GGNLinearOperator`` is timed in the same rounds, on
+a copy of the model whose batch norms use batch statistics without running ones
+(``torch.func.replace_all_batch_norm_modules_``, as ``torch.func`` transforms need), with the
+math attention kernel and without mkldnn recurrent kernels (the fused kernels have no
+forward-mode rules); its largest relative deviation from the traced engine's product is printed
+as a check that both compute the same matrix.
 
 For each paper model at its batch size (random inputs and targets of the right shapes; the
 cost does not depend on the values) and each engine (``functional``, ``fast``, and on CUDA
@@ -35,6 +53,7 @@ Results on this repository's CPU machine: see ``docs/PERFORMANCE.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import platform
@@ -43,9 +62,11 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from torch_sgn import SGN
 from torch_sgn.engines import select_engine
@@ -61,11 +82,12 @@ class Config:
         default_factory=lambda: ["boston", "sine", "mnist", "fashion_mnist", "cifar10"]
     )
     devices: List[str] = field(default_factory=lambda: ["cpu", "cuda"])
-    engines: List[str] = field(default_factory=lambda: ["functional", "fast", "graphs"])
+    engines: List[str] = field(default_factory=lambda: ["functional", "fast", "traced", "graphs"])
     ks: List[int] = field(default_factory=lambda: [2, 3, 5, 10])
     repeats: int = 15
     warmup: int = 3
     memory: bool = True
+    curvlinops: bool = True  # time curvlinops' GGNLinearOperator too, where it is installed
     threads: int = 0  # CPU threads; 0 keeps torch's default
     out: str = ""
     from_json: str = ""  # print the tables of a saved run instead of measuring
@@ -110,7 +132,107 @@ def _peak_mib(fn: Callable[[], object], device: torch.device, base: int) -> floa
     return (base + peak) / 2**20
 
 
+# --- models beyond the paper's --------------------------------------------------------------------
+class _Block(nn.Module):
+    """A residual block: two 3x3 convolutions with batch norm, a projection where shapes change."""
+
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x):
+        h = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(h)) + self.shortcut(x))
+
+
+class ResNetBN(nn.Module):
+    def __init__(self, channels: int = 3, width: int = 16, classes: int = 10):
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(channels, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU()
+        )
+        self.stages = nn.Sequential(
+            _Block(width, width, 1), _Block(width, 2 * width, 2), _Block(2 * width, 4 * width, 2)
+        )
+        self.head = nn.Linear(4 * width, classes)
+
+    def forward(self, x):
+        return self.head(self.stages(self.stem(x)).mean((2, 3)))
+
+
+class _PreNorm(nn.Module):
+    """A pre-norm transformer block with causal scaled-dot-product attention."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        hidden = 4 * width
+        self.mlp = nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width))
+
+    def forward(self, x):
+        n, length, width = x.shape
+        qkv = self.qkv(self.norm1(x)).view(n, length, 3, self.heads, width // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(n, length, width))
+        return x + self.mlp(self.norm2(x))
+
+
+class CausalTransformer(nn.Module):
+    def __init__(self, vocab=64, width=128, layers=2, heads=4, length=64):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.position = nn.Parameter(torch.randn(length, width) * 0.02)
+        self.blocks = nn.Sequential(*[_PreNorm(width, heads) for _ in range(layers)])
+        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, vocab)
+
+    def forward(self, idx):
+        x = self.embed(idx) + self.position[: idx.shape[1]]
+        return self.head(self.norm(self.blocks(x))).transpose(1, 2)  # (N, vocab, L)
+
+
+class LSTMModel(nn.Module):
+    def __init__(self, vocab=64, width=128):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.lstm = nn.LSTM(width, width, batch_first=True)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, idx):
+        return self.head(self.lstm(self.embed(idx))[0]).transpose(1, 2)  # (N, vocab, L)
+
+
+#: name -> (build, input shape with the batch, vocabulary size or None for real inputs)
+ANY_MODELS = {
+    "resnet_bn": (ResNetBN, (128, 3, 32, 32), None),
+    "transformer": (CausalTransformer, (32, 64), 64),
+    "lstm": (LSTMModel, (32, 64), 64),
+}
+
+
 def _batch(name: str, device: torch.device):
+    if name in ANY_MODELS:
+        build, shape, vocab = ANY_MODELS[name]
+        g = torch.Generator().manual_seed(0)
+        torch.manual_seed(0)
+        model = build()
+        if vocab is None:
+            x = torch.randn(shape, generator=g)
+            y = torch.randint(0, 10, shape[:1], generator=g)
+        else:
+            x = torch.randint(0, vocab, shape, generator=g)
+            y = torch.randint(0, vocab, shape, generator=g)
+        return model.to(device), x.to(device), y.to(device), "cross_entropy"
     p = PRESETS[name]
     g = torch.Generator().manual_seed(0)
     x = torch.randn((p.batch_size, *p.input_shape), generator=g)
@@ -138,14 +260,27 @@ def measure(name: str, device: torch.device, cfg: Config) -> Dict[str, object]:
     # "graphs" is the fast engine with cuda_graphs=True (CUDA only).
     engines = [e for e in cfg.engines if e != "graphs" or device.type == "cuda"]
     options = {e: _engine_options(e) for e in engines}
-    lins = {e: select_engine(fmodel, loss, **options[e]) for e in engines}
+    lins = {}
+    for e in engines:
+        try:
+            lins[e] = select_engine(fmodel, loss, **options[e])
+        except ValueError as why:  # "fast" on a model that is not a chain of known layers
+            print(f"  {name}: engine {e} left out ({why})", file=sys.stderr)
+    engines = [e for e in engines if e in lins]
     current, first_call_s = {}, {}
     for e in engines:  # the graphs' first call captures them: its time is reported apart
         _sync(device)
         start = time.perf_counter()
-        current[e] = lins[e](flat, Batch(x, y))
+        try:
+            lin = lins[e](flat, Batch(x, y))
+            lin.ggn_vp(v)
+        except NotImplementedError as why:  # e.g. forward-mode AD missing for a fused kernel
+            print(f"  {name}: engine {e} left out ({str(why).splitlines()[0]})", file=sys.stderr)
+            continue
         _sync(device)
         first_call_s[e] = time.perf_counter() - start
+        current[e] = lin
+    engines = [e for e in engines if e in current]
     opts = {
         (e, k): SGN(
             copy.deepcopy(model),
@@ -181,6 +316,15 @@ def measure(name: str, device: torch.device, cfg: Config) -> Dict[str, object]:
             tasks[f"{e}/step{k}"] = lambda e=e, k=k: step((e, k))
             prepare[f"{e}/step{k}"] = lambda e=e, k=k: reset((e, k))
 
+    product_check = None
+    if cfg.curvlinops:
+        clo = _curvlinops_product(model, loss_name, x, y)
+        if clo is not None:
+            tasks["curvlinops/Gv"] = lambda: clo(v)
+            if "traced" in engines:  # both must compute the same matrix
+                ours, theirs = current["traced"].ggn_vp(v), clo(v)
+                product_check = ((ours - theirs).norm() / ours.norm()).item()
+
     times: Dict[str, List[float]] = {t: [] for t in tasks}
     for r in range(cfg.warmup + cfg.repeats):
         for t, fn in tasks.items():
@@ -197,6 +341,7 @@ def measure(name: str, device: torch.device, cfg: Config) -> Dict[str, object]:
     result["engines"] = engines
     result["first_lin_s"] = first_call_s
     result["cg_iters_min"] = {t: min(its) for t, its in cg_iters.items()}
+    result["curvlinops_vs_traced_rel_diff"] = product_check
     if cfg.memory:
         base = sum(t.numel() * t.element_size() for t in [x, y, *params])
         mem = {"grad": _peak_mib(gradient, device, base)}
@@ -211,6 +356,41 @@ def measure(name: str, device: torch.device, cfg: Config) -> Dict[str, object]:
             )  # fmt: skip
         result["peak_mib"] = mem
     return result
+
+
+def _curvlinops_product(model, loss_name: str, x, y) -> Optional[Callable]:
+    """``v -> G v`` by curvlinops' ``GGNLinearOperator``, or ``None`` (with a message) when
+    curvlinops is not installed."""
+    try:
+        from curvlinops import GGNLinearOperator
+    except ImportError as why:
+        print(f"  curvlinops left out ({why}): pip install curvlinops-for-pytorch", file=sys.stderr)
+        return None
+    twin = copy.deepcopy(model)
+    torch.func.replace_all_batch_norm_modules_(twin)  # batch statistics, no running ones
+    params = [p for p in twin.parameters() if p.requires_grad]
+    loss = {"mse": nn.MSELoss(), "cross_entropy": nn.CrossEntropyLoss()}[loss_name]
+    operator = GGNLinearOperator(twin, loss, params, [(x, y)], check_deterministic=False)
+
+    def product(v):
+        with _math_kernels():
+            return operator @ v
+
+    return product
+
+
+@contextlib.contextmanager
+def _math_kernels():
+    """The math attention kernel and no mkldnn recurrent kernels (both have forward-mode rules)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    mkldnn = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.backends.mkldnn.enabled = mkldnn
 
 
 def _engine_options(engine: str) -> Dict[str, object]:
@@ -245,6 +425,18 @@ def _table(results: List[Dict[str, object]], cfg: Config, stat: str = "median") 
                     f"{mem[f'{e}/step10']:.1f} ({mem[f'{e}/step10'] / mem['grad']:.2f})",
                 ]
             lines.append("| " + " | ".join(row) + " |")
+        if "curvlinops/Gv" in med:
+            gv = med["curvlinops/Gv"]
+            row = [f"{res['model']} ({res['device']})", "curvlinops", f"{g * 1e3:.2f}", "-"]
+            row += [f"{gv * 1e3:.2f}", f"{gv / g:.2f}"] + ["-"] * (len(head) - 6)
+            lines.append("| " + " | ".join(row) + " |")
+            if "traced/Gv" in med:
+                check = res.get("curvlinops_vs_traced_rel_diff")
+                lines.append(
+                    f"<!-- {res['model']}: traced Gv / curvlinops Gv = "
+                    f"{med['traced/Gv'] / gv:.2f}; relative difference of the products "
+                    f"{check:.1e} -->"
+                )
     return "\n".join(lines)
 
 

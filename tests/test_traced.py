@@ -315,3 +315,22 @@ def test_sgn_steps_in_float32_reduce_the_loss(name):
     infos = [opt.step(x, y) for _ in range(4)]
     assert all(torch.isfinite(torch.tensor([i.loss, i.loss_after])).all() for i in infos)
     assert infos[-1].loss_after < infos[0].loss
+
+
+def test_a_loss_linear_in_the_outputs_gives_zero_products():
+    # H = 0, so G v does not depend on v: the product graph has no operator on v.
+    model, x, labels, _ = _family("resnet-bn")
+    y = F.one_hot(labels, 3).to(D)
+
+    def linear_loss(z, t):
+        return (z * t).sum()
+
+    engine = _traced(model, linear_loss)
+    lin = engine(engine.fmodel.flat(), Batch(x, y))
+    v = torch.randn(engine.fmodel.numel, dtype=D)
+    first = lin.ggn_vp(v)
+    assert torch.count_nonzero(first) == 0
+    first.add_(1.0)  # the next product is a fresh tensor
+    assert torch.count_nonzero(lin.ggn_vp(v)) == 0
+    _, g_ref = dense_reference(model, linear_loss, x, y)
+    torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)

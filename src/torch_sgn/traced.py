@@ -347,6 +347,8 @@ def _split(gm: fx.GraphModule) -> Tuple[fx.GraphModule, fx.GraphModule]:
             continue
         if any(u in per_product for u in n.users):
             saved.append(n)
+    if gv not in depends:  # H = 0 (a loss linear in the outputs): G v is a constant, zero
+        saved.append(gv)
     once = _needed(once_roots + saved, lambda n: n not in depends and n.op != "output", nodes)
     for n in per_product:  # a product must not write into what the next product reads
         if any(w not in depends for w in _written(n)):
@@ -372,7 +374,10 @@ def _split(gm: fx.GraphModule) -> Tuple[fx.GraphModule, fx.GraphModule]:
     for n in nodes:
         if n in per_product and n is not v:
             penv[n] = product.node_copy(n, lambda a: penv[a])
-    product.output(penv[gv])
+    if gv in depends:
+        product.output(penv[gv])
+    else:  # every product is a fresh tensor (the optimizer adds the damping in place)
+        product.output(product.call_function(torch.ops.aten.clone.default, (penv[gv],)))
 
     setup_module = fx.GraphModule(gm, setup)
     product_module = fx.GraphModule(gm, product)
