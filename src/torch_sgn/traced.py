@@ -115,17 +115,18 @@ class TracedEngine:
                 "an operator of this model has no forward-mode AD rule; the traced engine "
                 "takes J v through a second reverse pass"
             )
-        buffers = dict(model.named_buffers())
+        buffers, frozen = _inputs_of(model)
         if model.training:  # the step's forward pass updates copies (see buffers_out)
-            buffers = {name: b.clone() for name, b in buffers.items()}
-        frozen = [p for p in model.parameters() if not p.requires_grad]
+            copies = [b.clone() for b in buffers]
+            if buffers_out is not None:
+                copy_of = {id(b): c for b, c in zip(buffers, copies)}
+                buffers_out.update((n, copy_of[id(b)]) for n, b in model.named_buffers())
+            buffers = copies
         self.loss.check_targets(_shaped_like(traced, flat), targets)  # reads targets eagerly
         with torch.no_grad(), fmodel.replay_rng():
             value, grad, outputs, *saved = traced.setup(
-                flat.detach(), *buffers.values(), *frozen, *args, targets
+                flat.detach(), *buffers, *frozen, *args, targets
             )
-        if model.training and buffers_out is not None:
-            buffers_out.update(buffers)
         product = traced.product
 
         def ggn_vp(v: Tensor) -> Tensor:
@@ -189,17 +190,44 @@ def _plain_kernels() -> object:
         yield
 
 
+def _slots(model: nn.Module, buffers: bool) -> List[Tuple[str, Tensor]]:
+    """``(name, tensor)`` for every parameter (or buffer) slot of every module, each module
+    once under its first name. ``functional_call`` swaps tensors in by name and back; a module
+    reachable by two names would be swapped twice and keep the swapped-in tensor, so every
+    slot is named once and tied tensors are passed under each of their slots."""
+    out = []
+    for prefix, module in model.named_modules():
+        own = module.named_buffers if buffers else module.named_parameters
+        for name, tensor in own(prefix=prefix, recurse=False, remove_duplicate=False):
+            out.append((name, tensor))
+    return out
+
+
+def _inputs_of(model: nn.Module) -> Tuple[List[Tensor], List[Tensor]]:
+    """The buffers and frozen parameters the traced function takes, each tensor once."""
+    buffers = list({id(b): b for _, b in _slots(model, buffers=True)}.values())
+    frozen = {id(p): p for _, p in _slots(model, buffers=False) if not p.requires_grad}
+    return buffers, list(frozen.values())
+
+
 def _whole(fmodel: FunctionalModel, loss: OutputLoss, double_backward: bool) -> Callable:
     """``(theta, v, buffers, frozen, inputs, targets) -> (loss, g, z, G v)``, to be traced."""
     model = fmodel.model
-    buffer_names = [name for name, _ in model.named_buffers()]
-    frozen_names = [name for name, p in model.named_parameters() if not p.requires_grad]
+    buffers_in, frozen_in = _inputs_of(model)
+    buffer_at = {id(b): i for i, b in enumerate(buffers_in)}
+    frozen_at = {id(p): i for i, p in enumerate(frozen_in)}
+    trainable_at = {id(p): i for i, p in enumerate(fmodel.params)}
+    buffer_slots = [(name, buffer_at[id(b)]) for name, b in _slots(model, buffers=True)]
+    param_slots = [
+        (name, id(p) in trainable_at, trainable_at.get(id(p), frozen_at.get(id(p))))
+        for name, p in _slots(model, buffers=False)
+    ]
 
     def forward(theta: Tensor, buffers: List[Tensor], frozen: List[Tensor], inputs) -> Tensor:
-        tensors = dict(zip(buffer_names, buffers))
-        tensors.update(zip(frozen_names, frozen))
-        tensors.update(fmodel.unflatten(theta))
-        out = functional_call(model, tensors, tuple(inputs))
+        chunks = [c.view(s) for c, s in zip(theta.split(fmodel.numels), fmodel.shapes)]
+        tensors = {name: buffers[i] for name, i in buffer_slots}
+        tensors.update((name, chunks[i] if t else frozen[i]) for name, t, i in param_slots)
+        out = functional_call(model, tensors, tuple(inputs), tie_weights=False)
         if not isinstance(out, Tensor):
             raise Untraceable(
                 f"the model's forward returns {type(out).__name__}, not one tensor; wrap the "
@@ -246,9 +274,7 @@ def _trace(
     fmodel: FunctionalModel, loss: OutputLoss, flat: Tensor, args: Sequence, targets: Tensor
 ) -> _Traced:
     """Traces the product at these shapes and splits it; raises :class:`Untraceable`."""
-    model = fmodel.model
-    buffers = [b for _, b in model.named_buffers()]
-    frozen = [p for p in model.parameters() if not p.requires_grad]
+    buffers, frozen = _inputs_of(fmodel.model)
     example = (flat.detach(), torch.zeros_like(flat), buffers, frozen, list(args), targets)
     errors = []
     for double_backward in (False, True):
