@@ -119,6 +119,7 @@ def test_disagreeing_or_failing_ranks_raise_on_every_rank(equivalence):
     assert torch.equal(equivalence[0]["checks"]["after"], equivalence[1]["checks"]["after"])
 
 
+@pytest.mark.slow  # waits for a failure across processes
 def test_a_rank_that_exits_mid_step_makes_the_other_fail_fast(tmp_path):
     pg_timeout = 10.0
     results = _launch("rank_exits", tmp_path, deadline=60, pg_timeout=pg_timeout)
@@ -130,6 +131,7 @@ def test_a_rank_that_exits_mid_step_makes_the_other_fail_fast(tmp_path):
     assert survivor["seconds"] < pg_timeout
 
 
+@pytest.mark.slow  # waits out a timeout
 def test_step_on_one_rank_only_fails_within_the_timeout(tmp_path):
     pg_timeout = 3.0
     results = _launch("step_on_one_rank", tmp_path, deadline=45, pg_timeout=pg_timeout)

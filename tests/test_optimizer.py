@@ -263,6 +263,7 @@ def _run(model, opt, batches):
     ],
     ids=["paper", "momentum-warmstart-precond", "cosine", "curvature-subset"],
 )
+@pytest.mark.slow  # several seconds per case; the saved state, not the step's math
 def test_state_dict_round_trip_continues_bit_identically(options):
     model, x, y = make_batch(MODELS[1], LOSSES[2], dtype=torch.float32)
     batches = [(x + 0.1 * k, y) for k in range(6)]

@@ -21,6 +21,7 @@ def regression():
     del sys.modules[spec.name]
 
 
+@pytest.mark.slow  # trains four optimizers
 def test_quick_run_writes_a_falling_curve(regression, tmp_path):
     folder = regression.main(
         [

@@ -383,6 +383,7 @@ def test_cli_run_builds_the_config_from_flags(tmp_path, capsys):
     assert "SGN(3) seed 4: finished after 1 epochs" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # a fresh interpreter trains a run
 def test_python_dash_m(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     args = [sys.executable, "-m", "torch_sgn", "run", "--preset", "boston", "--optimizer"]

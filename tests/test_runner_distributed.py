@@ -52,6 +52,7 @@ def _rel(a: list, b: list) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
+@pytest.mark.slow  # two processes train
 def test_sgn_run_on_two_ranks_matches_one_process(tmp_path):
     args = ["--preset", "boston", "--optimizer", "sgn", "--epochs", "2"]
     args += ["--dtype", "float64", "--init", "torch"]
@@ -69,6 +70,7 @@ def test_sgn_run_on_two_ranks_matches_one_process(tmp_path):
     assert _rel(two["iterations"]["loss"], one["iterations"]["loss"]) < 1e-4
 
 
+@pytest.mark.slow  # two processes train
 def test_sgd_run_on_two_ranks_averages_gradients_exactly(tmp_path):
     # 101 examples per batch: shards of 51 and 50, so the weighting by shard size matters.
     args = ["--preset", "boston", "--optimizer", "sgd", "--sgd-lr", "0.01", "--epochs", "2"]
