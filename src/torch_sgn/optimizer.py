@@ -632,7 +632,3 @@ def _all_finite(x: Tensor) -> bool:
 def _check(ok: bool, name: str, value: object, what: str) -> None:
     if not ok:
         raise ValueError(f"invalid {name}={value!r}: {what}")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
