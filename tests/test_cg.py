@@ -150,3 +150,88 @@ def test_backtracking_gives_up_after_max_evals():
 def test_backtracking_rejects_non_finite_trials():
     res = backtracking(lambda a: float("nan") if a > 0.3 else -a, 0.0, -1.0)
     assert res.success and res.step == 0.25
+
+
+def _phi(A: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> float:
+    return float(0.5 * x @ A @ x - b @ x)
+
+
+def _textbook_cg_values(A: torch.Tensor, b: torch.Tensor, iters: int) -> list:
+    """phi at x_0 = 0, x_1, ..., x_iters of plain CG (Hestenes-Stiefel), from the iterates."""
+    x = torch.zeros_like(b)
+    r = b.clone()  # here r = b - A x
+    p = r.clone()
+    values = [0.0]
+    for _ in range(iters):
+        ap = A @ p
+        a = (r @ r) / (p @ ap)
+        x = x + a * p
+        r_new = r - a * ap
+        p = r_new + (r_new @ r_new) / (r @ r) * p
+        r = r_new
+        values.append(_phi(A, b, x))
+    return values
+
+
+def test_cg_progress_rule_stops_where_martens_test_first_holds():
+    # In floating point two CG codes part ways after some tens of iterations on an
+    # ill-conditioned system; at this size and condition they agree to the stopping point.
+    A = _spd(80, seed=4, cond=1e3)
+    b = torch.randn(80, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    eps = 5e-4
+    res = conjugate_gradient(lambda v: A @ v, b, max_iters=1000, progress_tol=eps)
+    phis = _textbook_cg_values(A, b, res.iterations)
+
+    def holds(i):
+        k = max(10, math.ceil(0.1 * i))
+        return i > k and phis[i] < 0 and (phis[i] - phis[i - k]) / phis[i] < k * eps
+
+    assert res.reason == "stalled" and res.iterations < 1000
+    assert holds(res.iterations) and not any(holds(i) for i in range(1, res.iterations))
+    # it stopped on progress, far from a small residual
+    assert torch.linalg.vector_norm(A @ res.x - b) > 1e-2 * torch.linalg.vector_norm(b)
+    # and near the quadratic's minimum, which is what the rule is after
+    x_star = torch.linalg.solve(A, b)
+    assert _phi(A, b, res.x) < 0.95 * _phi(A, b, x_star) < 0
+
+
+def test_cg_with_the_progress_rule_still_solves_the_system():
+    A = _spd(40, seed=5, cond=10.0)
+    b = torch.randn(40, dtype=torch.float64)
+    x_star = torch.linalg.solve(A, b)
+    # the rule does not fire while CG still makes progress: a tight residual test ends it
+    res = conjugate_gradient(lambda v: A @ v, b, max_iters=200, rtol=1e-10, progress_tol=1e-14)
+    assert res.reason == "converged"
+    torch.testing.assert_close(res.x, x_star, rtol=1e-9, atol=1e-12)
+    # with Martens's epsilon it stops once the model no longer improves: near the solution
+    res = conjugate_gradient(lambda v: A @ v, b, max_iters=200, progress_tol=5e-4)
+    assert res.reason == "stalled" and res.iterations < 40
+    assert _phi(A, b, res.x) - _phi(A, b, x_star) < 1e-6 * abs(_phi(A, b, x_star))
+    torch.testing.assert_close(res.x, x_star, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("preconditioned", [False, True])
+def test_cg_relative_residual_tolerance(preconditioned):
+    A = _spd(30, seed=6, cond=1e3)
+    b = 1e-7 * torch.randn(30, dtype=torch.float64)  # small: an absolute tol would stop at once
+    m = 1.0 / torch.diagonal(A) if preconditioned else None
+    assert conjugate_gradient(lambda v: A @ v, b, max_iters=100, tol=1e-6).iterations == 0
+    res = conjugate_gradient(lambda v: A @ v, b, max_iters=100, rtol=1e-3, preconditioner=m)
+    assert res.reason == "converged"
+
+    def rel(x):
+        return float(torch.linalg.vector_norm(A @ x - b) / torch.linalg.vector_norm(b))
+
+    assert rel(res.x) <= 1e-3 * (1 + 1e-6)
+    before = conjugate_gradient(lambda v: A @ v, b, max_iters=res.iterations - 1, preconditioner=m)
+    assert rel(before.x) > 1e-3  # the first iterate that passes
+
+
+def test_cg_rejects_negative_tolerances():
+    A = _spd(3)
+    b = torch.ones(3, dtype=torch.float64)
+    for name in ("tol", "rtol", "progress_tol"):
+        with pytest.raises(ValueError, match=name):
+            conjugate_gradient(lambda v: A @ v, b, max_iters=3, **{name: -1.0})
+    with pytest.raises(ValueError, match="rtol"):
+        conjugate_gradient(lambda v: A @ v, b, max_iters=3, rtol=float("nan"))
