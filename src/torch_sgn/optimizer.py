@@ -6,13 +6,20 @@ import logging
 import math
 import warnings
 from dataclasses import dataclass, replace
-from typing import Optional
+from types import MappingProxyType
+from typing import Callable, Mapping, Optional
 
 import torch
 from torch import Tensor, nn
 
 from .cg import CGResult, conjugate_gradient
-from .damping import scheduled_damping, trust_region_update
+from .damping import (
+    GROWTH_START,
+    nielsen_update,
+    rejected_update,
+    scheduled_damping,
+    trust_region_update,
+)
 from .distributed import ProcessGroup, _communicator, _SingleProcess
 from .engines import ENGINES, curvature_subset, select_engine
 from .functional import FunctionalModel
@@ -24,6 +31,37 @@ from .options import KEYS, check_loaded_state, check_options
 __all__ = ["SGN", "StepInfo"]
 
 logger = logging.getLogger("torch_sgn")
+
+#: The paper's configuration (Gargiani et al., 2020, Section 4, with the original
+#: implementation's settings of its runs): the arguments :meth:`SGN.paper` passes, and the one
+#: place the benchmark runner's paper presets read them from.
+PAPER_OPTIONS: Mapping[str, object] = MappingProxyType(
+    dict(
+        lr=1.0,
+        damping=1e-4,
+        damping_min=1e-6,
+        cg_iters=10,
+        cg_tol=1e-6,
+        cg_rtol=0.0,
+        cg_progress_tol=0.0,
+        attempts=1,
+        damping_update="threshold",
+        line_search=True,
+        trust_region=True,
+        momentum=0.0,
+        warmup_cg_iters=10,
+        warmup_steps=10,
+        damping_schedule="constant",
+        damping_decay_steps=10,
+        preconditioner=False,
+        preconditioner_exponent=1.0,
+        warm_start=0.0,
+        ls_c=1e-4,
+        ls_shrink=0.5,
+        ls_max_evals=10,
+        curvature_fraction=1.0,
+    )
+)
 
 
 @dataclass(frozen=True)
@@ -46,6 +84,10 @@ class StepInfo:
         predicted_change: the damped quadratic model's change at the full step.
         loss_evals: loss evaluations at trial points (trust-region test and line search).
         line_search_ok: whether the Armijo condition held (``True`` when line search is off).
+        attempts: how many times the step's system was solved: a solution that fails the
+            Armijo test at its full step is solved again with a larger damping, up to
+            ``SGN(attempts=...)`` times (Levenberg-Marquardt). ``damping``, ``cg_*``,
+            ``tr_ratio`` and ``predicted_change`` describe the last attempt.
     """
 
     loss: float
@@ -61,6 +103,7 @@ class StepInfo:
     predicted_change: float
     loss_evals: int
     line_search_ok: bool
+    attempts: int = 1
 
 
 class SGN(torch.optim.Optimizer):
@@ -187,6 +230,10 @@ class SGN(torch.optim.Optimizer):
         damping_min: float = 1e-6,
         cg_iters: int = 10,
         cg_tol: float = 1e-6,
+        cg_rtol: float = 0.0,
+        cg_progress_tol: float = 0.0,
+        attempts: int = 1,
+        damping_update: str = "threshold",
         line_search: bool = True,
         trust_region: bool = True,
         momentum: float = 0.0,
@@ -208,12 +255,13 @@ class SGN(torch.optim.Optimizer):
     ):
         defaults = dict(
             lr=lr, damping=damping, damping_min=damping_min, cg_iters=cg_iters, cg_tol=cg_tol,
-            line_search=line_search, trust_region=trust_region, gradient_averaging=momentum,
-            warmup_cg_iters=warmup_cg_iters, warmup_steps=warmup_steps,
-            damping_schedule=damping_schedule, damping_decay_steps=damping_decay_steps,
-            preconditioner=preconditioner, preconditioner_exponent=preconditioner_exponent,
-            warm_start=warm_start, ls_c=ls_c, ls_shrink=ls_shrink, ls_max_evals=ls_max_evals,
-            keep_grad=keep_grad,
+            cg_rtol=cg_rtol, cg_progress_tol=cg_progress_tol, attempts=attempts,
+            damping_update=damping_update, line_search=line_search, trust_region=trust_region,
+            gradient_averaging=momentum, warmup_cg_iters=warmup_cg_iters,
+            warmup_steps=warmup_steps, damping_schedule=damping_schedule,
+            damping_decay_steps=damping_decay_steps, preconditioner=preconditioner,
+            preconditioner_exponent=preconditioner_exponent, warm_start=warm_start, ls_c=ls_c,
+            ls_shrink=ls_shrink, ls_max_evals=ls_max_evals, keep_grad=keep_grad,
         )  # fmt: skip
         assert set(defaults) == set(KEYS)
         check_options(defaults)
@@ -246,6 +294,29 @@ class SGN(torch.optim.Optimizer):
         self._engine_options = (engine, cuda_graphs)  # a copy builds its own engine
         self._curvature_fraction = curvature_fraction
         self._global_state()  # created now, so that a failed first step changes nothing
+
+    @classmethod
+    def paper(cls, model: nn.Module, loss: LossSpec = "cross_entropy", **overrides) -> SGN:
+        """SGN configured exactly as the paper's experiments ran it.
+
+        The arguments are :data:`PAPER_OPTIONS`: damping ``1e-4`` with floor ``1e-6``, the
+        threshold trust-region rule (:func:`~torch_sgn.damping.trust_region_update`), one
+        solve per step (no Levenberg-Marquardt re-solves), 10 CG iterations stopped only by
+        the absolute ``cg_tol=1e-6``, 10 CG iterations during the first 10 steps
+        (``warmup_cg_iters``), Armijo backtracking, step size 1. ``overrides`` replace any
+        of them or set any other argument of :class:`SGN`, e.g.
+        ``SGN.paper(model, "mse", cg_iters=5)`` for the paper's SGN(5). The benchmark
+        runner's paper presets and grids are built this way.
+
+        Args:
+            model: as for :class:`SGN`.
+            loss: as for :class:`SGN`.
+            **overrides: keyword arguments of :class:`SGN`.
+
+        Returns:
+            The optimizer.
+        """
+        return cls(model, loss, **{**PAPER_OPTIONS, **overrides})
 
     def add_param_group(self, param_group: dict) -> None:
         if self.param_groups:
@@ -289,6 +360,8 @@ class SGN(torch.optim.Optimizer):
         if not state:
             state["step"] = 0
             state["damping"] = float(self.param_groups[0]["damping"])
+            if self.param_groups[0]["damping_update"] == "nielsen":
+                state["damping_growth"] = GROWTH_START
         return state
 
     # --- one step ----------------------------------------------------------------------------
@@ -332,49 +405,57 @@ class SGN(torch.optim.Optimizer):
             if trainable is not None:  # restricted to the parameters still trainable
                 lin, work = _restrict(lin, trainable), _restrict_state(state, trainable)
             loss0, grad_norm = _finite_loss(lin, batch, self._loss)
-            damping = self._damping(state, t)
             rhs, momentum_buffer = self._momentum(lin.grad, work, t)
-            cg = self._solve(lin, rhs, damping, work, t)
-            direction = cg.x
-            step = group["lr"] * direction
+            solve = self._solver(lin, rhs, work, t)
 
-            def loss_at(a: float) -> float:
+            def loss_at(step: Tensor, a: float) -> float:
                 value = self._loss_at(lin, theta + a * step, batch)
                 logger.debug("  line search: a=%.4g loss=%.6g", a, value)
                 return value
 
-            solution = _Solution.of(lin.grad, rhs, cg, group["lr"])
-            predicted, moved = solution.predicted, solution.moved
-            loss_full = loss_at(1.0) if moved else loss0
-            evals = int(moved)
-            ratio = None
-            next_damping = damping
-            if group["trust_region"]:
-                ratio, next_damping = self._trust_region(
-                    damping, loss0, loss_full, predicted, cg, theta.dtype
+            # Levenberg-Marquardt: a step that fails the sufficient-decrease test is solved
+            # again on the same linearization with a larger damping, up to `attempts` times.
+            damping = self._damping(state, t)
+            growth = state.get("damping_growth", GROWTH_START)
+            evals = 0
+            for attempts in range(1, group["attempts"] + 1):
+                trial = _Trial.of(solve(damping), lin.grad, rhs, group, loss0, loss_at)
+                if trial.settled or attempts == group["attempts"]:
+                    break
+                evals += trial.evals
+                logger.debug(
+                    "  attempt %d rejected: damping %.3g, loss %.6g", attempts, damping, trial.loss
                 )
-            search = LineSearchResult(1.0, loss_full, 1, math.isfinite(loss_full))
-            if group["line_search"] and moved:
+                damping, growth = self._rejected(damping, growth, trial.ratio)
+            ratio, next_damping, growth = self._next_damping(damping, growth, trial, loss0)
+            search = LineSearchResult(1.0, trial.loss, 1, math.isfinite(trial.loss))
+            if group["line_search"] and trial.moved:
                 search = backtracking(
-                    loss_at, loss0, solution.slope, c=group["ls_c"],
-                    shrink=group["ls_shrink"], max_evals=group["ls_max_evals"], first=loss_full,
+                    lambda a: loss_at(trial.step, a), loss0, trial.solution.slope,
+                    c=group["ls_c"], shrink=group["ls_shrink"], max_evals=group["ls_max_evals"],
+                    first=trial.loss,
                 )  # fmt: skip
-                evals = search.evaluations
-        take = moved and math.isfinite(search.loss)
+                evals += search.evaluations
+            else:
+                evals += trial.evals
+        cg, solution = trial.cg, trial.solution
+        take = trial.moved and math.isfinite(search.loss)
         a = search.step if take else 0.0
 
         # Commit: nothing above has touched the model or the optimizer's state.
         if take:
-            self._fmodel.write(theta + a * step)
+            self._fmodel.write(theta + a * trial.step)
         self._fmodel.write_buffers(buffers)
         if group["keep_grad"]:
             self._write_grad(lin.grad)
         state["step"] = t + 1
         state["damping"] = next_damping
+        if group["damping_update"] == "nielsen":
+            state["damping_growth"] = growth
         if momentum_buffer is not None:
             state["momentum_buffer"] = momentum_buffer
         if group["warm_start"] > 0:
-            state["prev_direction"] = direction
+            state["prev_direction"] = cg.x
 
         info = StepInfo(
             loss=loss0,
@@ -387,9 +468,10 @@ class SGN(torch.optim.Optimizer):
             next_damping=next_damping,
             step_size=group["lr"] * a,
             tr_ratio=ratio,
-            predicted_change=predicted,
+            predicted_change=solution.predicted,
             loss_evals=evals,
             line_search_ok=search.success,
+            attempts=attempts,
         )
         self._log(t, info)
         return info
@@ -423,27 +505,42 @@ class SGN(torch.optim.Optimizer):
             group["damping_decay_steps"],
         )  # fmt: skip
 
-    def _trust_region(
-        self,
-        damping: float,
-        loss0: float,
-        loss_full: float,
-        predicted: float,
-        cg: CGResult,
-        dtype: torch.dtype,
-    ) -> tuple[float, float]:
-        """The trust-region ratio and the next damping.
+    def _rejected(self, damping: float, growth: float, ratio: float) -> tuple[float, float]:
+        """The damping of the next attempt at this step, and Nielsen's growth factor."""
+        group = self.param_groups[0]
+        if group["damping_update"] == "nielsen":
+            return rejected_update(damping, growth)
+        return trust_region_update(damping, ratio, group["damping_min"]), growth
+
+    def _next_damping(
+        self, damping: float, growth: float, trial: _Trial, loss0: float
+    ) -> tuple[Optional[float], float, float]:
+        """The trust-region ratio (``None`` with the trust region off), the next step's damping
+        and growth factor.
 
         A predicted change within rounding of the loss (at a minimum, or with a vanishing
         gradient) says nothing about the model's quality: the damping is then kept, where the
         plain rule would read the rounding noise as a failed prediction and raise the damping
         step after step until it overflows.
         """
-        noise = 100 * torch.finfo(dtype).eps * max(abs(loss0), torch.finfo(dtype).tiny)
-        if abs(predicted) <= noise and not cg.breakdown and math.isfinite(loss_full):
-            return math.nan, damping
-        ratio = (loss_full - loss0) / predicted if predicted < 0 else math.nan
-        return ratio, trust_region_update(damping, ratio, self.param_groups[0]["damping_min"])
+        group = self.param_groups[0]
+        if not group["trust_region"]:
+            return None, damping, growth
+        if trial.noise:
+            return math.nan, damping, growth
+        if group["damping_update"] == "threshold":
+            return (
+                trial.ratio,
+                trust_region_update(damping, trial.ratio, group["damping_min"]),
+                growth,
+            )
+        if trial.accepted:
+            return (
+                trial.ratio,
+                nielsen_update(damping, trial.ratio, group["damping_min"]),
+                GROWTH_START,
+            )
+        return (trial.ratio, *rejected_update(damping, growth))
 
     def _momentum(self, grad: Tensor, state: dict, t: int) -> tuple[Tensor, Optional[Tensor]]:
         """The CG right-hand side ``m_hat`` and the new moving average (None without momentum)."""
@@ -454,33 +551,40 @@ class SGN(torch.optim.Optimizer):
         m = (1 - beta) * grad if m is None else beta * m + (1 - beta) * grad
         return m / (1 - beta ** (t + 1)), m
 
-    def _solve(
-        self, lin: Linearization, rhs: Tensor, damping: float, state: dict, t: int
-    ) -> CGResult:
+    def _solver(
+        self, lin: Linearization, rhs: Tensor, state: dict, t: int
+    ) -> Callable[[float], CGResult]:
+        r"""``damping -> solution`` of :math:`(G + \rho I) d = -\hat m` for this step's
+        linearization: the step's attempts share it and differ only in the damping."""
         group = self.param_groups[0]
         iters = group["cg_iters"]
         if group["warmup_cg_iters"] is not None and t < group["warmup_steps"]:
             iters = group["warmup_cg_iters"]
-        precond = None
-        if group["preconditioner"]:
-            precond = (rhs.square() + damping).pow(-group["preconditioner_exponent"])
         x0 = None
         previous = state.get("prev_direction")
         if group["warm_start"] > 0 and previous is not None:
             x0 = group["warm_start"] * previous
 
-        def damped(v: Tensor) -> Tensor:
-            return lin.ggn_vp(v).add_(v, alpha=damping)  # a product is a fresh tensor
+        def solve(damping: float) -> CGResult:
+            precond = None
+            if group["preconditioner"]:
+                precond = (rhs.square() + damping).pow(-group["preconditioner_exponent"])
 
-        result = conjugate_gradient(
-            damped, -rhs, max_iters=iters, tol=group["cg_tol"], x0=x0, preconditioner=precond
-        )
-        if result.breakdown:
-            logger.warning(
-                "CG stopped early (%s) after %d iterations; using its last good iterate",
-                result.reason, result.iterations,
+            def damped(v: Tensor) -> Tensor:
+                return lin.ggn_vp(v).add_(v, alpha=damping)  # a product is a fresh tensor
+
+            result = conjugate_gradient(
+                damped, -rhs, max_iters=iters, tol=group["cg_tol"], rtol=group["cg_rtol"],
+                progress_tol=group["cg_progress_tol"], x0=x0, preconditioner=precond,
             )  # fmt: skip
-        return result
+            if result.breakdown:
+                logger.warning(
+                    "CG stopped early (%s) after %d iterations; using its last good iterate",
+                    result.reason, result.iterations,
+                )  # fmt: skip
+            return result
+
+        return solve
 
     def _loss_at(self, lin: Linearization, flat: Tensor, batch: Batch) -> float:
         if lin.value_at is not None:
@@ -525,6 +629,44 @@ class _Solution:
             torch.linalg.vector_norm(cg.residual), d.abs().max(),
         ]).tolist()  # fmt: skip
         return _Solution(lr * g_d + 0.5 * lr * lr * curv, lr * m_d, res, d_max != 0)
+
+
+@dataclass(frozen=True)
+class _Trial:
+    """One attempt at a step: the solution at one damping and the loss at its full step."""
+
+    cg: CGResult
+    solution: _Solution
+    step: Tensor  # lr d
+    loss: float  # at the full step (loss0 when d = 0)
+    evals: int  # loss evaluations made (0 or 1)
+    ratio: float  # actual over predicted change; NaN unless the prediction is a decrease
+    accepted: bool  # the Armijo condition holds at the full step
+    noise: bool  # the predicted change is within rounding of the loss
+
+    @property
+    def moved(self) -> bool:
+        return self.solution.moved
+
+    @property
+    def settled(self) -> bool:
+        """Whether another attempt with a larger damping is pointless."""
+        return self.accepted or self.noise or not self.moved
+
+    @staticmethod
+    def of(cg: CGResult, grad: Tensor, rhs: Tensor, group: dict, loss0: float, loss_at) -> _Trial:
+        solution = _Solution.of(grad, rhs, cg, group["lr"])
+        step = group["lr"] * cg.x
+        moved = solution.moved
+        loss = loss_at(step, 1.0) if moved else loss0
+        predicted = solution.predicted
+        dtype = grad.dtype
+        noise = 100 * torch.finfo(dtype).eps * max(abs(loss0), torch.finfo(dtype).tiny)
+        within_noise = abs(predicted) <= noise and not cg.breakdown and math.isfinite(loss)
+        ratio = (loss - loss0) / predicted if predicted < 0 else math.nan
+        # The line search's first test, at a = 1.
+        accepted = moved and math.isfinite(loss) and loss <= loss0 + group["ls_c"] * solution.slope
+        return _Trial(cg, solution, step, loss, int(moved), ratio, accepted, within_noise)
 
 
 def _finite_loss(lin: Linearization, batch: Batch, loss_fn: OutputLoss) -> tuple[float, float]:

@@ -13,17 +13,22 @@ from __future__ import annotations
 import math
 from typing import Callable, Mapping
 
-from .damping import DAMPING_SCHEDULES
+from .damping import DAMPING_SCHEDULES, DAMPING_UPDATES
 
-__all__ = ["ARGUMENT_NAMES", "KEYS", "check_loaded_state", "check_options"]
+__all__ = ["ADDED_KEYS", "ARGUMENT_NAMES", "KEYS", "check_loaded_state", "check_options"]
 
 #: SGN's options, the keys of its parameter group besides ``"params"``.
 KEYS = (
-    "lr", "damping", "damping_min", "cg_iters", "cg_tol", "line_search", "trust_region",
+    "lr", "damping", "damping_min", "cg_iters", "cg_tol", "cg_rtol", "cg_progress_tol",
+    "attempts", "damping_update", "line_search", "trust_region",
     "gradient_averaging", "warmup_cg_iters", "warmup_steps", "damping_schedule",
     "damping_decay_steps", "preconditioner", "preconditioner_exponent", "warm_start", "ls_c",
     "ls_shrink", "ls_max_evals", "keep_grad",
 )  # fmt: skip
+
+#: Keys added after SGN's first release, with the values that behave as SGN did before them: a
+#: ``state_dict`` saved without them loads with these.
+ADDED_KEYS = {"cg_rtol": 0.0, "cg_progress_tol": 0.0, "attempts": 1, "damping_update": "threshold"}
 
 #: The constructor's argument for each group key named otherwise.
 ARGUMENT_NAMES = {"gradient_averaging": "momentum"}
@@ -56,6 +61,15 @@ def check_options(group: Mapping, in_step: bool = False) -> None:
     need(lambda v: 0 <= v <= g["damping"], "damping_min", "must be in [0, damping]")
     need(lambda v: _is_int(v) and v >= 1, "cg_iters", "must be an int >= 1")
     need(lambda v: _finite(v) and v >= 0, "cg_tol", "must be >= 0 and finite")
+    need(lambda v: _finite(v) and 0 <= v < 1, "cg_rtol", "must be in [0, 1)")
+    need(lambda v: _finite(v) and 0 <= v < 1, "cg_progress_tol", "must be in [0, 1)")
+    need(lambda v: _is_int(v) and v >= 1, "attempts", "must be an int >= 1")
+    need(lambda v: v in DAMPING_UPDATES, "damping_update", f"must be one of {DAMPING_UPDATES}")
+    need(
+        lambda v: not (g["damping_update"] == "nielsen" and not v > 0),
+        "damping_min",
+        "must be > 0 with damping_update='nielsen' (a zero damping could not grow again)",
+    )
     need(lambda v: 0 <= v < 1, "gradient_averaging", "must be in [0, 1)")
     need(
         lambda v: v is None or (_is_int(v) and v >= 1),
@@ -98,6 +112,8 @@ def check_loaded_state(state_dict: Mapping) -> dict:
     group = dict(groups[0])
     if "momentum" in group and "gradient_averaging" not in group and "trust_region" in group:
         group["gradient_averaging"] = group.pop("momentum")  # saved under the former key
+    if "trust_region" in group:  # saved before these options existed: behave as then
+        group = {**ADDED_KEYS, **group}
     missing = sorted(set(KEYS) - set(group))
     if missing:
         # torch adds options of its own to every group (differentiable, foreach, ...)
