@@ -157,6 +157,15 @@ def test_bad_regression_and_binary_targets(loss, targets, match):
         (dict(ls_c=1.0), "invalid ls_c=1.0"),
         (dict(ls_shrink=1.0), "invalid ls_shrink=1.0"),
         (dict(ls_max_evals=0), "invalid ls_max_evals=0"),
+        (dict(cg_rtol=-1e-3), "invalid cg_rtol=-0.001"),
+        (dict(cg_rtol=1.0), "invalid cg_rtol=1.0"),
+        (dict(cg_progress_tol=-1.0), "invalid cg_progress_tol"),
+        (dict(cg_progress_tol=float("nan")), "invalid cg_progress_tol"),
+        (dict(attempts=0), "invalid attempts=0"),
+        (dict(attempts=2.0), "invalid attempts=2.0"),
+        (dict(attempts=True), "invalid attempts=True"),
+        (dict(damping_update="marquardt"), "invalid damping_update='marquardt'"),
+        (dict(damping_update="nielsen", damping_min=0.0), "must be > 0 with damping_update"),
     ],
 )
 def test_invalid_hyperparameters_raise_in_the_constructor(kwargs, match):

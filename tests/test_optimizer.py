@@ -260,8 +260,9 @@ def _run(model, opt, batches):
         dict(momentum=0.9, warm_start=0.7, preconditioner=True),
         dict(trust_region=False, damping_schedule="cosine", damping_decay_steps=3),
         dict(curvature_fraction=0.5),
+        dict(attempts=4, damping_update="nielsen", damping=1e-9, damping_min=1e-12),
     ],
-    ids=["paper", "momentum-warmstart-precond", "cosine", "curvature-subset"],
+    ids=["paper", "momentum-warmstart-precond", "cosine", "curvature-subset", "nielsen-retries"],
 )
 @pytest.mark.slow  # several seconds per case; the saved state, not the step's math
 def test_state_dict_round_trip_continues_bit_identically(options):
@@ -271,6 +272,8 @@ def test_state_dict_round_trip_continues_bit_identically(options):
     _run(model, opt, batches[:3])
     saved_model = copy.deepcopy(model.state_dict())
     saved_opt = copy.deepcopy(opt.state_dict())
+    if options.get("damping_update") == "nielsen":
+        assert saved_opt["state"][0]["damping_growth"] >= 2.0
     reference = _run(model, opt, batches[3:])
 
     resumed = MODELS[1].build()

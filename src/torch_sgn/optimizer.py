@@ -141,6 +141,26 @@ class SGN(torch.optim.Optimizer):
             original's default and the paper's best setting on CIFAR-10.
         cg_tol: CG stops early once the largest absolute residual entry is at most this
             (``CG_TOL``). Default ``1e-6``, as the original and the paper.
+        cg_rtol: CG also stops once the residual's 2-norm is at most this fraction of the
+            right-hand side's, a test that, unlike ``cg_tol``, does not depend on the scale of
+            the loss. Default 0 (off), as the paper.
+        cg_progress_tol: CG also stops when it stops making progress on the quadratic model:
+            Martens's (2010) relative-progress rule with this epsilon (he used ``5e-4``; see
+            :func:`~torch_sgn.cg.conjugate_gradient`). It can fire only after 10 iterations, so
+            it matters with a larger ``cg_iters``. Default 0 (off), as the paper.
+        attempts: Levenberg-Marquardt re-solves: a step whose full step fails the Armijo test
+            (the line search's first test, constant ``ls_c``) is solved again on the same batch
+            and the same linearization with a larger damping (by ``damping_update``'s rule for
+            a failure), up to this many solves in all; the line search, if on, then backtracks
+            along the last one. Counted in :attr:`StepInfo.attempts`. Default 1 (the paper:
+            one solve, then the line search).
+        damping_update: how the trust region adapts the damping. ``"threshold"``: the paper's
+            rule (:func:`~torch_sgn.damping.trust_region_update`: times 3/2 below ratio 1/4,
+            times 2/3 above 3/4). ``"nielsen"``: Nielsen's smooth rule
+            (:func:`~torch_sgn.damping.nielsen_update`: down to a third after a good step,
+            with no band where it is stuck), and on a rejected attempt times 2, 4, 8, ...
+            (:func:`~torch_sgn.damping.rejected_update`); it needs ``damping_min > 0``.
+            Default ``"threshold"``.
         line_search: backtracking Armijo line search on the same mini-batch (``LS``). Default on,
             as in the paper.
         trust_region: adapt the damping by the trust-region rule (``TR``). Default on, as in
@@ -195,6 +215,9 @@ class SGN(torch.optim.Optimizer):
             every mini-batch (see :mod:`torch_sgn.distributed`). Default ``None``: the default
             group if ``torch.distributed`` is initialised, else one process. Parameters and
             buffers are broadcast from the group's rank 0 here.
+
+    :meth:`SGN.paper` builds the paper's configuration (:data:`PAPER_OPTIONS`) whatever the
+    defaults here.
 
     Example:
         >>> opt = SGN(model, loss="cross_entropy", cg_iters=5)
@@ -296,7 +319,7 @@ class SGN(torch.optim.Optimizer):
         self._global_state()  # created now, so that a failed first step changes nothing
 
     @classmethod
-    def paper(cls, model: nn.Module, loss: LossSpec = "cross_entropy", **overrides) -> SGN:
+    def paper(cls, model: nn.Module, loss: LossSpec, **overrides) -> SGN:
         """SGN configured exactly as the paper's experiments ran it.
 
         The arguments are :data:`PAPER_OPTIONS`: damping ``1e-4`` with floor ``1e-6``, the

@@ -61,6 +61,7 @@ from torch import Tensor, nn
 from .. import __version__
 from .. import distributed as sgn_dist
 from ..losses import OutputLoss, resolve_loss
+from ..optimizer import PAPER_OPTIONS as _PAPER
 from ..optimizer import SGN
 from .data import Dataset, load
 from .models import PRESETS
@@ -90,19 +91,24 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 @dataclass
 class SGNOptions:
-    """Options of :class:`torch_sgn.SGN` for a run; defaults are the paper's runs."""
+    """Options of :class:`torch_sgn.SGN` for a run, on top of the paper's configuration.
 
-    cg_iters: int = 10
-    damping: float = 1e-4
-    damping_min: float = 1e-6
-    cg_tol: float = 1e-6
-    lr: float = 1.0
-    line_search: bool = True
-    trust_region: bool = True
-    momentum: float = 0.0
-    warmup_cg_iters: Optional[int] = 10
-    warmup_steps: int = 10
-    preconditioner: bool = False
+    The run's optimizer is ``SGN.paper(model, loss, **options)``
+    (:meth:`torch_sgn.SGN.paper`); each default here is read from
+    :data:`torch_sgn.optimizer.PAPER_OPTIONS`, so the paper's runs are defined in one place.
+    """
+
+    cg_iters: int = _PAPER["cg_iters"]
+    damping: float = _PAPER["damping"]
+    damping_min: float = _PAPER["damping_min"]
+    cg_tol: float = _PAPER["cg_tol"]
+    lr: float = _PAPER["lr"]
+    line_search: bool = _PAPER["line_search"]
+    trust_region: bool = _PAPER["trust_region"]
+    momentum: float = _PAPER["momentum"]
+    warmup_cg_iters: Optional[int] = _PAPER["warmup_cg_iters"]
+    warmup_steps: int = _PAPER["warmup_steps"]
+    preconditioner: bool = _PAPER["preconditioner"]
 
 
 @dataclass
@@ -427,9 +433,9 @@ class _SGN(_Optimizer):
 
     def __init__(self, cfg: RunConfig, model: nn.Module, loss: str):
         super().__init__(cfg, model, loss)
-        # Every option is one of SGN's arguments, by the same name: SGNOptions is the one
-        # place the runner's SGN settings live.
-        self.opt = SGN(model, loss, cuda_graphs=cfg.cuda_graphs, **asdict(cfg.sgn))
+        # Every option is one of SGN's arguments, by the same name, on top of the paper's
+        # configuration (SGN.paper): SGNOptions is the one place the runner's SGN settings live.
+        self.opt = SGN.paper(model, loss, cuda_graphs=cfg.cuda_graphs, **asdict(cfg.sgn))
 
     @staticmethod
     def label(options: SGNOptions) -> str:
