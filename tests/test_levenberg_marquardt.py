@@ -91,7 +91,7 @@ def test_the_threshold_rule_retries_with_its_own_factor():
 def test_attempts_count_the_solves_and_one_attempt_is_the_paper_step():
     model, x, y = _hard_batch()
     solves = []
-    original = SGN._solver
+    original = SGN._step_solver
 
     def counting(self, *args):
         solve = original(self, *args)
@@ -102,7 +102,7 @@ def test_attempts_count_the_solves_and_one_attempt_is_the_paper_step():
 
         return wrapped
 
-    SGN._solver = counting
+    SGN._step_solver = counting
     try:
         info = SGN(model, "mse", damping=1e-8, damping_min=1e-12, attempts=3).step(x, y)
         assert info.attempts == len(solves) == 3  # every attempt failed here: all were used
@@ -111,7 +111,7 @@ def test_attempts_count_the_solves_and_one_attempt_is_the_paper_step():
         info = SGN(copy.deepcopy(model), "mse", damping=1e-8, damping_min=1e-12).step(x, y)
         assert info.attempts == len(solves) == 1
     finally:
-        SGN._solver = original
+        SGN._step_solver = original
 
 
 def test_a_step_that_raises_during_a_retry_changes_nothing():

@@ -429,7 +429,7 @@ class SGN(torch.optim.Optimizer):
                 lin, work = _restrict(lin, trainable), _restrict_state(state, trainable)
             loss0, grad_norm = _finite_loss(lin, batch, self._loss)
             rhs, momentum_buffer = self._momentum(lin.grad, work, t)
-            solve = self._solver(lin, rhs, work, t)
+            solve = self._step_solver(lin, rhs, work, t)
 
             def loss_at(step: Tensor, a: float) -> float:
                 value = self._loss_at(lin, theta + a * step, batch)
@@ -574,7 +574,7 @@ class SGN(torch.optim.Optimizer):
         m = (1 - beta) * grad if m is None else beta * m + (1 - beta) * grad
         return m / (1 - beta ** (t + 1)), m
 
-    def _solver(
+    def _step_solver(
         self, lin: Linearization, rhs: Tensor, state: dict, t: int
     ) -> Callable[[float], CGResult]:
         r"""``damping -> solution`` of :math:`(G + \rho I) d = -\hat m` for this step's
