@@ -381,3 +381,38 @@ def test_custom_function_with_a_detached_backward_is_refused():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             G @ torch.ones(G.shape[0], dtype=torch.float64)
+
+
+class DropoutEncoder(Encoder):
+    """The encoder layer with dropout (attention and residual branches), as torch builds it."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(D, 2, 16, dropout=0.3, batch_first=True)
+
+
+@pytest.mark.parametrize("engine", ["functional", "double_backward"])
+def test_encoder_with_dropout_in_training_mode(engine):
+    """Forward mode does not replay this layer's dropout masks (its outputs differ from the
+    recorded pass's); products must still be those of the recorded pass, which the reference
+    replays from the same random state on the math attention kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    model = DropoutEncoder().double().train()
+    x, y = torch.randn(4, L, D, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    fmodel = FunctionalModel(model)
+    linearize = FunctionalEngine(fmodel, resolve_loss("mse"))
+    linearize.double_backward = engine == "double_backward"
+    torch.manual_seed(5)
+    fmodel.freeze_rng()  # as SGN and GGN do: every pass of the step replays one random state
+    lin = linearize(fmodel.flat(), Batch(x, y))
+    V = _probes(fmodel.numel)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        GV = torch.stack([lin.ggn_vp(v) for v in V.T], 1)
+    torch.manual_seed(5)
+    with sdpa_kernel(SDPBackend.MATH):
+        G_ref, _ = dense_ggn_of_module(model, "mse", x, y)
+    torch.testing.assert_close(V.T @ GV, GV.T @ V, rtol=1e-9, atol=1e-11)  # symmetric
+    torch.testing.assert_close(GV, G_ref @ V, rtol=1e-9, atol=1e-11)

@@ -227,6 +227,14 @@ class FunctionalEngine:
                 try:
                     jv = point.jvp(v)  # v -> J v
                     break
+                except _NotReplayed:
+                    self.double_backward = True
+                    changes.append(
+                        "forward-mode AD did not replay the recorded forward pass (its outputs "
+                        "differ: dropout drawn differently inside some operator): J v is taken "
+                        "by double backward from now on, through the recorded pass itself"
+                    )
+                    point = self._record(flat, batch, None, check=False)
                 except (NotImplementedError, RuntimeError) as error:
                     changes.append(self._adapt(error))  # re-raises what it cannot get around
                     # The products of one step share one recorded forward pass, on the new
@@ -257,9 +265,15 @@ class FunctionalEngine:
             else:
                 (grad,) = torch.autograd.grad(outputs, leaf, dz, retain_graph=True)
                 base = flat.detach()
+                unchecked = [fmodel.model.training]
 
                 def jvp(v: Tensor) -> Tensor:
-                    return torch.func.jvp(lambda p: fmodel(p, inputs), (base,), (v,))[1]
+                    primal, tangent = torch.func.jvp(lambda p: fmodel(p, inputs), (base,), (v,))
+                    if unchecked:  # once per step: does forward mode replay the recorded pass?
+                        unchecked.clear()
+                        if not _same(primal, outputs.detach()):
+                            raise _NotReplayed()
+                    return tangent
 
         hessian = loss.hessian(outputs.detach(), targets)
         return _Point(value, grad, leaf, outputs, hessian, jvp)
@@ -293,6 +307,16 @@ class FunctionalEngine:
             f"backward is not differentiable either ({error}); replace that operation or give "
             "it a jvp"
         ) from error
+
+
+class _NotReplayed(Exception):
+    """The forward-mode pass computed other outputs than the recorded pass."""
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    """Equal up to rounding (kernels that are not bitwise reproducible), not up to a mask."""
+    scale = float(b.abs().max()) if b.numel() else 0.0
+    return bool((a - b).abs().max() <= 1e-4 * scale + 1e-30) if b.numel() else True
 
 
 class _Point:
