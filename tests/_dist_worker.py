@@ -36,6 +36,7 @@ class Case:
     # Cross-entropy on a tiny batch is ill-conditioned: with less damping, merely reversing the
     # batch's order moves one process's result by 1e-8 (the test checks the order-sensitivity).
     damping: float = 1e-3
+    solver: str = "cg"
 
 
 CASES = [
@@ -52,6 +53,26 @@ CASES = [
     ),
     # A shard with no target that counts: its mean is NaN, its weight 0.
     Case("ce-shard-all-ignored", lambda: "cross_entropy", (5, 7), "index-first-ignored", 4.0, 0.1),
+    # The direct solver: each rank's Gauss-Newton matrix weighted and all-reduced like G v.
+    Case("mse-unequal-direct", lambda: "mse", (5, 7), "real", damping=0.01, solver="direct"),
+    Case(
+        "ce-class-weights-direct",
+        lambda: nn.CrossEntropyLoss(weight=torch.tensor([1.0, 3.0, 0.5], dtype=torch.float64)),
+        (4, 8),
+        "index",
+        lr=4.0,
+        damping=0.1,
+        solver="direct",
+    ),
+    Case(
+        "ce-shard-all-ignored-direct",
+        lambda: "cross_entropy",
+        (5, 7),
+        "index-first-ignored",
+        4.0,
+        0.1,
+        solver="direct",
+    ),
 ]
 
 
@@ -84,7 +105,7 @@ def run_case(case: Case, rank: int = 0, world: int = 1, reverse: bool = False) -
     """
     model = build_model(100 + rank)  # ranks start different: the broadcast must fix that
     before = flat(model)
-    opt = SGN(model, case.loss(), lr=case.lr, damping=case.damping, **SETTINGS)
+    opt = SGN(model, case.loss(), lr=case.lr, damping=case.damping, solver=case.solver, **SETTINGS)
     after_construction = flat(model)
     infos = []
     for step in range(STEPS):

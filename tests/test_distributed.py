@@ -78,6 +78,7 @@ def test_two_ranks_match_one_process_on_the_full_batch(equivalence, case):
         torch.testing.assert_close(got["final"], expected, rtol=1e-10, atol=0)
         for a, b in zip(got["infos"], reference["infos"]):
             assert a.loss_evals == b.loss_evals and a.cg_iters == b.cg_iters
+            assert a.solver == b.solver == case.solver
             assert a.next_damping == pytest.approx(b.next_damping, rel=1e-10)
             assert a.loss == pytest.approx(b.loss, rel=1e-10)
     # Bit-identical ranks: same parameters and the same decisions, to the last bit.

@@ -32,6 +32,11 @@ their next collective: at once if its process exited, otherwise after the proces
 timeout (``init_process_group(timeout=...)``; the default is 30 minutes for gloo and 10 for
 NCCL), with an error naming the step and the likely cause.
 
+With ``solver="direct"`` the ``k`` products are replaced by one all-reduce (sum) of ``n^2``
+numbers, each rank's Gauss-Newton matrix weighted as its products are; ``solver="auto"`` adds
+two scalar all-reduces once, so that every rank takes the same decision from the summed
+timings.
+
 The helpers :func:`init_from_env`, :func:`shard`, :func:`is_main_process`, :func:`rank` and
 :func:`world_size` are what a training loop needs around :class:`~torch_sgn.SGN`; see
 ``examples/distributed_train.py`` and ``docs/DISTRIBUTED.md``.
@@ -135,6 +140,9 @@ class _SingleProcess:
 
     def loss_value(self, compute: Callable[[], Tensor]) -> float:
         return compute().item()
+
+    def agree(self, values: list) -> list:
+        return values
 
 
 def _communicator(
@@ -252,6 +260,7 @@ class _DataParallel:
             loss=payload[n] / total,
             grad=payload[:n] / total,
             ggn_vp=self._reduced_ggn_vp(lin.ggn_vp, step, n, flat),
+            dense_ggn=self._reduced_ggn_matrix(lin, step, n, flat),
         )
 
     def _reduced_ggn_vp(
@@ -274,6 +283,41 @@ class _DataParallel:
             return payload[:n] / total
 
         return ggn_vp
+
+    def _reduced_ggn_matrix(
+        self, local: Linearization, step: int, n: int, flat: Tensor
+    ) -> Callable[[], Tensor]:
+        """``() -> G`` of the full batch for the direct solver: every rank's ``G_r`` weighted
+        and summed as ``G v`` is, in one all-reduce of ``n^2 + 1`` numbers."""
+        scale, total = self._scale, self._total
+
+        def ggn_matrix() -> Tensor:
+            error = None
+            try:  # a local failure takes part in the all-reduce, so that every rank raises
+                if local.ggn_vp is None:  # an empty shard
+                    g = flat.new_zeros((n, n))
+                else:
+                    g = local.ggn_matrix() * scale
+                payload = torch.cat([g.reshape(-1), g.new_zeros(1)])
+            except Exception as e:
+                error, payload = e, flat.new_zeros(n * n + 1)
+                payload[n * n] = 1.0
+            self._collective(
+                lambda: dist.all_reduce(payload, group=self.group), "the Gauss-Newton matrix", step
+            )
+            self._raise_if_failed(payload[n * n], error, step)
+            return (payload[: n * n] / total).view(n, n)
+
+        return ggn_matrix
+
+    def agree(self, values: list) -> list:
+        """The sums over the group of every rank's ``values`` (one all-reduce): what
+        ``solver="auto"`` decides by, so that every rank takes the same decision."""
+        payload = torch.tensor(values, dtype=torch.float64, device=self._fmodel.device)
+        self._collective(
+            lambda: dist.all_reduce(payload, group=self.group), "the solver's costs", self._step
+        )
+        return payload.tolist()
 
     def loss_value(self, compute: Callable[[], Tensor]) -> float:
         """The full batch's loss at a trial point from this shard's ``compute()``: 1 all-reduce."""

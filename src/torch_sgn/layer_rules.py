@@ -71,11 +71,15 @@ class LayerRule:
         by_hand: whether :meth:`cotangent` is implemented (else products go through autograd);
             read at every step, so a property may follow the module's settings.
         trainable: whether the layer has trainable parameters.
+        per_sample: whether each sample's output depends on that sample alone and
+            :meth:`cotangent` keeps the samples apart (the direct solver's Jacobian route,
+            :meth:`sample_jacobian`); read at every step.
     """
 
     parameters: Tuple[str, ...] = ()
     by_hand = True
     trainable = False
+    per_sample = False
 
     def __init__(self, module: nn.Module):
         self.module = module
@@ -115,6 +119,13 @@ class LayerRule:
         """``J^T u`` for this layer: accumulates parameter cotangents into ``grads`` (by slot)
         and returns the input's cotangent (``None`` when ``need_input`` is false)."""
         raise NotImplementedError
+
+    def sample_jacobian(self, ctx: object, u: Tensor, put: Callable[[Slot, Tensor], None]) -> None:
+        """Each sample's own parameter cotangent for the output cotangent ``u``: calls
+        ``put(slot, rows)`` with ``rows[n]`` sample ``n``'s share of :meth:`cotangent`'s sum
+        (for rules with :attr:`per_sample` and trainable parameters)."""
+        if self.trainable:
+            raise NotImplementedError
 
 
 def _accumulate(grads: List[Optional[Tensor]], slot: Slot, g: Tensor) -> None:
@@ -196,6 +207,17 @@ class _Affine(LayerRule):
         )  # fmt: skip
         return (ga.squeeze(0) if unbatched and ga is not None else ga), gw, gb
 
+    @property
+    def per_sample(self) -> bool:
+        return self.op is F.linear
+
+    def sample_jacobian(self, ctx, u, put):
+        a, w, _ = ctx  # nn.Linear: sample n's weight cotangent sums u_n a_n^T over extra dims
+        n = u.shape[0]
+        u3, a3 = u.reshape(n, -1, u.shape[-1]), a.reshape(n, -1, a.shape[-1])
+        put(self.weight, torch.bmm(u3.transpose(1, 2), a3))
+        put(self.bias, u3.sum(1))
+
     def cotangent(self, ctx, u, grads, need_input):
         a, w, _ = ctx
         if self.op is not F.linear:
@@ -241,6 +263,8 @@ _ACTIVATIONS: Dict[Type[nn.Module], Callable[[nn.Module], tuple]] = {
 class _Elementwise(LayerRule):
     """``y = f(z)`` elementwise: the tangent is ``f'(z) t``, ``f'`` evaluated once per step."""
 
+    per_sample = True
+
     def __init__(self, module: nn.Module):
         super().__init__(module)
         # f'(z) from (z, y); None: by autograd
@@ -273,6 +297,8 @@ class _ReLU(LayerRule):
     context (the next layer usually keeps it anyway), applied as a mask by the kernel autograd
     uses, ``threshold_backward``: cheaper on a CPU than a stored boolean mask, which must be
     converted to floats in every product."""
+
+    per_sample = True
 
     def forward(self, z, params):
         y = torch.relu(z)
@@ -331,6 +357,14 @@ class _MaxPool(LayerRule):
 class _Reshape(LayerRule):
     """A reshape (or identity): the tangent is the reshape, the cotangent reshapes back."""
 
+    @property
+    def per_sample(self) -> bool:  # unless it reshapes the batch dimension itself
+        m = self.module
+        return not (
+            (isinstance(m, nn.Flatten) and m.start_dim == 0)
+            or (isinstance(m, nn.Unflatten) and m.dim == 0)
+        )
+
     def forward(self, a, params):
         return self.module(a), a.shape
 
@@ -372,6 +406,8 @@ class _Dropout(LayerRule):
     ``module(ones)`` draws the same random numbers as ``module(a)`` would, so a step with this
     engine leaves the random state where the functional engine leaves it.
     """
+
+    per_sample = True
 
     @property
     def capture_obstacle(self) -> Optional[str]:

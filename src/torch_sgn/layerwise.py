@@ -290,4 +290,60 @@ def _by_hand(steps, fmodel, loss, flat, inputs, targets, captured=False) -> Line
         hessian = loss.hessian(z, targets)
         grad = vjp(dz)
     value_at = _value_at(chain, fmodel, loss, inputs, targets)
-    return Linearization(value, grad, ggn_vp, value_at, outputs=z)
+    dense = None
+    if not captured and _per_sample_chain(chain[first:], z, inputs.shape[0], fmodel.numel):
+
+        def dense() -> Tensor:
+            with torch.no_grad():
+                return _dense_ggn(chain, first, fmodel, hessian, z)
+
+    return Linearization(value, grad, ggn_vp, value_at, outputs=z, dense_ggn=dense)
+
+
+#: The largest output Jacobian (samples x outputs x parameters) :func:`_dense_ggn` forms; a
+#: larger one is left to products with the identity's columns.
+_MAX_JACOBIAN_ENTRIES = 1 << 25
+
+
+def _per_sample_chain(chain, z: Tensor, n_samples: int, n: int) -> bool:
+    """Whether every layer's rule keeps the samples apart (:attr:`LayerRule.per_sample`: linear
+    layers, activations, dropout, reshapes that keep the batch dimension), the outputs keep
+    the batch dimension, and the Jacobian is small enough to hold."""
+    if z.dim() < 2 or z.shape[0] != n_samples or z.numel() * n > _MAX_JACOBIAN_ENTRIES:
+        return False
+    return all(step.per_sample for step, _ in chain)
+
+
+def _dense_ggn(chain, first: int, fmodel: FunctionalModel, hessian, z: Tensor) -> Tensor:
+    r"""``G = \sum_n J_n^\top H_n J_n`` from the per-sample output Jacobians ``J_n``.
+
+    One backward pass per output unit (``z[n, o]`` for every sample ``n`` at once) yields,
+    at each linear layer, every sample's own cotangent ``u_n`` and input ``a_n``: the rows of
+    ``J`` are ``u_n a_n^T`` (weight) and ``u_n`` (bias). So ``J`` costs ``O`` backward passes
+    where products with the identity's columns cost ``P`` tangent and cotangent passes: on a
+    regression MLP with one output, ``G`` costs about as much as two or three products.
+    """
+    n_samples, n_out = z.shape[0], z[0].numel()
+    offsets = [0]
+    for numel in fmodel.numels:
+        offsets.append(offsets[-1] + numel)
+    jac = z.new_zeros((n_samples, n_out, fmodel.numel))
+    unused: List[Optional[Tensor]] = [None] * len(fmodel.params)
+
+    def put(slot: Slot, o: int, rows: Tensor) -> None:
+        if isinstance(slot, int):  # tied weights add up
+            jac[:, o, offsets[slot] : offsets[slot + 1]] += rows.reshape(n_samples, -1)
+
+    for o in range(n_out):
+        u = z.new_zeros((n_samples, n_out))
+        u[:, o] = 1.0
+        u = u.view(z.shape)
+        for i in range(len(chain) - 1, first - 1, -1):
+            step, ctx = chain[i]
+            if step.trainable:
+                step.sample_jacobian(ctx, u, lambda slot, rows, o=o: put(slot, o, rows))
+            u = step.cotangent(ctx, u, unused, need_input=i > first)
+    # H J column by column (as outputs-shaped tangents), then G = J^T (H J).
+    hj = torch.func.vmap(hessian, in_dims=-1, out_dims=-1)(jac.view(*z.shape, -1))
+    jac = jac.view(-1, fmodel.numel)
+    return jac.T @ hj.reshape(-1, fmodel.numel)

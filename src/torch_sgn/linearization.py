@@ -10,12 +10,13 @@ CG, the data-parallel communicator and the CUDA-graph capture consume it; the en
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol, Tuple, Union
 
 import torch
 from torch import Tensor
 
+from . import solvers
 from .losses import OutputLoss
 
 __all__ = ["Batch", "Engine", "Inputs", "Linearization", "loss_and_output_gradient"]
@@ -58,6 +59,8 @@ class Linearization:
             numbers (the trust region's and line search's trial points); ``None`` lets the
             optimizer evaluate the model functionally.
         outputs: the network's outputs at the point, where the engine keeps them.
+        dense_ggn: ``() -> G``, the ``P x P`` matrix, where the engine has a faster route to it
+            than products (see :meth:`ggn_matrix`); ``None`` otherwise.
     """
 
     loss: Tensor
@@ -65,6 +68,23 @@ class Linearization:
     ggn_vp: Callable[[Tensor], Tensor]
     value_at: Optional[Callable[[Tensor], Tensor]] = None
     outputs: Optional[Tensor] = None
+    dense_ggn: Optional[Callable[[], Tensor]] = None
+    _matrix: Optional[Tensor] = field(default=None, init=False, repr=False, compare=False)
+
+    def ggn_matrix(self) -> Tensor:
+        """``G`` as a dense ``P x P`` matrix (undamped), for the direct solver.
+
+        From the engine's own route where it has one (the layer-wise engine forms the output
+        Jacobian of a chain of linear layers and activations), else from products with the
+        identity's columns (:func:`torch_sgn.solvers.ggn_matrix`). Formed once: a step's
+        re-solves with another damping reuse it.
+        """
+        if self._matrix is None:
+            if self.dense_ggn is not None:
+                self._matrix = self.dense_ggn()
+            else:
+                self._matrix = solvers.ggn_matrix(self.ggn_vp, self.grad.numel(), self.grad)
+        return self._matrix
 
 
 class Engine(Protocol):

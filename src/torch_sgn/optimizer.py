@@ -12,6 +12,7 @@ from typing import Callable, Mapping, Optional
 import torch
 from torch import Tensor, nn
 
+from . import solvers
 from .cg import CGResult, conjugate_gradient
 from .damping import (
     GROWTH_START,
@@ -27,6 +28,7 @@ from .line_search import LineSearchResult, backtracking
 from .linearization import Batch, Inputs, Linearization
 from .losses import LossSpec, OutputLoss, resolve_loss
 from .options import KEYS, check_loaded_state, check_options
+from .solvers import DirectResult
 
 __all__ = ["SGN", "StepInfo"]
 
@@ -88,6 +90,11 @@ class StepInfo:
             Armijo test at its full step is solved again with a larger damping, up to
             ``SGN(attempts=...)`` times (Levenberg-Marquardt). ``damping``, ``cg_*``,
             ``tr_ratio`` and ``predicted_change`` describe the last attempt.
+        solver: ``"cg"`` or ``"direct"``, the solver that ran (see ``SGN(solver=...)``). For
+            the direct solver ``cg_iters`` is 0, ``cg_residual`` the residual of the system it
+            solved, and ``cg_stop`` how it solved it: ``"cholesky"``; ``"eigh"`` where
+            Cholesky failed in floating point (the eigenvalues of ``G`` clipped to ``>= 0``);
+            ``"scaled_gradient"`` where that failed too; ``"non_finite"`` (no step).
     """
 
     loss: float
@@ -104,6 +111,7 @@ class StepInfo:
     loss_evals: int
     line_search_ok: bool
     attempts: int = 1
+    solver: str = "cg"
 
 
 class SGN(torch.optim.Optimizer):
@@ -207,7 +215,8 @@ class SGN(torch.optim.Optimizer):
             launches more than arithmetic. Applies to CUDA models whose chain the fast engine
             runs by hand with a named loss (each layer's rule in :mod:`torch_sgn.layer_rules`
             says whether it can be captured; ``docs/LAYERS.md`` has the table); elsewhere the
-            step runs eagerly after a one-time warning. Single process only. Default off.
+            step runs eagerly after a one-time warning. Single process only. Default off. The
+            direct solver forms ``G`` from the captured product, one replay per parameter.
         curvature_fraction: compute ``G v`` on a random subset of this fraction of each batch
             (drawn at step ``t`` from a generator seeded with ``t``), the loss and gradient on
             the whole batch (Martens, 2010). Default 1 (the whole batch, as the paper).
@@ -215,6 +224,20 @@ class SGN(torch.optim.Optimizer):
             every mini-batch (see :mod:`torch_sgn.distributed`). Default ``None``: the default
             group if ``torch.distributed`` is initialised, else one process. Parameters and
             buffers are broadcast from the group's rank 0 here.
+        solver: how the damped system is solved. ``"cg"``: ``cg_iters`` conjugate-gradient
+            iterations, as the paper. ``"direct"``: exactly, by forming the ``P x P`` matrix
+            ``G`` (from the per-sample output Jacobian for chains of linear layers and
+            activations, else from ``P`` products) and a Cholesky factorization of
+            ``G + damping I`` (:math:`P^3/3` flops); where Cholesky fails in floating point, the
+            eigenvalues of ``G`` are clipped to ``>= 0``. For small models, and for fits to high
+            precision, where CG's inexact steps stall (see ``docs/SOLVERS.md``). A model whose
+            matrices (``3 P^2`` numbers) do not fit in the free memory of its device raises
+            ``ValueError`` here. ``"auto"``: direct if ``P <= direct_max_params`` and forming
+            and factoring ``G`` costs at most ``cg_iters`` products, timed once at the first
+            step (summed over a data-parallel group, so that every rank agrees), else CG;
+            :attr:`StepInfo.solver` says which ran. Default ``"cg"``.
+        direct_max_params: the most parameters ``solver="auto"`` takes the direct solver for.
+            Default 4000 (``G`` and its factor take about 190 MB in float32).
 
     :meth:`SGN.paper` builds the paper's configuration (:data:`PAPER_OPTIONS`) whatever the
     defaults here.
@@ -275,6 +298,8 @@ class SGN(torch.optim.Optimizer):
         cuda_graphs: bool = False,
         curvature_fraction: float = 1.0,
         process_group: ProcessGroup = None,
+        solver: str = "cg",
+        direct_max_params: int = solvers.DEFAULT_DIRECT_MAX_PARAMS,
     ):
         defaults = dict(
             lr=lr, damping=damping, damping_min=damping_min, cg_iters=cg_iters, cg_tol=cg_tol,
@@ -302,7 +327,21 @@ class SGN(torch.optim.Optimizer):
             "must be in (0, 1]",
         )
 
+        _check(solver in solvers.SOLVERS, "solver", solver, f"must be one of {solvers.SOLVERS}")
+        _check(
+            type(direct_max_params) is int and direct_max_params >= 0,
+            "direct_max_params",
+            direct_max_params,
+            "must be an int >= 0",
+        )
+
         self._fmodel = FunctionalModel(model)
+        if solver == "direct":  # before anything of the matrix's size is allocated
+            fm = self._fmodel
+            solvers.check_direct_fits(fm.numel, fm.dtype, fm.device)
+        self._solver = solver
+        self._direct_max_params = direct_max_params
+        self._solver_choice: Optional[str] = None  # solver="auto"'s measured choice
         self._loss = resolve_loss(loss)
         self._comm = _communicator(self._fmodel, self._loss, process_group)
         super().__init__(self._fmodel.params, defaults)
@@ -349,9 +388,19 @@ class SGN(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     # --- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """As :meth:`torch.optim.Optimizer.state_dict`, with ``solver="auto"``'s measured
+        choice, so that a resumed run solves as the original did."""
+        saved = super().state_dict()
+        saved["solver_choice"] = self._solver_choice
+        return saved
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads SGN's state; another optimizer's ``state_dict`` raises ``ValueError`` here."""
-        super().load_state_dict(check_loaded_state(state_dict))
+        choice = state_dict.get("solver_choice") if isinstance(state_dict, dict) else None
+        loaded = {k: v for k, v in check_loaded_state(state_dict).items() if k != "solver_choice"}
+        super().load_state_dict(loaded)
+        self._solver_choice = choice
 
     def __getstate__(self) -> dict:
         # torch's Optimizer pickles only its defaults, state and groups; SGN's model, loss and
@@ -364,7 +413,8 @@ class SGN(torch.optim.Optimizer):
                 "SGN built on each rank"
             )
         state = super().__getstate__()
-        own = ("_fmodel", "_loss", "_curvature_fraction", "_engine_options")
+        own = ("_fmodel", "_loss", "_curvature_fraction", "_engine_options", "_solver")
+        own += ("_direct_max_params", "_solver_choice")
         state.update({k: self.__dict__[k] for k in own})
         return state
 
@@ -495,6 +545,7 @@ class SGN(torch.optim.Optimizer):
             loss_evals=evals,
             line_search_ok=search.success,
             attempts=attempts,
+            solver="direct" if isinstance(cg, DirectResult) else "cg",
         )
         self._log(t, info)
         return info
@@ -576,9 +627,12 @@ class SGN(torch.optim.Optimizer):
 
     def _step_solver(
         self, lin: Linearization, rhs: Tensor, state: dict, t: int
-    ) -> Callable[[float], CGResult]:
+    ) -> Callable[[float], CGResult | DirectResult]:
         r"""``damping -> solution`` of :math:`(G + \rho I) d = -\hat m` for this step's
-        linearization: the step's attempts share it and differ only in the damping."""
+        linearization: the step's attempts share it and differ only in the damping (the
+        direct solver forms ``G`` once and factors ``G + \rho I`` for each)."""
+        if self._direct(lin):
+            return lambda damping: self._solve_direct(lin, rhs, damping)
         group = self.param_groups[0]
         iters = group["cg_iters"]
         if group["warmup_cg_iters"] is not None and t < group["warmup_steps"]:
@@ -608,6 +662,48 @@ class SGN(torch.optim.Optimizer):
             return result
 
         return solve
+
+    def _direct(self, lin: Linearization) -> bool:
+        """Whether this step solves directly: ``solver``, or ``"auto"``'s choice (measured at
+        its first step; see :func:`~torch_sgn.solvers.measure_costs`)."""
+        if self._solver != "auto":
+            return self._solver == "direct"
+        if self._solver_choice is None:
+            self._solver_choice = self._measured_choice(lin)
+        return self._solver_choice == "direct"
+
+    def _measured_choice(self, lin: Linearization) -> str:
+        fm = self._fmodel
+        if fm.numel > self._direct_max_params:
+            return "cg"
+        try:
+            solvers.check_direct_fits(fm.numel, fm.dtype, fm.device)
+        except ValueError:
+            return "cg"
+        costs, _ = solvers.measure_costs(
+            lin.ggn_vp,
+            lin.ggn_matrix if lin.dense_ggn is not None else None,  # kept for this step
+            fm.numel,
+            lin.grad,
+            self.param_groups[0]["cg_iters"],
+            agree=self._comm.agree,
+        )
+        logger.info(
+            "solver='auto': %s (direct %.3g s: G %.3g s + factor %.3g s; CG %d x %.3g s)",
+            costs.choice, costs.direct, costs.matrix, costs.factor, costs.cg_iterations,
+            costs.product,
+        )  # fmt: skip
+        return costs.choice
+
+    def _solve_direct(self, lin: Linearization, rhs: Tensor, damping: float) -> DirectResult:
+        result = solvers.solve_damped(lin.ggn_matrix(), rhs, damping)
+        if result.reason != "cholesky":  # routine in float32 at a tiny damping: no warning
+            logger.debug(
+                "  the direct solve's Cholesky factorization failed at damping %.3g; solved by "
+                "the %s fallback",
+                damping, result.reason,
+            )  # fmt: skip
+        return result
 
     def _loss_at(self, lin: Linearization, flat: Tensor, batch: Batch) -> float:
         if lin.value_at is not None:
@@ -643,7 +739,7 @@ class _Solution:
     moved: bool  # ``d != 0``
 
     @staticmethod
-    def of(grad: Tensor, rhs: Tensor, cg: CGResult, lr: float) -> _Solution:
+    def of(grad: Tensor, rhs: Tensor, cg: CGResult | DirectResult, lr: float) -> _Solution:
         r"""The change :math:`g^\top s + \frac12 s^\top A s` uses CG's residual, which gives
         :math:`A d = r - \hat m` without another product."""
         d = cg.x

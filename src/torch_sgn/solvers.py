@@ -19,7 +19,7 @@ out of reach (:math:`P^2` memory), and CG is the method.
   returns NaN from a finite matrix.
 * :func:`check_direct_fits` refuses, before anything is allocated, a model whose matrix does
   not fit in the device's memory.
-* :func:`measure_costs` and :func:`choose_solver` are ``solver="auto"``'s cost model.
+* :func:`measure_costs` is ``solver="auto"``'s cost model (:class:`SolverCosts`).
 """
 
 from __future__ import annotations
@@ -133,24 +133,25 @@ def ggn_matrix(
     like: Tensor,
     chunk: Optional[int] = None,
 ) -> Tensor:
-    """``G`` (``n x n``) from products with identity columns.
+    """``G`` (``n x n``) from products with the identity's columns.
 
-    Columns go through ``torch.func.vmap`` in chunks of ``chunk`` (one batched pass per chunk:
-    on a small model, many products cost little more than one), or one product at a time where
-    the product cannot be batched.
+    On a CPU one product per column: batching them with ``torch.func.vmap`` was 3 to 5 times
+    slower there (``benchmarks/direct_cost.py``). On other devices the columns go through
+    ``vmap`` in chunks of ``chunk``, one batched pass per chunk in place of many small kernel
+    launches, and one by one where a product cannot be batched.
 
     Args:
         ggn_vp: ``v -> G v`` for a flat ``v``.
         n: the number of parameters.
         like: a tensor of the parameters' dtype and device.
-        chunk: columns per batched pass; ``None`` picks all of them up to 256.
+        chunk: columns per batched pass; ``None`` picks 64.
     """
-    chunk = min(n, 256) if chunk is None else max(1, min(chunk, n))
+    chunk = min(n, 64) if chunk is None else max(1, min(chunk, n))
     out = like.new_empty((n, n))
-    batched = _batched(ggn_vp)
+    products = _products(ggn_vp, like.device)
     for start in range(0, n, chunk):
         stop = min(n, start + chunk)
-        out[start:stop] = batched(_identity_columns(n, start, stop, like))
+        out[start:stop] = products(_identity_columns(n, start, stop, like))
     # Row i holds G e_i, column i of G; G is symmetric, so these rows are its columns too.
     return out
 
@@ -166,8 +167,11 @@ def _loop(ggn_vp: Callable[[Tensor], Tensor], rows: Tensor) -> Tensor:
     return torch.stack([ggn_vp(r) for r in rows.unbind(0)])
 
 
-def _batched(ggn_vp: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
-    """Products with the rows of a matrix, batched by ``vmap`` while that works."""
+def _products(
+    ggn_vp: Callable[[Tensor], Tensor], device: torch.device
+) -> Callable[[Tensor], Tensor]:
+    """Products with the rows of a matrix: batched by ``vmap`` off the CPU while that works."""
+    use_vmap = device.type != "cpu"
     vmapped = torch.func.vmap(ggn_vp)
 
     def run(rows: Tensor) -> Tensor:
@@ -175,11 +179,10 @@ def _batched(ggn_vp: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
         if use_vmap:
             try:
                 return vmapped(rows)
-            except Exception:  # an op without a batching rule (old torch, custom layers)
+            except Exception:  # an op without a batching rule (older torch, custom layers)
                 use_vmap = False
         return _loop(ggn_vp, rows)
 
-    use_vmap = True
     return run
 
 
@@ -239,61 +242,92 @@ def _human(count: int) -> str:
 # --- solver="auto": the cost model -------------------------------------------------------------
 @dataclass(frozen=True)
 class SolverCosts:
-    """Seconds measured once per model and batch shape, on this device.
+    """Seconds, measured once on this device, of what one step's solve costs each way.
 
     Attributes:
         product: one ``G v`` product.
-        matrix: forming ``G`` (estimated from one chunk of columns).
-        factor: a Cholesky factorization of ``G`` (estimated from a smaller one by ``P^3``).
+        factor: a Cholesky factorization of ``P x P`` (timed at most ``256 x 256`` and scaled
+            by ``P^3``).
+        matrix: forming ``G`` (``nan`` when not measured: the factorization alone already
+            cost more than CG).
+        cg_iterations: CG's iteration budget ``k``.
     """
 
     product: float
-    matrix: float
     factor: float
+    matrix: float
+    cg_iterations: int
 
     @property
     def direct(self) -> float:
         return self.matrix + self.factor
 
-    def cg(self, iterations: int) -> float:
-        return iterations * self.product
+    @property
+    def cg(self) -> float:
+        return self.cg_iterations * self.product
 
-
-def choose_solver(costs: SolverCosts, cg_iterations: int) -> str:
-    """``"direct"`` when forming and factoring ``G`` costs at most CG's ``cg_iterations``
-    products; else ``"cg"``. The direct step is exact, CG's is not: a tie goes to direct."""
-    return "direct" if costs.direct <= costs.cg(cg_iterations) else "cg"
+    @property
+    def choice(self) -> str:
+        """``"direct"`` when forming and factoring ``G`` costs at most CG's ``k`` products (a
+        tie goes to the exact solve), else ``"cg"``."""
+        return "direct" if self.direct <= self.cg else "cg"
 
 
 def measure_costs(
-    ggn_vp: Callable[[Tensor], Tensor], n: int, like: Tensor, chunk: Optional[int] = None
-) -> SolverCosts:
-    """Times one product, one chunk of :func:`ggn_matrix` and a Cholesky factorization of at
-    most ``256 x 256``, each after a warm-up call, and scales them to ``G`` of size ``n``.
+    ggn_vp: Callable[[Tensor], Tensor],
+    dense_ggn: Optional[Callable[[], Tensor]],
+    n: int,
+    like: Tensor,
+    cg_iterations: int,
+    agree: Callable[[list], list] = lambda values: values,
+) -> tuple[SolverCosts, Optional[Tensor]]:
+    """``solver="auto"``'s measurement: times one product and a Cholesky factorization; only if
+    the factorization is cheaper than CG, also forms ``G`` (returned, so that a step that goes
+    on with the direct solve uses it) or, where it comes from products, times one chunk of 64.
 
-    The chunk is at most 64 columns and the factorization at most 256: a few products' worth of
-    work, spent once per model and batch shape.
+    Args:
+        ggn_vp: ``v -> G v``.
+        dense_ggn: the engine's own route to ``G`` (see
+            :meth:`~torch_sgn.linearization.Linearization.ggn_matrix`), or ``None``.
+        n: the number of parameters.
+        like: a tensor of the parameters' dtype and device.
+        cg_iterations: CG's iteration budget.
+        agree: maps the measured seconds to the ones every process decides by (the sums over
+            a data-parallel group, so that all take the same decision).
+
+    Returns:
+        The costs and ``G`` when it was formed, else ``None``.
     """
-    chunk = min(n, 64) if chunk is None else max(1, min(chunk, n))
     v = like.new_ones(n)
     product = _timed(lambda: ggn_vp(v), like.device)
-    batched = _batched(ggn_vp)
-    columns = _identity_columns(n, 0, chunk, like)
-    block = _timed(lambda: batched(columns), like.device)
-    matrix = block * math.ceil(n / chunk)
     m = min(n, 256)
-    spd = like.new_zeros((m, m))
-    spd.diagonal().fill_(1.0)
-    spd += 1.0 / m  # an SPD matrix of the dtype and device
+    spd = like.new_full((m, m), 1.0 / m)
+    spd.diagonal().add_(1.0)
     factor = _timed(lambda: torch.linalg.cholesky_ex(spd), like.device) * (n / m) ** 3
-    return SolverCosts(product=product, matrix=matrix, factor=factor)
+    product, factor = agree([product, factor])
+    if factor > cg_iterations * product:
+        return SolverCosts(product, factor, math.nan, cg_iterations), None
+    matrix = None
+    if dense_ggn is not None:
+        _sync(like.device)
+        start = time.perf_counter()
+        matrix = dense_ggn()
+        _sync(like.device)
+        seconds = time.perf_counter() - start
+    else:
+        chunk = min(n, 64)
+        products = _products(ggn_vp, like.device)
+        columns = _identity_columns(n, 0, chunk, like)
+        seconds = _timed(lambda: products(columns), like.device) * math.ceil(n / chunk)
+    (seconds,) = agree([seconds])
+    return SolverCosts(product, factor, seconds, cg_iterations), matrix
 
 
 def _timed(fn: Callable[[], object], device: torch.device) -> float:
     """Seconds of ``fn()``, the faster of two calls after a warm-up, device synchronised."""
     fn()
     best = math.inf
-    for _ in range(2):
+    for _ in range(2):  # the faster of two: noise only ever adds time
         _sync(device)
         start = time.perf_counter()
         fn()

@@ -1,0 +1,100 @@
+"""What forming the dense Gauss-Newton matrix costs, by the two routes the direct solver has.
+
+Command (from the repository root)::
+
+    PYTHONPATH=src python benchmarks/direct_cost.py
+
+For each model (one torch thread, the layer-wise engine, MSE), the median seconds of: one
+``G v`` product; ``G`` from the per-sample output Jacobian (``Linearization.ggn_matrix``, the
+layer-wise engine's route); ``G`` from products with the identity's columns in chunks of 64 and
+256 (``solvers.ggn_matrix``, the route of every other engine); a Cholesky factorization of a
+``P x P`` matrix. Models: the sinc benchmark's 1-20-1 tanh MLP (batch 1000), the paper's
+Boston MLP 13-100-100-1 sigmoid (batch 101), a 1-40-40-1 tanh MLP (batch 1000).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from functools import partial
+
+import torch
+from torch import nn
+
+from torch_sgn import solvers
+from torch_sgn.engines import select_engine
+from torch_sgn.functional import FunctionalModel
+from torch_sgn.linearization import Batch
+from torch_sgn.losses import resolve_loss
+
+MODELS = {
+    "sinc 1-20-1 tanh, batch 1000": (
+        lambda: nn.Sequential(nn.Linear(1, 20), nn.Tanh(), nn.Linear(20, 1)), 1000, 1
+    ),
+    "1-40-40-1 tanh, batch 1000": (
+        lambda: nn.Sequential(
+            nn.Linear(1, 40), nn.Tanh(), nn.Linear(40, 40), nn.Tanh(), nn.Linear(40, 1)
+        ),
+        1000,
+        1,
+    ),
+    "Boston 13-100-100-1 sigmoid, batch 101": (
+        lambda: nn.Sequential(
+            nn.Linear(13, 100), nn.Sigmoid(), nn.Linear(100, 100), nn.Sigmoid(), nn.Linear(100, 1)
+        ),
+        101,
+        13,
+    ),
+}  # fmt: skip
+
+
+def _median(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "float64"])
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, 1 thread; seconds (median)")
+    print("| model | dtype | P | product | G via Jacobian | via products (64) | (256) | Cholesky |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, (build, batch, inputs) in MODELS.items():
+        for dtype_name in args.dtypes:
+            dtype = getattr(torch, dtype_name)
+            model = build().to(dtype)
+            fmodel = FunctionalModel(model)
+            x = torch.randn(batch, inputs, dtype=dtype)
+            y = torch.randn(batch, 1, dtype=dtype)
+            loss = resolve_loss("mse")
+            lin = select_engine(fmodel, loss, "fast")(fmodel.flat(), Batch(x, y))
+            n = fmodel.numel
+            big = n > 5000
+            reps = 3 if big else 21
+            like = fmodel.flat()
+            vp = lin.ggn_vp
+            product = _median(partial(vp, like), 21)
+            # The Jacobian route, formed afresh each time (ggn_matrix() keeps its result).
+            jac = _median(lin.dense_ggn, reps)
+            p64 = _median(partial(solvers.ggn_matrix, vp, n, like, 64), 1 if big else 5)
+            p256 = _median(partial(solvers.ggn_matrix, vp, n, like, 256), 1 if big else 5)
+            a = torch.randn(n, n, dtype=dtype)
+            a = a @ a.T + n * torch.eye(n, dtype=dtype)
+            chol = _median(partial(torch.linalg.cholesky_ex, a), 1 if big else 5)
+            print(
+                f"| {name} | {dtype_name} | {n} | {product:.2e} | {jac:.2e} | {p64:.2e} | "
+                f"{p256:.2e} | {chol:.2e} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,348 @@
+"""The direct solver: against torch.linalg.solve on dense G + rho I built independently (float64),
+its fallbacks, the memory limit, solver="auto"'s choice, and its place in SGN's step."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from cases import LOSS, LOSSES, MODELS, dense_ggn, make_batch
+from torch_sgn import SGN, solvers
+from torch_sgn.engines import select_engine
+from torch_sgn.functional import FunctionalModel
+from torch_sgn.linearization import Batch
+from torch_sgn.losses import resolve_loss
+from torch_sgn.solvers import DirectResult, SolverCosts, solve_damped
+
+EXACT = dict(line_search=False, trust_region=False, lr=1.0, momentum=0.0)
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+
+
+def _spd(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(n, n, generator=g, dtype=torch.float64)
+    return a @ a.T / n
+
+
+# --- the pure solve ------------------------------------------------------------------------------
+def test_cholesky_solution_matches_linalg_solve_and_its_residual_is_the_true_one():
+    G = _spd(9)
+    rhs = torch.randn(9, dtype=torch.float64)
+    result = solve_damped(G, rhs, 1e-3)
+    A = G + 1e-3 * torch.eye(9, dtype=torch.float64)
+    assert result.reason == "cholesky" and not result.breakdown and result.iterations == 0
+    torch.testing.assert_close(result.x, torch.linalg.solve(A, -rhs), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(result.residual, A @ result.x + rhs, rtol=0, atol=1e-12)
+
+
+def test_indefinite_matrix_takes_the_eigenvalue_fallback_and_gives_a_descent_step():
+    # G with negative eigenvalues (a custom loss not convex in the outputs): G + rho I is
+    # indefinite, Cholesky fails; the fallback solves with max(lambda, 0) + rho.
+    g = torch.Generator().manual_seed(1)
+    q, _ = torch.linalg.qr(torch.randn(6, 6, generator=g, dtype=torch.float64))
+    eigs = torch.tensor([3.0, 1.0, 0.5, 0.0, -0.2, -2.0], dtype=torch.float64)
+    G = q @ torch.diag(eigs) @ q.T
+    rhs = torch.randn(6, generator=g, dtype=torch.float64)
+    rho = 1e-2
+    result = solve_damped(G, rhs, rho)
+    clipped = q @ torch.diag(eigs.clamp_min(0) + rho) @ q.T
+    assert result.reason == "eigh"
+    torch.testing.assert_close(result.x, torch.linalg.solve(clipped, -rhs), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(result.residual, clipped @ result.x + rhs, rtol=0, atol=1e-10)
+    assert float(rhs @ result.x) < 0  # a descent direction for rhs
+
+
+def test_float32_singular_matrix_with_a_tiny_damping_never_gives_nan():
+    # J^T J of rank 2 in 30 dimensions, damping far below float32's resolution of its scale:
+    # G + rho I is singular to rounding.
+    g = torch.Generator().manual_seed(2)
+    J = torch.randn(2, 30, generator=g) * 1e3
+    G = J.T @ J
+    G[0, 1] -= 1.0  # rounding-sized asymmetry and indefiniteness
+    rhs = torch.randn(30, generator=g)
+    result = solve_damped(G, rhs, 1e-30)
+    assert result.reason in ("cholesky", "eigh")
+    assert torch.isfinite(result.x).all() and torch.isfinite(result.residual).all()
+
+
+def test_non_finite_matrix_gives_no_step_and_a_breakdown():
+    G = _spd(4)
+    G[1, 2] = math.nan
+    rhs = torch.ones(4, dtype=torch.float64)
+    result = solve_damped(G, rhs, 1.0)
+    assert result.breakdown and result.reason == "non_finite"
+    assert torch.equal(result.x, torch.zeros(4, dtype=torch.float64))
+
+
+def test_eigh_failure_falls_back_to_a_scaled_gradient(monkeypatch):
+    G = -_spd(5)  # indefinite: Cholesky fails, then eigh is made to fail
+    rhs = torch.randn(5, dtype=torch.float64)
+
+    def no_convergence(*args, **kwargs):
+        raise torch.linalg.LinAlgError("did not converge")
+
+    monkeypatch.setattr(torch.linalg, "eigh", no_convergence)
+    result = solve_damped(G, rhs, 0.5)
+    scale = 0.5 + float(torch.linalg.matrix_norm(G))
+    assert result.reason == "scaled_gradient"
+    torch.testing.assert_close(result.x, -rhs / scale)
+
+
+def test_shape_mismatch_is_refused():
+    with pytest.raises(ValueError, match="does not match"):
+        solve_damped(torch.eye(3), torch.ones(4), 1.0)
+
+
+# --- forming G ------------------------------------------------------------------------------------
+# Every loss on the MLP (the layer-wise engine's Jacobian route, the functional engine's
+# products); the CNN and the sequence model (products in both engines) on a few.
+MATRIX_CASES = [(MODELS[0], case) for case in LOSSES] + [
+    (MODELS[1], LOSS["cross_entropy"]),
+    (MODELS[1], LOSS["mse"]),
+    (MODELS[2], LOSS["CE-ignore-index"]),
+    (MODELS[2], LOSS["BCE-sum"]),
+]
+
+
+@pytest.mark.usefixtures("each_engine")
+@pytest.mark.parametrize(
+    "model_case,loss_case", MATRIX_CASES, ids=[f"{m.name}-{c.name}" for m, c in MATRIX_CASES]
+)
+def test_ggn_matrix_matches_the_dense_reference(each_engine, model_case, loss_case):
+    model, x, y = make_batch(model_case, loss_case)
+    loss = loss_case.make()
+    fmodel = FunctionalModel(model)
+    engine = select_engine(fmodel, resolve_loss(loss), each_engine)
+    lin = engine(fmodel.flat(), Batch(x, y))
+    G_ref, _, _ = dense_ggn(model, loss, x, y)
+    torch.testing.assert_close(lin.ggn_matrix(), G_ref, rtol=1e-9, atol=1e-12)
+    if model_case is MODELS[0]:  # the products route, in chunks that do not divide P
+        products = solvers.ggn_matrix(lin.ggn_vp, fmodel.numel, fmodel.flat(), chunk=5)
+        torch.testing.assert_close(products, G_ref, rtol=1e-9, atol=1e-12)
+
+
+def test_the_layerwise_engine_forms_G_from_the_jacobian_only_for_per_sample_chains():
+    mse = resolve_loss("mse")
+    mlp, x, y = make_batch(MODELS[0], LOSS["mse"])
+    fm = FunctionalModel(mlp)
+    assert select_engine(fm, mse, "fast")(fm.flat(), Batch(x, y)).dense_ggn is not None
+    cnn, x, y = make_batch(MODELS[1], LOSS["mse"])
+    fm = FunctionalModel(cnn)
+    assert select_engine(fm, mse, "fast")(fm.flat(), Batch(x, y)).dense_ggn is None
+
+
+def test_tied_weights_add_up_in_the_jacobian_route():
+    torch.manual_seed(3)
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(shared, nn.Tanh(), shared, nn.Sigmoid(), nn.Linear(4, 2)).double()
+    x = torch.randn(7, 4, dtype=torch.float64)
+    y = torch.randn(7, 2, dtype=torch.float64)
+    fm = FunctionalModel(model)
+    lin = select_engine(fm, resolve_loss("mse"), "fast")(fm.flat(), Batch(x, y))
+    assert lin.dense_ggn is not None
+    G_ref, _, _ = dense_ggn(model, "mse", x, y)
+    torch.testing.assert_close(lin.ggn_matrix(), G_ref, rtol=1e-9, atol=1e-12)
+
+
+# --- SGN(solver="direct") -------------------------------------------------------------------------
+@pytest.mark.usefixtures("each_engine")
+@pytest.mark.parametrize("loss_case", LOSSES, ids=[c.name for c in LOSSES])
+def test_direct_step_solves_the_damped_system_for_every_loss(loss_case):
+    models = (MODELS[0], MODELS[2]) if loss_case.targets != "real" else (MODELS[0],)
+    for model_case in models:
+        model, x, y = make_batch(model_case, loss_case)
+        loss = loss_case.make()
+        G, g, theta = dense_ggn(model, loss, x, y)
+        rho = 1e-3
+        A = G + rho * torch.eye(len(theta), dtype=G.dtype)
+        expected = theta - torch.linalg.solve(A, g)
+        opt = SGN(model, loss, damping=rho, solver="direct", cg_iters=1, **EXACT)
+        info = opt.step(x, y)
+        torch.testing.assert_close(_flat(model), expected, rtol=1e-9, atol=1e-11)
+        assert info.solver == "direct" and info.cg_iters == 0 and info.cg_stop == "cholesky"
+        d = expected - theta
+        predicted = float(g @ d + 0.5 * d @ A @ d)
+        assert info.predicted_change == pytest.approx(predicted, rel=1e-9, abs=1e-14)
+
+
+def test_direct_step_on_a_non_convex_custom_loss_takes_the_fallback_and_stays_finite():
+    model, x, y = make_batch(MODELS[0], LOSS["mse"])
+
+    def concave(outputs, targets):  # H = -2/n I: G is negative semi-definite
+        return -((outputs - targets) ** 2).mean()
+
+    opt = SGN(model, concave, damping=1e-4, solver="direct", **EXACT)
+    info = opt.step(x, y)
+    assert info.cg_stop == "eigh" and info.solver == "direct"
+    assert torch.isfinite(_flat(model)).all() and info.predicted_change < 0
+
+
+def test_a_failing_direct_solve_leaves_everything_unchanged(monkeypatch):
+    model, x, y = make_batch(MODELS[0], LOSS["mse"])
+    opt = SGN(model, "mse", solver="direct")
+    opt.step(x, y)
+    before_model = copy.deepcopy(model.state_dict())
+    before_opt = copy.deepcopy(opt.state_dict())
+
+    def broken(*args):
+        raise RuntimeError("factorization broke")
+
+    monkeypatch.setattr(solvers, "solve_damped", broken)
+    with pytest.raises(RuntimeError, match="factorization broke"):
+        opt.step(x + 1, y)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before_model[k])
+    assert str(opt.state_dict()) == str(before_opt)
+
+
+def test_curvature_subset_forms_G_on_the_subset():
+    model, x, y = make_batch(MODELS[0], LOSS["mse"])
+    x, y = torch.cat([x, x.flip(0) * 2]), torch.cat([y, -y])  # 12 samples
+    n, m, rho = 12, 6, 1e-2
+    idx = torch.randperm(n, generator=torch.Generator().manual_seed(0))[:m].sort().values
+    G_sub, _, theta = dense_ggn(model, "mse", x[idx], y[idx])
+    _, g, _ = dense_ggn(model, "mse", x, y)
+    expected = theta - torch.linalg.solve(G_sub + rho * torch.eye(len(theta)).double(), g)
+    SGN(model, "mse", damping=rho, solver="direct", curvature_fraction=0.5, **EXACT).step(x, y)
+    torch.testing.assert_close(_flat(model), expected, rtol=1e-9, atol=1e-11)
+
+
+def test_direct_with_the_cpu_graph_stand_in_matches_the_eager_step(cpu_graph_captures):
+    model, x, y = make_batch(MODELS[0], LOSS["cross_entropy"])
+    twin = copy.deepcopy(model)
+    a = SGN(model, "cross_entropy", solver="direct", cuda_graphs=True)
+    b = SGN(twin, "cross_entropy", solver="direct")
+    for k in range(3):
+        info_a, info_b = a.step(x + k, y), b.step(x + k, y)
+        assert info_a.solver == info_b.solver == "direct"
+    assert cpu_graph_captures  # the captured path ran
+    torch.testing.assert_close(_flat(model), _flat(twin), rtol=1e-10, atol=1e-12)
+
+
+def test_float32_direct_training_fits_a_small_regression_at_least_as_well_as_cg():
+    torch.manual_seed(0)
+    x = torch.linspace(-1, 1, 200).unsqueeze(1)
+    y = torch.sin(3 * x)
+    results = {}
+    for solver in ("direct", "cg"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(1, 10), nn.Tanh(), nn.Linear(10, 1))
+        opt = SGN(model, "mse", solver=solver, damping_min=1e-10)
+        for _ in range(60):
+            info = opt.step(x, y)
+        assert info.solver == solver
+        results[solver] = info.loss_after
+    assert math.isfinite(results["direct"])
+    assert results["direct"] < 1e-7 and results["direct"] <= results["cg"]
+
+
+# --- memory limit and solver="auto" ---------------------------------------------------------------
+def test_direct_on_a_model_too_large_raises_at_construction_naming_count_and_bytes():
+    torch.manual_seed(0)
+    model = nn.Linear(1000, 1000)  # 1,001,000 parameters: 3 x n^2 x 4 bytes = 12 TB
+    before = _flat(model)
+    need = 3 * 1_001_000**2 * 4
+    with pytest.raises(ValueError) as err:
+        SGN(model, "mse", solver="direct")
+    message = str(err.value)
+    assert "1,001,000 parameters" in message and f"{need:,} bytes" in message
+    assert "solver='cg'" in message
+    assert torch.equal(_flat(model), before)
+
+
+def test_the_memory_check_compares_with_the_free_memory(monkeypatch):
+    model, x, y = make_batch(MODELS[0], LOSS["mse"])  # 43 parameters: 44,376 bytes in float64
+    monkeypatch.setattr(solvers, "available_memory", lambda device: 44_375)
+    with pytest.raises(ValueError, match="43 parameters"):
+        SGN(model, "mse", solver="direct")
+    monkeypatch.setattr(solvers, "available_memory", lambda device: 44_376)
+    SGN(model, "mse", solver="direct")
+    # auto does not raise: it takes CG where the matrix does not fit
+    monkeypatch.setattr(solvers, "available_memory", lambda device: 100)
+    assert SGN(model, "mse", solver="auto").step(x, y).solver == "cg"
+
+
+def test_cost_model_prefers_the_cheaper_solve_and_direct_on_a_tie():
+    costs = SolverCosts(product=1.0, factor=2.0, matrix=8.0, cg_iterations=10)
+    assert (costs.direct, costs.cg, costs.choice) == (10.0, 10.0, "direct")
+    assert SolverCosts(1.0, 2.0, 8.1, 10).choice == "cg"
+    assert SolverCosts(1.0, 20.0, math.nan, 10).choice == "cg"
+
+
+def test_auto_picks_direct_on_a_tiny_model_and_cg_above_the_limit(monkeypatch):
+    model, x, y = make_batch(MODELS[0], LOSS["mse"])
+    # A CG budget of 2000 products costs far more than forming a 43 x 43 matrix.
+    info = SGN(copy.deepcopy(model), "mse", solver="auto", cg_iters=2000).step(x, y)
+    assert info.solver == "direct" and info.cg_iters == 0
+
+    def not_measured(*args, **kwargs):
+        raise AssertionError("auto measured a model above direct_max_params")
+
+    monkeypatch.setattr(solvers, "measure_costs", not_measured)
+    info = SGN(model, "mse", solver="auto", cg_iters=2000, direct_max_params=42).step(x, y)
+    assert info.solver == "cg" and info.cg_iters > 0
+
+
+def test_auto_measures_once_and_follows_the_measurement(monkeypatch):
+    model, x, y = make_batch(MODELS[0], LOSS["mse"])
+    calls = []
+
+    def fake(ggn_vp, dense, n, like, cg_iterations, agree):
+        calls.append(n)
+        return SolverCosts(1.0, 1.0, 100.0, cg_iterations), None  # direct costs 101 > 10
+
+    monkeypatch.setattr(solvers, "measure_costs", fake)
+    opt = SGN(model, "mse", solver="auto", cg_iters=10)
+    assert [opt.step(x, y).solver for _ in range(3)] == ["cg"] * 3
+    assert calls == [43]
+
+
+def test_state_dict_round_trip_keeps_the_choice_and_continues_bit_identically(monkeypatch):
+    model, x, y = make_batch(MODELS[1], LOSS["cross_entropy"], dtype=torch.float32)
+    batches = [(x + 0.1 * k, y) for k in range(6)]
+    opt = SGN(model, "cross_entropy", solver="auto", cg_iters=2000)
+    infos = [opt.step(*b) for b in batches[:3]]
+    assert {i.solver for i in infos} == {"direct"}
+    saved_model = copy.deepcopy(model.state_dict())
+    saved_opt = copy.deepcopy(opt.state_dict())
+    assert saved_opt["solver_choice"] == "direct"
+    reference = [opt.step(*b) for b in batches[3:]]
+
+    def not_measured(*args, **kwargs):
+        raise AssertionError("a resumed run measured again")
+
+    monkeypatch.setattr(solvers, "measure_costs", not_measured)
+    resumed = MODELS[1].build()
+    resumed.load_state_dict(saved_model)
+    opt2 = SGN(resumed, "cross_entropy", solver="auto", cg_iters=2000)
+    opt2.load_state_dict(saved_opt)
+    assert [opt2.step(*b) for b in batches[3:]] == reference
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(solver="exact"), "solver"),
+        (dict(direct_max_params=-1), "direct_max_params"),
+        (dict(direct_max_params=2.5), "direct_max_params"),
+    ],
+)
+def test_bad_solver_arguments_are_refused(kwargs, match):
+    model, _, _ = make_batch(MODELS[0], LOSS["mse"])
+    with pytest.raises(ValueError, match=match):
+        SGN(model, "mse", **kwargs)
+
+
+def test_direct_result_is_shaped_like_a_cg_result():
+    result = DirectResult(torch.zeros(2), torch.zeros(2), 0, "cholesky")
+    assert not result.breakdown
+    assert DirectResult(torch.zeros(2), torch.zeros(2), 0, "non_finite").breakdown
