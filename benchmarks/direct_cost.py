@@ -4,10 +4,12 @@ Command (from the repository root)::
 
     PYTHONPATH=src python benchmarks/direct_cost.py
 
-For each model (one torch thread, the layer-wise engine, MSE), the median seconds of: one
-``G v`` product; ``G`` from the per-sample output Jacobian (``Linearization.ggn_matrix``, the
-layer-wise engine's route); ``G`` from products with the identity's columns in chunks of 64 and
-256 (``solvers.ggn_matrix``, the route of every other engine); a Cholesky factorization of a
+For each model (one torch thread, the layer-wise engine, MSE), the median seconds of process CPU
+time (comparable on a shared machine) of: one
+``G v`` product; ``G`` from the per-sample output Jacobian (``Linearization.dense_ggn``, the
+layer-wise engine's route); ``G`` from products with the identity's columns, one by one
+(``solvers.ggn_matrix`` on a CPU, the route of every other engine) and batched by
+``torch.func.vmap`` in chunks of 64 (its route on other devices); a Cholesky factorization of a
 ``P x P`` matrix. Models: the sinc benchmark's 1-20-1 tanh MLP (batch 1000), the paper's
 Boston MLP 13-100-100-1 sigmoid (batch 101), a 1-40-40-1 tanh MLP (batch 1000).
 """
@@ -52,10 +54,21 @@ def _median(fn, repeats: int) -> float:
     fn()
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = time.process_time()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(time.process_time() - start)
     return sorted(times)[len(times) // 2]
+
+
+def _vmapped(ggn_vp, n: int, like: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    out = like.new_empty((n, n))
+    vmapped = torch.func.vmap(ggn_vp)
+    for start in range(0, n, chunk):
+        stop = min(n, start + chunk)
+        rows = like.new_zeros((stop - start, n))
+        rows[:, start:stop].fill_diagonal_(1.0)
+        out[start:stop] = vmapped(rows)
+    return out
 
 
 def main() -> None:
@@ -64,8 +77,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, 1 thread; seconds (median)")
-    print("| model | dtype | P | product | G via Jacobian | via products (64) | (256) | Cholesky |")
+    print(f"torch {torch.__version__}, 1 thread; CPU seconds (median)")
+    print("| model | dtype | P | product | G via Jacobian | G via products | via vmap | Cholesky |")
     print("|---|---|---|---|---|---|---|---|")
     for name, (build, batch, inputs) in MODELS.items():
         for dtype_name in args.dtypes:
@@ -84,14 +97,14 @@ def main() -> None:
             product = _median(partial(vp, like), 21)
             # The Jacobian route, formed afresh each time (ggn_matrix() keeps its result).
             jac = _median(lin.dense_ggn, reps)
-            p64 = _median(partial(solvers.ggn_matrix, vp, n, like, 64), 1 if big else 5)
-            p256 = _median(partial(solvers.ggn_matrix, vp, n, like, 256), 1 if big else 5)
+            loop = _median(partial(solvers.ggn_matrix, vp, n, like), 1 if big else 5)
+            batched = _median(partial(_vmapped, vp, n, like), 1 if big else 5)
             a = torch.randn(n, n, dtype=dtype)
             a = a @ a.T + n * torch.eye(n, dtype=dtype)
             chol = _median(partial(torch.linalg.cholesky_ex, a), 1 if big else 5)
             print(
-                f"| {name} | {dtype_name} | {n} | {product:.2e} | {jac:.2e} | {p64:.2e} | "
-                f"{p256:.2e} | {chol:.2e} |",
+                f"| {name} | {dtype_name} | {n} | {product:.2e} | {jac:.2e} | {loop:.2e} | "
+                f"{batched:.2e} | {chol:.2e} |",
                 flush=True,
             )
 
