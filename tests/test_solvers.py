@@ -346,3 +346,18 @@ def test_direct_result_is_shaped_like_a_cg_result():
     result = DirectResult(torch.zeros(2), torch.zeros(2), 0, "cholesky")
     assert not result.breakdown
     assert DirectResult(torch.zeros(2), torch.zeros(2), 0, "non_finite").breakdown
+
+
+def test_levenberg_marquardt_re_solves_reuse_the_matrix(monkeypatch):
+    model, x, y = make_batch(MODELS[1], LOSS["mse"])  # the CNN: G from products
+    formed, solved = [], []
+    ggn_matrix, solve = solvers.ggn_matrix, solvers.solve_damped
+    monkeypatch.setattr(
+        solvers, "ggn_matrix", lambda *a, **k: formed.append(1) or ggn_matrix(*a, **k)
+    )
+    monkeypatch.setattr(solvers, "solve_damped", lambda *a: solved.append(a[2]) or solve(*a))
+    opt = SGN(model, "mse", solver="direct", lr=30.0, attempts=4, line_search=False)
+    info = opt.step(x, y)
+    assert info.attempts > 1 and len(solved) == info.attempts and len(formed) == 1
+    assert solved == sorted(solved) and solved[-1] > solved[0]  # more damping each attempt
+    assert info.damping == solved[-1]
