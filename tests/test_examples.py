@@ -1,0 +1,51 @@
+"""The examples that train models other than Sequential chains run in their quick mode."""
+
+import importlib.util
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _run(name: str, capsys) -> list:
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    try:
+        module.main(["--quick", "--threads", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    return re.findall(r"^(SGN|Adam)\s+epoch (\d+)\s+train loss (\S+)", out, re.M)
+
+
+def _check(rows: list) -> None:
+    assert [(o, e) for o, e, _ in rows] == [
+        ("SGN", "1"),
+        ("SGN", "2"),
+        ("Adam", "1"),
+        ("Adam", "2"),
+    ]
+    assert all(math.isfinite(float(loss)) for _, _, loss in rows)
+    assert float(rows[1][2]) < float(rows[0][2])  # SGN's second epoch improves on its first
+
+
+@pytest.mark.slow
+def test_char_transformer_quick(capsys):
+    _check(_run("char_transformer", capsys))
+
+
+@pytest.mark.slow
+def test_resnet_fashion_mnist_quick(capsys):
+    from torch_sgn.experiments import data
+
+    try:
+        data.fashion_mnist(download=False)
+    except data.DatasetNotFoundError:
+        pytest.skip("Fashion-MNIST is not installed (e.g. Debian's dataset-fashion-mnist)")
+    _check(_run("resnet_fashion_mnist", capsys))
