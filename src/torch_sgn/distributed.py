@@ -130,7 +130,7 @@ def shard(*tensors: Tensor, group: ProcessGroup = None) -> tuple[Tensor, ...]:
 
 
 # --- the communicator SGN uses ----------------------------------------------------------------
-class _SingleProcess:
+class SingleProcess:
     """The communicator of a single process: no communication at all."""
 
     def linearize(
@@ -145,19 +145,19 @@ class _SingleProcess:
         return values
 
 
-def _communicator(
+def communicator(
     fmodel: FunctionalModel, loss: OutputLoss, process_group: ProcessGroup
-) -> _SingleProcess | _DataParallel:
+) -> SingleProcess | DataParallel:
     """The data-parallel communicator if a group of more than one process applies."""
     if process_group is None and not (dist.is_available() and dist.is_initialized()):
-        return _SingleProcess()
+        return SingleProcess()
     group = process_group if process_group is not None else dist.group.WORLD
     if dist.get_world_size(group) == 1:
-        return _SingleProcess()
-    return _DataParallel(fmodel, loss, group)
+        return SingleProcess()
+    return DataParallel(fmodel, loss, group)
 
 
-class _DataParallel:
+class DataParallel:
     """All-reduces what SGN's decisions depend on, weighted by each rank's share of the batch.
 
     It wraps one step's :class:`~torch_sgn.linearization.Linearization` (loss, gradient and

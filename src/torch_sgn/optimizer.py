@@ -21,7 +21,7 @@ from .damping import (
     scheduled_damping,
     trust_region_update,
 )
-from .distributed import ProcessGroup, _communicator, _SingleProcess
+from .distributed import ProcessGroup, SingleProcess, communicator
 from .engines import ENGINES, curvature_subset, select_engine
 from .functional import FunctionalModel
 from .line_search import LineSearchResult, backtracking
@@ -343,11 +343,11 @@ class SGN(torch.optim.Optimizer):
         self._direct_max_params = direct_max_params
         self._solver_choice: Optional[str] = None  # solver="auto"'s measured choice
         self._loss = resolve_loss(loss)
-        self._comm = _communicator(self._fmodel, self._loss, process_group)
+        self._comm = communicator(self._fmodel, self._loss, process_group)
         super().__init__(self._fmodel.params, defaults)
         if len(self.param_groups) != 1:  # pragma: no cover - guarded by add_param_group
             raise ValueError("SGN doesn't support per-parameter options (parameter groups)")
-        if cuda_graphs and not isinstance(self._comm, _SingleProcess):
+        if cuda_graphs and not isinstance(self._comm, SingleProcess):
             raise ValueError(
                 "cuda_graphs=True is not supported in a data-parallel group of several "
                 "processes (shards may differ in shape); leave it off there"
@@ -406,7 +406,7 @@ class SGN(torch.optim.Optimizer):
         # torch's Optimizer pickles only its defaults, state and groups; SGN's model, loss and
         # communicator go along, and the copy builds its engine (which caches plans and CUDA
         # graphs) afresh from the copied model.
-        if not isinstance(self._comm, _SingleProcess):
+        if not isinstance(self._comm, SingleProcess):
             raise TypeError(
                 "an SGN in a data-parallel group of several processes cannot be copied or "
                 "pickled (its process group cannot): save opt.state_dict() and load it into an "
@@ -422,7 +422,7 @@ class SGN(torch.optim.Optimizer):
         super().__setstate__(state)
         if "_comm" in self.__dict__:  # load_state_dict's call: the optimizer is built already
             return
-        self._comm = _SingleProcess()
+        self._comm = SingleProcess()
         with warnings.catch_warnings():  # the original already warned about its engine
             warnings.simplefilter("ignore")
             self._engine = select_engine(self._fmodel, self._loss, *self._engine_options)
