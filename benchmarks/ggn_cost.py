@@ -65,12 +65,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from torch_sgn import SGN
 from torch_sgn.engines import select_engine
-from torch_sgn.experiments.models import PRESETS
+from torch_sgn.experiments.models import PRESETS, CausalTransformer, LSTMModel, ResNetBN
 from torch_sgn.functional import FunctionalModel
 from torch_sgn.linearization import Batch
 from torch_sgn.losses import resolve_loss
@@ -133,85 +132,6 @@ def _peak_mib(fn: Callable[[], object], device: torch.device, base: int) -> floa
 
 
 # --- models beyond the paper's --------------------------------------------------------------------
-class _Block(nn.Module):
-    """A residual block: two 3x3 convolutions with batch norm, a projection where shapes change."""
-
-    def __init__(self, cin: int, cout: int, stride: int):
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.shortcut = nn.Identity()
-        if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
-            )
-
-    def forward(self, x):
-        h = F.relu(self.bn1(self.conv1(x)))
-        return F.relu(self.bn2(self.conv2(h)) + self.shortcut(x))
-
-
-class ResNetBN(nn.Module):
-    def __init__(self, channels: int = 3, width: int = 16, classes: int = 10):
-        super().__init__()
-        self.stem = nn.Sequential(
-            nn.Conv2d(channels, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU()
-        )
-        self.stages = nn.Sequential(
-            _Block(width, width, 1), _Block(width, 2 * width, 2), _Block(2 * width, 4 * width, 2)
-        )
-        self.head = nn.Linear(4 * width, classes)
-
-    def forward(self, x):
-        return self.head(self.stages(self.stem(x)).mean((2, 3)))
-
-
-class _PreNorm(nn.Module):
-    """A pre-norm transformer block with causal scaled-dot-product attention."""
-
-    def __init__(self, width: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        hidden = 4 * width
-        self.mlp = nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width))
-
-    def forward(self, x):
-        n, length, width = x.shape
-        qkv = self.qkv(self.norm1(x)).view(n, length, 3, self.heads, width // self.heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(n, length, width))
-        return x + self.mlp(self.norm2(x))
-
-
-class CausalTransformer(nn.Module):
-    def __init__(self, vocab=64, width=128, layers=2, heads=4, length=64):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.position = nn.Parameter(torch.randn(length, width) * 0.02)
-        self.blocks = nn.Sequential(*[_PreNorm(width, heads) for _ in range(layers)])
-        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, vocab)
-
-    def forward(self, idx):
-        x = self.embed(idx) + self.position[: idx.shape[1]]
-        return self.head(self.norm(self.blocks(x))).transpose(1, 2)  # (N, vocab, L)
-
-
-class LSTMModel(nn.Module):
-    def __init__(self, vocab=64, width=128):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.lstm = nn.LSTM(width, width, batch_first=True)
-        self.head = nn.Linear(width, vocab)
-
-    def forward(self, idx):
-        return self.head(self.lstm(self.embed(idx))[0]).transpose(1, 2)  # (N, vocab, L)
-
-
 #: name -> (build, input shape with the batch, vocabulary size or None for real inputs)
 ANY_MODELS = {
     "resnet_bn": (ResNetBN, (128, 3, 32, 32), None),

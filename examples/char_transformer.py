@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torch_sgn import SGN
+from torch_sgn.experiments.models import CausalTransformer
 
 ALPHABET = sorted(set(string.printable) - set("\r\x0b\x0c")) + ["?"]
 
@@ -69,39 +70,6 @@ def encode(text: str) -> torch.Tensor:
     return torch.tensor([index.get(c, unknown) for c in text], dtype=torch.long)
 
 
-class Block(nn.Module):
-    def __init__(self, width: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.mlp = nn.Sequential(
-            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
-        )
-
-    def forward(self, x):
-        n, length, width = x.shape
-        qkv = self.qkv(self.norm1(x)).view(n, length, 3, self.heads, width // self.heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(n, length, width))
-        return x + self.mlp(self.norm2(x))
-
-
-class CharTransformer(nn.Module):
-    def __init__(self, vocab: int, width: int = 64, layers: int = 2, heads: int = 4, length=64):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.position = nn.Parameter(torch.randn(length, width) * 0.02)
-        self.blocks = nn.Sequential(*[Block(width, heads) for _ in range(layers)])
-        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, vocab)
-
-    def forward(self, idx):
-        x = self.embed(idx) + self.position[: idx.shape[1]]
-        # (N, vocab, L): cross-entropy takes the classes in dimension 1
-        return self.head(self.norm(self.blocks(x))).transpose(1, 2)
-
-
 def windows(ids: torch.Tensor, count: int, length: int, g: torch.Generator):
     """``count`` random windows of ``length + 1`` characters: inputs and next characters."""
     start = torch.randint(0, len(ids) - length - 1, (count,), generator=g)
@@ -118,7 +86,7 @@ def evaluate(model: nn.Module, x, y) -> float:
 
 def train(name, make_optimizer, data, epochs: int, batch_size: int, length: int) -> None:
     torch.manual_seed(0)
-    model = CharTransformer(len(ALPHABET), length=length)
+    model = CausalTransformer(len(ALPHABET), width=64, length=length)
     optimizer = make_optimizer(model)
     (x, y), (xv, yv) = data
     g = torch.Generator().manual_seed(1)

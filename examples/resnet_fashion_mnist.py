@@ -35,39 +35,7 @@ from torch import nn
 
 from torch_sgn import SGN
 from torch_sgn.experiments import data
-
-
-class Block(nn.Module):
-    """Two 3x3 convolutions with batch norm and a skip connection (projected where the shape
-    changes)."""
-
-    def __init__(self, cin: int, cout: int, stride: int):
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.skip = nn.Identity()
-        if stride != 1 or cin != cout:
-            self.skip = nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
-            )
-
-    def forward(self, x):
-        h = F.relu(self.bn1(self.conv1(x)))
-        return F.relu(self.bn2(self.conv2(h)) + self.skip(x))
-
-
-class ResNet(nn.Module):
-    def __init__(self, width: int = 8, classes: int = 10):
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(1, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width))
-        self.blocks = nn.Sequential(Block(width, width, 1), Block(width, 2 * width, 2))
-        self.head = nn.Linear(2 * width, classes)
-
-    def forward(self, x):
-        h = self.blocks(F.relu(self.stem(x)))
-        return self.head(h.mean((2, 3)))
+from torch_sgn.experiments.models import ResNetBN
 
 
 @torch.no_grad()
@@ -98,7 +66,7 @@ def evaluate(model: nn.Module, x, y) -> tuple[float, float]:
 
 def train(name, make_optimizer, ds, epochs: int, batch_size: int) -> None:
     torch.manual_seed(0)
-    model = ResNet()
+    model = ResNetBN(channels=1, width=8, stages=2)
     optimizer = make_optimizer(model)
     g = torch.Generator().manual_seed(1)
     start = time.perf_counter()

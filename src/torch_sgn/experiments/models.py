@@ -1,7 +1,9 @@
-"""Model builders and the five networks of the SGN paper.
+"""Model builders, the five networks of the SGN paper, and networks beyond them.
 
-The builders return plain :class:`torch.nn.Module` objects (always an
-:class:`torch.nn.Sequential`), so the optimizer needs nothing model-specific.
+The paper's builders return plain :class:`torch.nn.Sequential` objects. Beyond the paper, a
+ResNet with batch norm (:class:`ResNetBN`), a causal pre-norm transformer
+(:class:`CausalTransformer`) and an LSTM language model (:class:`LSTMModel`) are what the
+cost benchmark and the examples train: models the layer-wise engine does not take.
 
 :data:`PRESETS` describes the networks exactly as they were run for the paper, together
 with the data set, loss and mini-batch size each was trained with; :func:`preset` builds
@@ -18,11 +20,15 @@ from dataclasses import dataclass
 from typing import Callable, Literal, Optional, Sequence, Union
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
     "PRESETS",
+    "CausalTransformer",
+    "LSTMModel",
     "Preset",
+    "ResNetBN",
     "initialize",
     "mlp",
     "preset",
@@ -356,3 +362,93 @@ def preset(
     except KeyError:
         raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}") from None
     return p.build(init, seed)
+
+
+# --- networks beyond the paper's ----------------------------------------------------------------
+class ResidualBlock(nn.Module):
+    """Two 3x3 convolutions with batch norm and a skip connection (projected by a 1x1
+    convolution with batch norm where the shape changes)."""
+
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x):
+        h = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(h)) + self.shortcut(x))
+
+
+class ResNetBN(nn.Module):
+    """A small ResNet: a 3x3 stem, ``stages`` residual blocks (the first keeps the width, each
+    later one doubles it and halves the resolution), global average pooling, a linear head."""
+
+    def __init__(self, channels: int = 3, width: int = 16, classes: int = 10, stages: int = 3):
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(channels, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU()
+        )
+        widths = [width * 2**i for i in range(stages)]
+        blocks = [ResidualBlock(width, width, 1)]
+        blocks += [ResidualBlock(a, b, 2) for a, b in zip(widths, widths[1:])]
+        self.stages = nn.Sequential(*blocks)
+        self.head = nn.Linear(widths[-1], classes)
+
+    def forward(self, x):
+        return self.head(self.stages(self.stem(x)).mean((2, 3)))
+
+
+class PreNormBlock(nn.Module):
+    """A pre-norm transformer block with causal scaled-dot-product attention."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        hidden = 4 * width
+        self.mlp = nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width))
+
+    def forward(self, x):
+        n, length, width = x.shape
+        qkv = self.qkv(self.norm1(x)).view(n, length, 3, self.heads, width // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(n, length, width))
+        return x + self.mlp(self.norm2(x))
+
+
+class CausalTransformer(nn.Module):
+    """A causal pre-norm transformer over token ids ``(N, L)``; returns logits ``(N, vocab, L)``
+    (classes in dimension 1, as cross-entropy takes them)."""
+
+    def __init__(self, vocab=64, width=128, layers=2, heads=4, length=64):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.position = nn.Parameter(torch.randn(length, width) * 0.02)
+        self.blocks = nn.Sequential(*[PreNormBlock(width, heads) for _ in range(layers)])
+        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, vocab)
+
+    def forward(self, idx):
+        x = self.embed(idx) + self.position[: idx.shape[1]]
+        return self.head(self.norm(self.blocks(x))).transpose(1, 2)
+
+
+class LSTMModel(nn.Module):
+    """An embedding, one LSTM layer and a linear head; logits ``(N, vocab, L)``."""
+
+    def __init__(self, vocab=64, width=128):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.lstm = nn.LSTM(width, width, batch_first=True)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, idx):
+        return self.head(self.lstm(self.embed(idx))[0]).transpose(1, 2)
