@@ -37,9 +37,9 @@ and is timed apart, not in the medians) it prints:
 * ``step k``: a whole ``SGN.step`` with k CG iterations (``cg_tol=0``), line search off, trust
   region on (one loss evaluation), in gradients; the target is ``1.3 k + 1.5``;
 * ``mem``: peak memory of one gradient / one step with k = 10, in MiB: the model's parameters
-  and the batch plus the peak of what the call allocates (CPU: torch profiler's memory
-  timeline; CUDA: ``torch.cuda.max_memory_allocated`` less what was allocated before). The
-  target is a ratio <= 2. With ``graphs`` it is a fresh optimizer's first step, so it
+  and the batch plus the peak of what the call allocates (CPU: the torch profiler's
+  allocation events summed in time order; CUDA: ``torch.cuda.max_memory_allocated`` less what
+  was allocated before). The target is a ratio <= 2. With ``graphs`` it is a fresh optimizer's first step, so it
   includes the capture.
 
 Times are medians over ``--repeats`` rounds after ``--warmup`` rounds; in every round each
@@ -117,16 +117,15 @@ def _peak_mib(fn: Callable[[], object], device: torch.device, base: int) -> floa
         return (base + torch.cuda.max_memory_allocated(device) - before) / 2**20
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(
-        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
-    ) as prof:
+    # The allocation events alone, summed in time order: the profiler's memory timeline
+    # (``_memory_profile``, which needs stacks and shapes of every operator) ran out of memory
+    # on the LSTM's step; on the other models both give the same peak.
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     current = peak = 0
-    for _, action, _, size in prof._memory_profile().timeline:
-        if action.name == "CREATE":
-            current += size
-        elif action.name == "DESTROY":
-            current -= size
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        current += event.nbytes()
         peak = max(peak, current)
     return (base + peak) / 2**20
 
@@ -264,18 +263,26 @@ def measure(name: str, device: torch.device, cfg: Config) -> Dict[str, object]:
     result["curvlinops_vs_traced_rel_diff"] = product_check
     if cfg.memory:
         base = sum(t.numel() * t.element_size() for t in [x, y, *params])
-        mem = {"grad": _peak_mib(gradient, device, base)}
+        calls = {"grad": gradient}
         for e in engines:
-            mem[f"{e}/step10"] = _peak_mib(
-                lambda e=e: SGN(
-                    copy.deepcopy(model), loss_name, cg_iters=10, cg_tol=0.0,
-                    line_search=False, **options[e],
-                ).step(x, y),
-                device,
-                base,
-            )  # fmt: skip
+            calls[f"{e}/step10"] = lambda e=e: SGN(
+                copy.deepcopy(model), loss_name, cg_iters=10, cg_tol=0.0,
+                line_search=False, **options[e],
+            ).step(x, y)  # fmt: skip
+        mem: Dict[str, float] = {}
+        for t, fn in calls.items():
+            try:
+                mem[t] = _peak_mib(fn, device, base)
+            except Exception as why:  # noqa: BLE001 - a failed profile must not lose the times
+                print(f"  {name}: memory of {t} not measured ({_first_line(why)})", file=sys.stderr)
+                mem[t] = float("nan")
         result["peak_mib"] = mem
     return result
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 def _curvlinops_product(model, loss_name: str, x, y) -> Optional[Callable]:
@@ -412,20 +419,34 @@ def main(argv: List[str] | None = None) -> None:
     print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
     print(f"config: {asdict(cfg)}")
     devices = [torch.device(d) for d in cfg.devices if d != "cuda" or torch.cuda.is_available()]
-    results = []
+    results, failed = [], []
     for device in devices:
         for name in cfg.models:
-            results.append(measure(name, device, cfg))
+            try:  # one model failing must not lose the others' rows
+                results.append(measure(name, device, cfg))
+            except Exception as why:  # noqa: BLE001
+                failed.append(f"{name} on {device}: {_first_line(why)}")
+                print(f"  {name} on {device} FAILED: {_first_line(why)}", file=sys.stderr)
+                continue
             print(f"  measured {name} on {device}", file=sys.stderr, flush=True)
+            if cfg.out:  # written after every model, so that a crash keeps what was measured
+                _save(cfg, env, results, failed)
     print(_table(results, cfg))
     for res in results:
         if "graphs" in res["engines"]:
             print(f"{res['model']}: capturing the graphs took {res['first_lin_s']['graphs']:.2f} s")
     print("fastest round of each quantity (less sensitive to load from other processes):")
     print(_table(results, cfg, "min"))
+    for line in failed:
+        print(f"FAILED: {line}")
     if cfg.out:
-        with open(cfg.out, "w") as f:
-            json.dump({"config": asdict(cfg), "environment": env, "results": results}, f, indent=1)
+        _save(cfg, env, results, failed)
+
+
+def _save(cfg: Config, env: Dict[str, str], results: List[Dict[str, object]], failed) -> None:
+    record = {"config": asdict(cfg), "environment": env, "results": results, "failed": failed}
+    with open(cfg.out, "w") as f:
+        json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":
