@@ -16,6 +16,7 @@ from torch_sgn.functional import FunctionalModel
 from torch_sgn.layerwise import LayerwiseEngine
 from torch_sgn.linearization import Batch
 from torch_sgn.losses import resolve_loss
+from torch_sgn.tangent_rules import BatchNorm
 from torch_sgn.traced import TracedEngine
 
 D = torch.float64
@@ -334,3 +335,75 @@ def test_a_loss_linear_in_the_outputs_gives_zero_products():
     assert torch.count_nonzero(lin.ggn_vp(v)) == 0
     _, g_ref = dense_reference(model, linear_loss, x, y)
     torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
+
+
+# --- the tangent rules (torch_sgn.tangent_rules) ------------------------------------------------
+def _norms(variant):
+    """Batch-norm variants the rule must cover: 1-d on (N, C) and (N, C, L), 2-d without the
+    affine map, without running statistics, another momentum."""
+    torch.manual_seed(1)
+    g = torch.Generator().manual_seed(1)
+    if variant == "1d-flat":
+        model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 2))
+        x = torch.randn(7, 3, generator=g)
+    elif variant == "1d-seq":
+        model = nn.Sequential(nn.Conv1d(2, 3, 2), nn.BatchNorm1d(3, momentum=0.3), nn.Flatten())
+        model.append(nn.Linear(9, 2))
+        x = torch.randn(5, 2, 4, generator=g)
+    elif variant == "2d-no-affine":
+        model = nn.Sequential(nn.Conv2d(2, 3, 2), nn.BatchNorm2d(3, affine=False), nn.ReLU())
+        model.extend([nn.Flatten(), nn.Linear(12, 2)])
+        x = torch.randn(4, 2, 3, 3, generator=g)
+    elif variant == "2d-no-running":
+        model = nn.Sequential(nn.Conv2d(2, 3, 2), nn.BatchNorm2d(3, track_running_stats=False))
+        model.extend([nn.Sigmoid(), nn.Flatten(), nn.Linear(12, 2)])
+        x = torch.randn(4, 2, 3, 3, generator=g)
+    else:
+        raise KeyError(variant)
+    with torch.no_grad():  # running statistics other than the initial ones
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None:
+                m.running_mean.uniform_(-0.5, 0.5, generator=g)
+                m.running_var.uniform_(0.5, 2.0, generator=g)
+    return model.to(D), x.to(D), torch.randn(x.shape[0], 2, generator=g).to(D)
+
+
+NORMS = ["1d-flat", "1d-seq", "2d-no-affine", "2d-no-running"]
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("variant", NORMS)
+def test_batch_norm_rule_matches_the_dense_reference(variant, train, monkeypatch):
+    model, x, y = _norms(variant)
+    model.train(train)
+    G_ref, g_ref = dense_reference(model, F.mse_loss, x, y)
+    twin = copy.deepcopy(model)
+    calls = []
+    jvp = BatchNorm.jvp
+    monkeypatch.setattr(BatchNorm, "jvp", staticmethod(lambda *a: calls.append(1) or jvp(*a)))
+    engine = _traced(model, "mse")
+    out: dict = {}
+    lin = engine(engine.fmodel.flat(), Batch(x, y), out)
+    assert calls  # the products were recorded with the rule
+    eye = torch.eye(engine.fmodel.numel, dtype=D)
+    G = torch.stack([lin.ggn_vp(e) for e in eye], dim=1)
+    torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(G, G_ref, rtol=1e-9, atol=1e-11)
+    twin(x)  # the running statistics as one eager forward pass leaves them
+    for name, b in twin.named_buffers():
+        torch.testing.assert_close(out.get(name, b), b, rtol=1e-13, atol=0)
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_batch_norm_rule_gives_the_products_of_pytorchs_own_rule(train, monkeypatch):
+    import torch_sgn.traced as traced
+
+    model, x, y, loss = _family("resnet-bn")
+    model.train(train)
+    v = torch.randn(FunctionalModel(model).numel, dtype=D)
+    products = []
+    for rules in (True, False):
+        monkeypatch.setattr(traced, "TANGENT_RULES", rules)
+        engine = _traced(model, loss)
+        products.append(engine(engine.fmodel.flat(), Batch(x, y)).ggn_vp(v))
+    torch.testing.assert_close(products[0], products[1], rtol=1e-12, atol=1e-14)

@@ -48,12 +48,17 @@ from .diagnostics import warn
 from .functional import FunctionalEngine, FunctionalModel
 from .linearization import Batch, Linearization
 from .losses import OutputLoss
+from .tangent_rules import TangentRules
 
 __all__ = ["TracedEngine", "Untraceable"]
 
 #: traces kept per engine (one per input shape, dtype, device and training mode); the oldest
 #: is dropped beyond this
 CACHE_SIZE = 8
+
+#: record the products with the tangent formulas of :mod:`torch_sgn.tangent_rules` (PyTorch's
+#: own forward-mode rules where False; the products are the same)
+TANGENT_RULES = True
 
 
 class Untraceable(Exception):
@@ -244,7 +249,8 @@ def _whole(fmodel: FunctionalModel, loss: OutputLoss, double_backward: bool) -> 
                 (vjp,) = torch.autograd.grad(out, theta, u, create_graph=True)
                 (jv,) = torch.autograd.grad(vjp, u, v)
             else:
-                with fwAD.dual_level():
+                rules = TangentRules() if TANGENT_RULES else contextlib.nullcontext()
+                with fwAD.dual_level(), rules:
                     out, jv = fwAD.unpack_dual(
                         forward(fwAD.make_dual(theta, v), buffers, frozen, inputs)
                     )
