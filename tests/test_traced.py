@@ -407,3 +407,38 @@ def test_batch_norm_rule_gives_the_products_of_pytorchs_own_rule(train, monkeypa
         engine = _traced(model, loss)
         products.append(engine(engine.fmodel.flat(), Batch(x, y)).ggn_vp(v))
     torch.testing.assert_close(products[0], products[1], rtol=1e-12, atol=1e-14)
+
+
+def test_graph_passes_fuse_matrix_products_and_merge_repeats():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from torch_sgn.traced import _eliminate_common_subexpressions, _fuse_matmul_adds
+
+    def f(a, b, c, d):
+        s = torch.tanh(a) + torch.tanh(a)  # the same operation twice
+        return s, c + a @ b, torch.bmm(d, d) + d, (a @ b).double() + 1  # last: no fusion
+
+    args = (torch.randn(3, 4), torch.randn(4, 3), torch.randn(3), torch.randn(2, 3, 3))
+    gm = make_fx(f)(*args)
+    expected = f(*args)
+    _fuse_matmul_adds(gm.graph)
+    _eliminate_common_subexpressions(gm.graph)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    targets = [n.target for n in gm.graph.nodes]
+    aten = torch.ops.aten
+    assert targets.count(aten.tanh.default) == 1
+    assert targets.count(aten.addmm.default) == 1 and targets.count(aten.baddbmm.default) == 1
+    assert targets.count(aten.mm.default) == 1  # the one whose sum changes dtype stays
+    for got, want in zip(gm(*args), expected):
+        torch.testing.assert_close(got, want)
+
+    def g(a):  # an in-place write: equal-looking nodes may differ, nothing is merged
+        x, y = a.clone(), a.clone()
+        x.add_(1)
+        return x + y
+
+    gm = make_fx(g)(args[0])
+    before = len(gm.graph.nodes)
+    _eliminate_common_subexpressions(gm.graph)
+    assert len(gm.graph.nodes) == before

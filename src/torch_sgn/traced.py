@@ -60,6 +60,10 @@ CACHE_SIZE = 8
 #: own forward-mode rules where False; the products are the same)
 TANGENT_RULES = True
 
+#: rewrite the recorded graphs: ``add`` of a matrix product into ``addmm`` / ``baddbmm``, and
+#: one node for operations repeated on the same arguments (the results are the same)
+GRAPH_PASSES = True
+
 
 class Untraceable(Exception):
     """The model cannot be traced into one graph; the message says why."""
@@ -411,9 +415,81 @@ def _split(gm: fx.GraphModule) -> Tuple[fx.GraphModule, fx.GraphModule]:
     else:  # every product is a fresh tensor (the optimizer adds the damping in place)
         product.output(product.call_function(torch.ops.aten.clone.default, (penv[gv],)))
 
+    if GRAPH_PASSES:
+        for graph in (setup, product):
+            _fuse_matmul_adds(graph)
+            _eliminate_common_subexpressions(graph)
+            graph.eliminate_dead_code()
     setup_module = fx.GraphModule(gm, setup)
     product_module = fx.GraphModule(gm, product)
     meta = outputs.meta.get("val")
     setup_module.output_shape = tuple(meta.shape)
     setup_module.output_dtype = meta.dtype
     return setup_module, product_module
+
+
+# --- rewriting ---------------------------------------------------------------------------------
+def _fuse_matmul_adds(graph: fx.Graph) -> None:
+    """``add(c, mm(a, b))`` into ``addmm(c, a, b)`` (and ``bmm`` into ``baddbmm``): a linear
+    layer's tangent ``dx W^T + x dW^T + db`` then takes no separate full-size additions."""
+    aten = torch.ops.aten
+    fused = {aten.mm.default: aten.addmm.default, aten.bmm.default: aten.baddbmm.default}
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.add.Tensor or node.kwargs:
+            continue
+        if len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args):
+            continue
+        for mm, other in ((node.args[1], node.args[0]), (node.args[0], node.args[1])):
+            if mm.op != "call_function" or mm.target not in fused or len(mm.users) != 1:
+                continue
+            out, prod, addend = (n.meta.get("val") for n in (node, mm, other))
+            if not all(isinstance(t, Tensor) for t in (out, prod, addend)):
+                continue
+            # the sum must have the product's shape and dtype (no broadcasting of the product,
+            # no type promotion), which addmm's input then broadcasts to
+            if out.shape != prod.shape or not out.dtype == prod.dtype == addend.dtype:
+                continue
+            with graph.inserting_before(node):
+                new = graph.call_function(fused[mm.target], (other, *mm.args))
+            new.meta = dict(node.meta)
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            graph.erase_node(mm)
+            break
+
+
+def _eliminate_common_subexpressions(graph: fx.Graph) -> None:
+    """One node for each operator applied twice to the same arguments. Only in graphs that
+    write into no tensor (an in-place write would make two equal-looking nodes differ)."""
+    nodes = list(graph.nodes)
+    if any(
+        n.op == "call_function"
+        and isinstance(n.target, torch._ops.OpOverload)
+        and n.target._schema.is_mutable
+        for n in nodes
+    ):
+        return
+    seen: Dict[tuple, fx.Node] = {}
+    for node in nodes:
+        if node.op != "call_function" or _is_impure(node):
+            continue
+        try:
+            key = (node.target, _hashable(node.args), _hashable(node.kwargs))
+            hash(key)
+        except TypeError:
+            continue
+        if key in seen:
+            node.replace_all_uses_with(seen[key])
+            graph.erase_node(node)
+        else:
+            seen[key] = node
+
+
+def _hashable(value: object) -> object:
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_hashable(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((k, _hashable(v)) for k, v in value.items())))
+    if isinstance(value, (Tensor, slice)):  # a constant tensor: compare by identity
+        return ("id", id(value))
+    return (type(value).__name__, value)
