@@ -16,7 +16,7 @@ from torch_sgn.functional import FunctionalModel
 from torch_sgn.layerwise import LayerwiseEngine
 from torch_sgn.linearization import Batch
 from torch_sgn.losses import resolve_loss
-from torch_sgn.tangent_rules import BatchNorm
+from torch_sgn.tangent_rules import BatchNorm, LSTMLayer
 from torch_sgn.traced import TracedEngine
 
 D = torch.float64
@@ -442,3 +442,64 @@ def test_graph_passes_fuse_matrix_products_and_merge_repeats():
     before = len(gm.graph.nodes)
     _eliminate_common_subexpressions(gm.graph)
     assert len(gm.graph.nodes) == before
+
+
+class _LSTMVariant(nn.Module):
+    """nn.LSTM as the rule must take it: layers, biases, batch layout, initial states."""
+
+    def __init__(self, layers=1, bias=True, batch_first=True, states=False, dropout=0.0):
+        super().__init__()
+        self.rnn = nn.LSTM(3, 4, layers, bias=bias, batch_first=batch_first, dropout=dropout)
+        self.batch_first, self.states = batch_first, states
+        self.h0 = nn.Parameter(torch.randn(layers, 1, 4) * 0.5)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        if not self.batch_first:
+            x = x.transpose(0, 1)
+        n = x.shape[0 if self.batch_first else 1]
+        if self.states:
+            h0 = self.h0.expand(-1, n, -1).contiguous()
+            out, (h, c) = self.rnn(x, (h0, torch.tanh(h0)))
+        else:
+            out, (h, c) = self.rnn(x)
+        last = out[:, -1] if self.batch_first else out[-1]
+        return self.head(last + h[-1] - c[-1])  # every output of the layer is used
+
+
+LSTMS = {
+    "one-layer": {},
+    "two-layers-no-bias": {"layers": 2, "bias": False},
+    "time-first-with-states": {"batch_first": False, "states": True},
+    "two-layers-dropout": {"layers": 2, "dropout": 0.5},  # train: PyTorch's own rule
+}
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("variant", list(LSTMS))
+def test_lstm_rule_matches_the_dense_reference(variant, train, monkeypatch):
+    torch.manual_seed(2)
+    model = _LSTMVariant(**LSTMS[variant]).to(D).train(train)
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(3, 5, 3, generator=g).to(D), torch.randn(3, 2, generator=g).to(D)
+    calls = []
+    jvp = LSTMLayer.jvp
+    monkeypatch.setattr(LSTMLayer, "jvp", staticmethod(lambda *a: calls.append(1) or jvp(*a)))
+    if variant == "two-layers-dropout" and train:
+        # Dropout between layers: the rule declines, PyTorch's kernels and rules take it (a
+        # random function: no dense reference; its product is symmetric positive semi-definite)
+        engine = _traced(model, "mse")
+        lin = engine(engine.fmodel.flat(), Batch(x, y))
+        G = torch.stack([lin.ggn_vp(e) for e in torch.eye(engine.fmodel.numel, dtype=D)], 1)
+        assert not calls
+        torch.testing.assert_close(G, G.T, rtol=1e-9, atol=1e-12)
+        assert torch.linalg.eigvalsh(G).min() > -1e-10
+        return
+    G_ref, g_ref = dense_reference(model, F.mse_loss, x, y)
+    engine = _traced(model, "mse")
+    lin = engine(engine.fmodel.flat(), Batch(x, y))
+    assert calls  # the products were recorded with the rule
+    eye = torch.eye(engine.fmodel.numel, dtype=D)
+    G = torch.stack([lin.ggn_vp(e) for e in eye], dim=1)
+    torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(G, G_ref, rtol=1e-9, atol=1e-11)

@@ -20,6 +20,14 @@ Batch normalization (:func:`torch.nn.functional.batch_norm`). With
 two full-size products and two reductions per product (PyTorch's own rule recomputes the
 centred input and takes about a dozen full-size operations). In evaluation mode (running
 statistics) the two means drop out.
+
+LSTM layers. PyTorch's recurrent kernels take the tangent one time step at a time, every term
+of it: ``x_t dW_ih^T`` and ``h_{t-1} dW_hh^T`` as well as the recurrent ``dh_{t-1} W_hh^T``,
+in a few dozen small operations per step. :class:`LSTMLayer` takes the terms that do not
+depend on the recurrence as one matrix product over all steps, and the recurrence in six
+operations per step with the gates' derivatives computed once per step of SGN; its reverse
+pass likewise leaves only ``dpre_t W_hh`` in the loop and takes the weights' gradients as one
+matrix product each.
 """
 
 from __future__ import annotations
@@ -39,10 +47,15 @@ _BATCH_NORM = inspect.signature(F.batch_norm)
 
 class TangentRules(TorchFunctionMode):
     """A function mode that routes :func:`torch.nn.functional.batch_norm` through
-    :class:`BatchNorm` (the rule above); every other function runs as usual."""
+    :class:`BatchNorm` and unidirectional LSTM layers (``torch.lstm``, as ``nn.LSTM`` calls it,
+    without projections) through :class:`LSTMLayer`; every other function runs as usual."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.lstm:
+            out = _lstm(*args, **kwargs)
+            if out is not None:
+                return out
         if func is F.batch_norm:
             bound = _BATCH_NORM.bind(*args, **kwargs)
             bound.apply_defaults()
@@ -148,3 +161,144 @@ class BatchNorm(torch.autograd.Function):
             mask,
         )
         return gx, gweight, gbias, None, None, None, None, None
+
+
+# --- LSTM -------------------------------------------------------------------------------------
+def _lstm(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
+    """``torch.lstm`` (the padded form ``nn.LSTM`` calls) through :class:`LSTMLayer`, or
+    ``None`` where the rule does not apply (bidirectional, projections, dropout between
+    layers, packed sequences)."""
+    if not isinstance(hx, (list, tuple)) or bidirectional or (train and dropout > 0):
+        return None
+    per_layer = 4 if has_biases else 2
+    if len(params) != per_layer * num_layers or input.dim() != 3:
+        return None
+    h0, c0 = hx
+    if params[1].shape[1] != h0.shape[-1]:  # projections (proj_size > 0)
+        return None
+    x = input.transpose(0, 1) if batch_first else input
+    hs, cs = [], []
+    for layer in range(num_layers):
+        w = list(params[per_layer * layer : per_layer * (layer + 1)])
+        b_ih, b_hh = (w[2], w[3]) if has_biases else (None, None)
+        x, h, c = LSTMLayer.apply(x, h0[layer], c0[layer], w[0], w[1], b_ih, b_hh)
+        hs.append(h)
+        cs.append(c)
+    out = x.transpose(0, 1) if batch_first else x
+    return out, torch.stack(hs), torch.stack(cs)
+
+
+def _addmm_terms(bias: Optional[Tensor], terms, rows: int, cols: int, like: Tensor) -> Tensor:
+    """``bias + sum(a @ b for a, b in terms)`` without separate additions."""
+    out = None
+    for a, b in terms:
+        if out is None:
+            out = torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
+        else:
+            out = torch.addmm(out, a, b)
+    if out is None:
+        out = torch.zeros(rows, cols, dtype=like.dtype, device=like.device)
+        if bias is not None:
+            out = out + bias
+    return out
+
+
+class LSTMLayer(torch.autograd.Function):
+    """One unidirectional LSTM layer over ``x`` of shape ``(T, N, I)``: ``(out, h_T, c_T)``,
+    gates in PyTorch's order ``i, f, g, o``."""
+
+    @staticmethod
+    def forward(ctx, x, h0, c0, w_ih, w_hh, b_ih, b_hh):
+        steps, batch, _ = x.shape
+        width = w_hh.shape[1]
+        bias = None
+        if b_ih is not None:
+            bias = b_ih + b_hh
+        pre = _addmm_terms(bias, [(x.reshape(steps * batch, -1), w_ih.t())], 0, 0, x)
+        pre = pre.view(steps, batch, 4 * width)
+        h, c = h0, c0
+        hs, cs, acts, tanh_cs = [h0], [c0], [], []
+        for t in range(steps):
+            gates = torch.addmm(pre[t], h, w_hh.t())
+            act = torch.sigmoid(gates)
+            act[:, 2 * width : 3 * width] = torch.tanh(gates[:, 2 * width : 3 * width])
+            i, f, g, o = act.chunk(4, 1)
+            c = torch.addcmul(f * c, i, g)
+            tanh_c = torch.tanh(c)
+            h = o * tanh_c
+            hs.append(h)
+            cs.append(c)
+            acts.append(act)
+            tanh_cs.append(tanh_c)
+        hs, cs = torch.stack(hs), torch.stack(cs)  # (T + 1, N, H): h_0 .. h_T
+        acts, tanh_c = torch.stack(acts), torch.stack(tanh_cs)  # (T, N, 4H), (T, N, H)
+        i, f, g, o = acts.chunk(4, 2)
+        # Every factor of the tangent and reverse recurrences that depends on the point only:
+        # the gates' derivatives, the factors of c_t = f c_{t-1} + i g, of h_t = o tanh(c_t).
+        # With d = slope * dpre the gates' tangents: dc_t = d_i g + d_f c_{t-1} + d_g i +
+        # f dc_{t-1} and dh_t = d_o tanh(c_t) + o (1 - tanh(c_t)^2) dc_t.
+        slope = acts * (1 - acts)
+        slope[..., 2 * width : 3 * width] = 1 - g * g
+        ctx.cell_factor = torch.cat([g, cs[:-1], i], 2) * slope[..., : 3 * width]
+        ctx.out_gate_factor = tanh_c * slope[..., 3 * width :]
+        ctx.forget = f.contiguous()
+        ctx.out_factor = o * (1 - tanh_c * tanh_c)
+        ctx.has_bias = b_ih is not None
+        ctx.save_for_backward(x, hs, w_ih, w_hh)
+        ctx.save_for_forward(x, hs, w_ih, w_hh)
+        out = hs[1:].clone()  # not a view of a saved tensor (forward AD needs its own)
+        return out, hs[-1].clone(), cs[-1].clone()
+
+    @staticmethod
+    def jvp(ctx, dx, dh0, dc0, dw_ih, dw_hh, db_ih, db_hh):
+        x, hs, w_ih, w_hh = ctx.saved_tensors
+        steps, batch, _ = x.shape
+        width = w_hh.shape[1]
+        terms = []
+        if dx is not None:
+            terms.append((dx.reshape(steps * batch, -1), w_ih.t()))
+        if dw_ih is not None:
+            terms.append((x.reshape(steps * batch, -1), dw_ih.t()))
+        if dw_hh is not None:
+            terms.append((hs[:-1].reshape(steps * batch, width), dw_hh.t()))
+        dbias = None
+        if ctx.has_bias and (db_ih is not None or db_hh is not None):
+            dbias = db_ih if db_hh is None else (db_hh if db_ih is None else db_ih + db_hh)
+        dpre = _addmm_terms(dbias, terms, steps * batch, 4 * width, x)
+        dpre = dpre.view(steps, batch, 4 * width)
+        cell_factor, out_gate_factor = ctx.cell_factor, ctx.out_gate_factor
+        forget, out_factor = ctx.forget, ctx.out_factor
+        dh, dc = dh0, dc0
+        dhs = []
+        for t in range(steps):
+            gates = dpre[t] if dh is None else torch.addmm(dpre[t], dh, w_hh.t())
+            cell = (gates[:, : 3 * width] * cell_factor[t]).view(batch, 3, width).sum(1)
+            dc = cell if dc is None else torch.addcmul(cell, forget[t], dc)
+            dh = torch.addcmul(gates[:, 3 * width :] * out_gate_factor[t], out_factor[t], dc)
+            dhs.append(dh)
+        return torch.stack(dhs), dh.clone(), dc.clone()
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_h, grad_c):
+        x, hs, w_ih, w_hh = ctx.saved_tensors
+        steps, batch, _ = x.shape
+        width = w_hh.shape[1]
+        cell_factor, out_gate_factor = ctx.cell_factor, ctx.out_gate_factor
+        forget, out_factor = ctx.forget, ctx.out_factor
+        dh_next, dc = grad_h, grad_c
+        dpres = []
+        for t in reversed(range(steps)):
+            dh = grad_out[t] + dh_next
+            dc = torch.addcmul(dc, dh, out_factor[t])
+            cell = dc.unsqueeze(1) * cell_factor[t].view(batch, 3, width)
+            dpre = torch.cat([cell.view(batch, 3 * width), dh * out_gate_factor[t]], 1)
+            dpres.append(dpre)
+            dh_next = torch.mm(dpre, w_hh)
+            dc = dc * forget[t]
+        dpre = torch.stack(dpres[::-1]).view(steps * batch, 4 * width)
+        needs = ctx.needs_input_grad
+        gx = torch.mm(dpre, w_ih).view(x.shape) if needs[0] else None
+        gw_ih = torch.mm(dpre.t(), x.reshape(steps * batch, -1)) if needs[3] else None
+        gw_hh = torch.mm(dpre.t(), hs[:-1].reshape(steps * batch, width)) if needs[4] else None
+        gb = dpre.sum(0) if ctx.has_bias and (needs[5] or needs[6]) else None
+        return gx, dh_next, dc, gw_ih, gw_hh, gb, gb
