@@ -1,0 +1,140 @@
+"""The traced engine with and without its tangent rules and graph rewrites, side by side.
+
+Command (from the repository root)::
+
+    PYTHONPATH=src python benchmarks/traced_ab.py --threads 1 --models resnet_bn transformer lstm
+
+``before`` records the products with PyTorch's own forward-mode rules and runs the recorded
+graphs as traced (``torch_sgn.traced.TANGENT_RULES = GRAPH_PASSES = False``); ``after`` with
+the rules of ``torch_sgn.tangent_rules`` and the rewrites (the defaults). Both compute the same
+matrix (the largest relative difference of their products is printed). In every round each
+quantity is measured once, in turn: a gradient, each variant's set-up (``lin``), one product
+(``Gv``) and a whole SGN step with k CG iterations (``cg_tol=0``, no line search, from the same
+point and state each time). Printed: medians in ms and in gradients, and the median and
+quartiles over rounds of after / before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from typing import Dict, List
+
+import torch
+
+import torch_sgn.traced as traced
+from torch_sgn import SGN
+from torch_sgn.functional import FunctionalModel
+from torch_sgn.linearization import Batch
+from torch_sgn.losses import resolve_loss
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from ggn_cost import _batch, _environment  # noqa: E402
+
+VARIANTS = {"before": False, "after": True}
+
+
+def measure(name: str, rounds: int, k: int) -> Dict[str, object]:
+    device = torch.device("cpu")
+    model, x, y, loss_name = _batch(name, device)
+    loss = resolve_loss(loss_name)
+    params = [p for p in model.parameters() if p.requires_grad]
+    flat = FunctionalModel(model).flat()
+    v = torch.randn(flat.shape, generator=torch.Generator().manual_seed(1))
+    engines, lins, opts = {}, {}, {}
+    for variant, on in VARIANTS.items():
+        traced.TANGENT_RULES = traced.GRAPH_PASSES = on  # read when a model is traced
+        engines[variant] = traced.TracedEngine(FunctionalModel(model), loss, strict=True)
+        lins[variant] = engines[variant](flat, Batch(x, y))
+        opt = SGN(
+            copy.deepcopy(model), loss_name, cg_iters=k, cg_tol=0.0, line_search=False,
+            engine="traced",
+        )  # fmt: skip
+        opt.step(x, y)  # traces, with this variant's settings
+        opts[variant] = (opt, copy.deepcopy(opt.state_dict()))
+    traced.TANGENT_RULES = traced.GRAPH_PASSES = True
+    a, b = (lins[variant].ggn_vp(v) for variant in VARIANTS)
+    difference = ((a - b).norm() / a.norm()).item()
+
+    def step(variant):
+        opt, state = opts[variant]
+        opt._fmodel.write(flat)
+        opt.load_state_dict(state)
+        start = time.perf_counter()
+        opt.step(x, y)
+        return time.perf_counter() - start
+
+    def timed(fn):
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    tasks = {"grad": lambda: timed(lambda: torch.autograd.grad(loss.value(model(x), y), params))}
+    for variant in VARIANTS:
+        tasks[f"{variant}/lin"] = lambda e=engines[variant]: timed(lambda: e(flat, Batch(x, y)))
+        tasks[f"{variant}/Gv"] = lambda lin=lins[variant]: timed(lambda: lin.ggn_vp(v))
+        tasks[f"{variant}/step{k}"] = lambda variant=variant: step(variant)
+    times: Dict[str, List[float]] = {t: [] for t in tasks}
+    for r in range(rounds + 1):  # the first round warms up
+        for t, fn in tasks.items():
+            dt = fn()
+            if r:
+                times[t].append(dt)
+    return {"model": name, "k": k, "times_s": times, "relative_difference": difference}
+
+
+def _quartiles(xs: List[float]) -> str:
+    q = statistics.quantiles(xs, n=4)
+    return f"{statistics.median(xs):.3f} ({q[0]:.3f}-{q[2]:.3f})"
+
+
+def table(results: List[Dict[str, object]]) -> str:
+    lines = [
+        "| model | quantity | before ms | after ms | before / grad | after / grad "
+        "| after / before per round, median (quartiles) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for res in results:
+        times = res["times_s"]
+        grad = statistics.median(times["grad"])
+        for quantity in ("lin", "Gv", f"step{res['k']}"):
+            before, after = times[f"before/{quantity}"], times[f"after/{quantity}"]
+            mb, ma = statistics.median(before), statistics.median(after)
+            ratios = [a / b for a, b in zip(after, before)]
+            lines.append(
+                f"| {res['model']} (grad {grad * 1e3:.1f} ms) | {quantity} | {mb * 1e3:.1f} | "
+                f"{ma * 1e3:.1f} | {mb / grad:.2f} | {ma / grad:.2f} | {_quartiles(ratios)} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=["resnet_bn", "transformer", "lstm"])
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--k", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    env = _environment()
+    print("command: PYTHONPATH=src python " + " ".join(["benchmarks/traced_ab.py", *sys.argv[1:]]))
+    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    results = []
+    for name in args.models:
+        results.append(measure(name, args.rounds, args.k))
+        print(f"  {name}: relative difference of the products "
+              f"{results[-1]['relative_difference']:.1e}", flush=True)  # fmt: skip
+    print(table(results))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "environment": env, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
