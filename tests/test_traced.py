@@ -423,7 +423,6 @@ def test_graph_passes_fuse_matrix_products_and_merge_repeats():
     expected = f(*args)
     _fuse_matmul_adds(gm.graph)
     _eliminate_common_subexpressions(gm.graph)
-    gm.graph.eliminate_dead_code()
     gm.recompile()
     targets = [n.target for n in gm.graph.nodes]
     aten = torch.ops.aten
@@ -503,3 +502,18 @@ def test_lstm_rule_matches_the_dense_reference(variant, train, monkeypatch):
     G = torch.stack([lin.ggn_vp(e) for e in eye], dim=1)
     torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(G, G_ref, rtol=1e-9, atol=1e-11)
+
+
+def test_a_failing_tangent_rule_falls_back_to_pytorchs_rules_with_the_reason(monkeypatch):
+    def broken(*args):
+        raise RuntimeError("no such kernel here")
+
+    monkeypatch.setattr(BatchNorm, "jvp", staticmethod(broken))
+    model, x, y, loss = _family("resnet-bn")
+    engine = TracedEngine(FunctionalModel(model), resolve_loss(loss))
+    with pytest.warns(UserWarning, match="tangent rules.*no such kernel here"):
+        lin = engine(engine.fmodel.flat(), Batch(x, y))
+    assert list(engine._cache.values())[0].declined is not None  # traced, without the rule
+    G_ref, _ = dense_reference(model, F.cross_entropy, x, y)
+    v = torch.randn(engine.fmodel.numel, dtype=D)
+    torch.testing.assert_close(lin.ggn_vp(v), G_ref @ v, rtol=1e-9, atol=1e-11)

@@ -76,6 +76,7 @@ class _Traced:
     setup: fx.GraphModule  # (theta, buffers, frozen, inputs, targets) -> (loss, g, z, *saved)
     product: fx.GraphModule  # (v, *saved) -> G v
     double_backward: bool  # J v through the reverse pass (an operator has no forward rule)
+    declined: Optional[str] = None  # why the tangent rules were not used, where they failed
 
 
 class TracedEngine:
@@ -119,6 +120,12 @@ class TracedEngine:
                 "functional engine, which re-runs the forward pass at every G v product"
             )
             return self._functional(flat, batch, buffers_out)
+        if traced.declined is not None:
+            self._warn(
+                "the traced engine's tangent rules (torch_sgn.tangent_rules) failed on this "
+                f"model ({traced.declined}); it uses PyTorch's forward-mode rules, which give "
+                "the same products at a higher cost"
+            )
         if traced.double_backward:
             self._warn(
                 "an operator of this model has no forward-mode AD rule; the traced engine "
@@ -219,7 +226,9 @@ def _inputs_of(model: nn.Module) -> Tuple[List[Tensor], List[Tensor]]:
     return buffers, list(frozen.values())
 
 
-def _whole(fmodel: FunctionalModel, loss: OutputLoss, double_backward: bool) -> Callable:
+def _whole(
+    fmodel: FunctionalModel, loss: OutputLoss, double_backward: bool, rules: bool = True
+) -> Callable:
     """``(theta, v, buffers, frozen, inputs, targets) -> (loss, g, z, G v)``, to be traced."""
     model = fmodel.model
     buffers_in, frozen_in = _inputs_of(model)
@@ -253,8 +262,8 @@ def _whole(fmodel: FunctionalModel, loss: OutputLoss, double_backward: bool) -> 
                 (vjp,) = torch.autograd.grad(out, theta, u, create_graph=True)
                 (jv,) = torch.autograd.grad(vjp, u, v)
             else:
-                rules = TangentRules() if TANGENT_RULES else contextlib.nullcontext()
-                with fwAD.dual_level(), rules:
+                mode = TangentRules() if rules else contextlib.nullcontext()
+                with fwAD.dual_level(), mode:
                     out, jv = fwAD.unpack_dual(
                         forward(fwAD.make_dual(theta, v), buffers, frozen, inputs)
                     )
@@ -287,10 +296,19 @@ def _trace(
     buffers, frozen = _inputs_of(fmodel.model)
     example = (flat.detach(), torch.zeros_like(flat), buffers, frozen, list(args), targets)
     errors = []
+    declined = None  # why the tangent rules could not be used, if they could not
     for double_backward in (False, True):
         try:
             with _plain_kernels():
-                graph = _make_fx(_whole(fmodel, loss, double_backward), *example)
+                if TANGENT_RULES and not double_backward:
+                    try:
+                        graph = _make_fx(_whole(fmodel, loss, False, rules=True), *example)
+                        break
+                    except Untraceable:
+                        raise
+                    except Exception as error:  # noqa: BLE001 - PyTorch's own rules may work
+                        declined = _reason(error)
+                graph = _make_fx(_whole(fmodel, loss, double_backward, rules=False), *example)
             break
         except Untraceable:
             raise
@@ -302,7 +320,7 @@ def _trace(
     else:
         raise Untraceable(_reason(errors[-1]))
     setup, product = _split(graph)
-    return _Traced(setup, product, double_backward)
+    return _Traced(setup, product, double_backward, declined)
 
 
 def _reason(error: BaseException) -> str:
@@ -419,7 +437,6 @@ def _split(gm: fx.GraphModule) -> Tuple[fx.GraphModule, fx.GraphModule]:
         for graph in (setup, product):
             _fuse_matmul_adds(graph)
             _eliminate_common_subexpressions(graph)
-            graph.eliminate_dead_code()
     setup_module = fx.GraphModule(gm, setup)
     product_module = fx.GraphModule(gm, product)
     meta = outputs.meta.get("val")
