@@ -39,8 +39,8 @@ and is timed apart, not in the medians) it prints:
 * ``mem``: peak memory of one gradient / one step with k = 10, in MiB: the model's parameters
   and the batch plus the peak of what the call allocates (CPU: the torch profiler's
   allocation events summed in time order; CUDA: ``torch.cuda.max_memory_allocated`` less what
-  was allocated before). The target is a ratio <= 2. With ``graphs`` it is a fresh optimizer's first step, so it
-  includes the capture.
+  was allocated before). The target is a ratio <= 2. With ``graphs`` it is a fresh
+  optimizer's first step, so it includes the capture.
 
 Times are medians over ``--repeats`` rounds after ``--warmup`` rounds; in every round each
 quantity is measured once, in turn, so that load from other processes hits all alike. The
