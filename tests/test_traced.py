@@ -517,3 +517,40 @@ def test_a_failing_tangent_rule_falls_back_to_pytorchs_rules_with_the_reason(mon
     G_ref, _ = dense_reference(model, F.cross_entropy, x, y)
     v = torch.randn(engine.fmodel.numel, dtype=D)
     torch.testing.assert_close(lin.ggn_vp(v), G_ref @ v, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_rules_with_frozen_parameters_and_projections(train, monkeypatch):
+    # Frozen parameters have no tangent and no gradient; an LSTM with projections
+    # (proj_size > 0) is declined by the rule and recorded with PyTorch's own rules.
+    calls = []
+    jvp = LSTMLayer.jvp
+    monkeypatch.setattr(LSTMLayer, "jvp", staticmethod(lambda *a: calls.append(1) or jvp(*a)))
+    torch.manual_seed(3)
+    g = torch.Generator().manual_seed(3)
+    norm_model, x, y = _norms("1d-flat")
+    norm_model[1].weight.requires_grad_(False)
+    norm_model[1].bias.requires_grad_(False)
+    lstm = _LSTMVariant(layers=2).to(D)
+    lstm.rnn.weight_ih_l0.requires_grad_(False)
+    lstm.rnn.bias_hh_l1.requires_grad_(False)
+    projected = _Recurrent(lambda i, h, **kw: nn.LSTM(i, 5, proj_size=h, **kw)).to(D)
+    xs = torch.randn(3, 5, 3, generator=g).to(D)
+    ys = torch.randn(3, 2, generator=g).to(D)
+    for model, inputs, targets, rule in [
+        (norm_model, x, y, None),
+        (lstm, xs, ys, True),
+        (projected, xs, ys, False),
+    ]:
+        model.train(train)
+        calls.clear()
+        G_ref, g_ref = dense_reference(model, F.mse_loss, inputs, targets)
+        engine = _traced(model, "mse")
+        with warnings.catch_warnings():  # declined cleanly, not failed and fallen back
+            warnings.filterwarnings("error", message=".*tangent rules")
+            lin = engine(engine.fmodel.flat(), Batch(inputs, targets))
+        if rule is not None:
+            assert bool(calls) == rule
+        G = torch.stack([lin.ggn_vp(e) for e in torch.eye(engine.fmodel.numel, dtype=D)], 1)
+        torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(G, G_ref, rtol=1e-9, atol=1e-11)
