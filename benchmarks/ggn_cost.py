@@ -261,6 +261,9 @@ def measure(name: str, device: torch.device, cfg: Config) -> Dict[str, object]:
     result["first_lin_s"] = first_call_s
     result["cg_iters_min"] = {t: min(its) for t, its in cg_iters.items()}
     result["curvlinops_vs_traced_rel_diff"] = product_check
+    if "traced" in current and "functional" in current:  # two routes to the same matrix
+        ours, theirs = current["traced"].ggn_vp(v), current["functional"].ggn_vp(v)
+        result["functional_vs_traced_rel_diff"] = ((ours - theirs).norm() / ours.norm()).item()
     if cfg.memory:
         base = sum(t.numel() * t.element_size() for t in [x, y, *params])
         calls = {"grad": gradient}
@@ -364,6 +367,11 @@ def _table(results: List[Dict[str, object]], cfg: Config, stat: str = "median") 
                     f"{med['traced/Gv'] / gv:.2f}; relative difference of the products "
                     f"{check:.1e} -->"
                 )
+        if res.get("functional_vs_traced_rel_diff") is not None:
+            lines.append(
+                f"<!-- {res['model']}: relative difference of the traced and functional "
+                f"engines' products {res['functional_vs_traced_rel_diff']:.1e} -->"
+            )
     return "\n".join(lines)
 
 
