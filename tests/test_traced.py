@@ -16,7 +16,7 @@ from torch_sgn.functional import FunctionalModel
 from torch_sgn.layerwise import LayerwiseEngine
 from torch_sgn.linearization import Batch
 from torch_sgn.losses import resolve_loss
-from torch_sgn.tangent_rules import BatchNorm, LSTMLayer
+from torch_sgn.tangent_rules import BatchNorm, LayerNorm, LSTMLayer
 from torch_sgn.traced import TracedEngine
 
 D = torch.float64
@@ -554,3 +554,49 @@ def test_rules_with_frozen_parameters_and_projections(train, monkeypatch):
         G = torch.stack([lin.ggn_vp(e) for e in torch.eye(engine.fmodel.numel, dtype=D)], 1)
         torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(G, G_ref, rtol=1e-9, atol=1e-11)
+
+
+class _Norms(nn.Module):
+    """Layer norms: affine, without the affine map, without a bias, over two dimensions, and
+    F.layer_norm with a weight only."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 4)
+        self.n1 = nn.LayerNorm(4)
+        self.n2 = nn.LayerNorm(4, elementwise_affine=False)
+        self.n3 = nn.LayerNorm(4, bias=False)
+        self.n4 = nn.LayerNorm((2, 4))
+        self.w = nn.Parameter(torch.rand(4) + 0.5)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):  # x: (N, 2, 3)
+        h = torch.tanh(self.n1(self.a(x)))
+        h = self.n3(torch.sin(self.n2(h) * 1.5))
+        h = self.n4(h * h + h)
+        h = F.layer_norm(h, (4,), weight=self.w)
+        return self.head(h.sum(1))
+
+
+def test_layer_norm_rule_matches_the_dense_reference(monkeypatch):
+    calls = []
+    jvp = LayerNorm.jvp
+    monkeypatch.setattr(LayerNorm, "jvp", staticmethod(lambda *a: calls.append(1) or jvp(*a)))
+    torch.manual_seed(4)
+    g = torch.Generator().manual_seed(4)
+    model = _Norms().to(D)
+    with torch.no_grad():  # affine maps other than the initial ones
+        for m in (model.n1, model.n3, model.n4):
+            m.weight.uniform_(0.5, 1.5, generator=g)
+        for m in (model.n1, model.n4):
+            m.bias.uniform_(-0.5, 0.5, generator=g)
+    x, y = torch.randn(5, 2, 3, generator=g).to(D), torch.randn(5, 2, generator=g).to(D)
+    G_ref, g_ref = dense_reference(model, F.mse_loss, x, y)
+    engine = _traced(model, "mse")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*tangent rules")
+        lin = engine(engine.fmodel.flat(), Batch(x, y))
+    assert len(calls) == 5  # every layer norm was recorded with the rule
+    G = torch.stack([lin.ggn_vp(e) for e in torch.eye(engine.fmodel.numel, dtype=D)], 1)
+    torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(G, G_ref, rtol=1e-9, atol=1e-11)

@@ -19,7 +19,10 @@ Batch normalization (:func:`torch.nn.functional.batch_norm`). With
 
 two full-size products and two reductions per product (PyTorch's own rule recomputes the
 centred input and takes about a dozen full-size operations). In evaluation mode (running
-statistics) the two means drop out.
+statistics) the two means drop out. Layer normalization has the same tangent with the means
+taken over the normalized dimensions and :math:`\gamma \sigma^{-1}` applied as two factors
+(per feature, per row); its rule keeps the normalized input alone for the products, where
+PyTorch's keeps the centred input beside it.
 
 LSTM layers. PyTorch's recurrent kernels take the tangent one time step at a time, every term
 of it: ``x_t dW_ih^T`` and ``h_{t-1} dW_hh^T`` as well as the recurrent ``dh_{t-1} W_hh^T``,
@@ -43,11 +46,13 @@ from torch.overrides import TorchFunctionMode
 __all__ = ["TangentRules"]
 
 _BATCH_NORM = inspect.signature(F.batch_norm)
+_LAYER_NORM = inspect.signature(F.layer_norm)
 
 
 class TangentRules(TorchFunctionMode):
     """A function mode that routes :func:`torch.nn.functional.batch_norm` through
-    :class:`BatchNorm` and unidirectional LSTM layers (``torch.lstm``, as ``nn.LSTM`` calls it,
+    :class:`BatchNorm`, :func:`torch.nn.functional.layer_norm` through :class:`LayerNorm`
+    and unidirectional LSTM layers (``torch.lstm``, as ``nn.LSTM`` calls it,
     without projections) through :class:`LSTMLayer`; every other function runs as usual."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -56,6 +61,12 @@ class TangentRules(TorchFunctionMode):
             out = _lstm(*args, **kwargs)
             if out is not None:
                 return out
+        if func is F.layer_norm:
+            bound = _LAYER_NORM.bind(*args, **kwargs)
+            bound.apply_defaults()
+            a = bound.arguments
+            shape = tuple(a["normalized_shape"])
+            return LayerNorm.apply(a["input"], shape, a["weight"], a["bias"], a["eps"])
         if func is F.batch_norm:
             bound = _BATCH_NORM.bind(*args, **kwargs)
             bound.apply_defaults()
@@ -302,3 +313,51 @@ class LSTMLayer(torch.autograd.Function):
         gw_hh = torch.mm(dpre.t(), hs[:-1].reshape(steps * batch, width)) if needs[4] else None
         gb = dpre.sum(0) if ctx.has_bias and (needs[5] or needs[6]) else None
         return gx, dh_next, dc, gw_ih, gw_hh, gb, gb
+
+
+# --- layer norm --------------------------------------------------------------------------------
+class LayerNorm(torch.autograd.Function):
+    """``F.layer_norm`` with the tangent formula of the module docstring; forward and reverse
+    are ``aten.native_layer_norm`` and its backward, as in PyTorch."""
+
+    @staticmethod
+    def forward(ctx, x, normalized_shape, weight, bias, eps):
+        out, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
+        ctx.normalized_shape = normalized_shape
+        ctx.has_weight, ctx.has_bias = weight is not None, bias is not None
+        ctx.save_for_backward(x, mean, rstd, weight, bias)
+        ctx.xhat = (x - mean) * rstd  # independent of the tangent: computed once per step
+        ctx.rstd = rstd
+        ctx.weight = weight
+        return out
+
+    @staticmethod
+    def jvp(ctx, dx, _, dweight, dbias, __):
+        xhat, rstd, weight = ctx.xhat, ctx.rstd, ctx.weight
+        dims = list(range(xhat.dim() - len(ctx.normalized_shape), xhat.dim()))
+        out = None
+        if dx is not None:
+            m1 = dx.mean(dims, keepdim=True)
+            m2 = (dx * xhat).mean(dims, keepdim=True)
+            t = torch.addcmul(dx - m1, xhat, m2, value=-1) * rstd
+            if weight is None:
+                out = t if dbias is None or not ctx.has_bias else t + dbias
+            elif dbias is not None and ctx.has_bias:
+                out = torch.addcmul(dbias, t, weight)
+            else:
+                out = t * weight
+        elif dbias is not None and ctx.has_bias:
+            out = dbias.expand_as(xhat).clone()
+        if dweight is not None and ctx.has_weight:
+            out = xhat * dweight if out is None else torch.addcmul(out, xhat, dweight)
+        return torch.zeros_like(xhat) if out is None else out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, mean, rstd, weight, bias = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        mask = [needs[0], ctx.has_weight and needs[2], ctx.has_bias and needs[3]]
+        gx, gweight, gbias = torch.ops.aten.native_layer_norm_backward(
+            grad_out.contiguous(), x, ctx.normalized_shape, mean, rstd, weight, bias, mask
+        )
+        return gx, None, gweight, gbias, None
