@@ -149,7 +149,7 @@ def consistency_checks(rank: int) -> dict:
     """Ranks whose optimizer state or parameters disagree: every rank must raise."""
     case = CASES[0]
     model = build_model(0)
-    opt = SGN(model, case.loss(), **SETTINGS)
+    opt = SGN(model, case.loss(), solver="cg", **SETTINGS)
     x, y = shard(*batch(case, 0))
     opt.step(x, y)
     old = copy.deepcopy(opt.state_dict())
@@ -244,7 +244,7 @@ def _failing(engine, where: str):
 def failure(scenario: str, rank: int, survivor: str) -> dict:
     case = CASES[0]
     model = build_model(0)
-    opt = SGN(model, case.loss(), **SETTINGS)
+    opt = SGN(model, case.loss(), solver="cg", **SETTINGS)
     x, y = shard(*batch(case, 0))
     opt.step(x, y)  # one good step first
     if rank == 1 and scenario == "rank_exits":  # dies inside CG, between two all-reduces

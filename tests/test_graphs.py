@@ -33,7 +33,7 @@ def _batches(name, sizes, device="cpu", seed=0):
 
 
 def _run(model, loss, batches, **options):
-    opt = SGN(model, loss, cg_iters=3, **options)
+    opt = SGN(model, loss, cg_iters=3, **options, solver="cg")
     return [opt.step(x, y) for x, y in batches], opt
 
 
@@ -59,7 +59,7 @@ def test_replayed_steps_equal_eager_steps(name, cpu_graph_captures):
 def test_bad_targets_on_a_captured_shape_raise_and_change_nothing(cpu_graph_captures):
     model = PRESETS["mnist"].build()
     (x, y), (x2, y2) = _batches("mnist", [5, 5])
-    opt = SGN(model, "cross_entropy", cuda_graphs=True)
+    opt = SGN(model, "cross_entropy", cuda_graphs=True, solver="cg")
     opt.step(x, y)
     before = [t.clone() for t in model.parameters()]
     state = copy.deepcopy(opt.state_dict())
@@ -110,7 +110,7 @@ def test_where_graphs_do_not_apply_steps_run_eagerly_after_one_warning(build, lo
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(6, 4, generator=g), torch.randn(6, 1, generator=g)) for _ in range(3)]
     torch.manual_seed(2)
-    opt = SGN(model, loss, cg_iters=3, cuda_graphs=True)
+    opt = SGN(model, loss, cg_iters=3, cuda_graphs=True, solver="cg")
     with pytest.warns(UserWarning, match=f"cuda_graphs=True does not apply.*{why}"):
         opt.step(*batches[0])
     with warnings.catch_warnings():
@@ -127,7 +127,7 @@ def test_switching_dropout_to_training_mode_leaves_the_graphs(cpu_graph_captures
     model = _dropout_mlp().eval()
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(6, 4, generator=g), torch.randn(6, 1, generator=g)
-    opt = SGN(model, "mse", cuda_graphs=True)
+    opt = SGN(model, "mse", cuda_graphs=True, solver="cg")
     opt.step(x, y)
     assert cpu_graph_captures == [3]
     model.train()
@@ -141,7 +141,7 @@ def test_switching_dropout_to_training_mode_leaves_the_graphs(cpu_graph_captures
 
 def test_cuda_graphs_need_the_fast_engine():
     with pytest.raises(ValueError, match="cuda_graphs"):
-        SGN(PRESETS["boston"].build(), "mse", engine="functional", cuda_graphs=True)
+        SGN(PRESETS["boston"].build(), "mse", engine="functional", cuda_graphs=True, solver="cg")
 
 
 def test_ignored_targets_that_move_between_steps_of_one_shape(cpu_graph_captures):
@@ -196,7 +196,7 @@ def test_changed_loss_or_layer_settings_are_captured_again(cpu_graph_captures):
     reference = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(5, 4, generator=g), torch.randn(5, 1, generator=g)
-    opt, ref = SGN(model, loss, cuda_graphs=True), SGN(reference, "mse")
+    opt, ref = SGN(model, loss, cuda_graphs=True, solver="cg"), SGN(reference, "mse", solver="cg")
     opt.step(x, y), ref.step(x, y)
     loss.reduction = "sum"
     model[1].negative_slope = reference[1].negative_slope = 0.3

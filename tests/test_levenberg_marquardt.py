@@ -195,7 +195,7 @@ def test_damping_grows_after_an_exhausted_step_and_the_growth_is_state():
 def test_paper_equals_the_explicit_paper_configuration():
     paper_arguments = dict(
         lr=1.0, damping=1e-4, damping_min=1e-6, cg_iters=10, cg_tol=1e-6, cg_rtol=0.0,
-        cg_progress_tol=0.0, attempts=1, damping_update="threshold", line_search=True,
+        cg_progress_tol=0.0, attempts=1, solver="cg", damping_update="threshold", line_search=True,
         trust_region=True, momentum=0.0, warmup_cg_iters=10, warmup_steps=10,
         damping_schedule="constant", damping_decay_steps=10, preconditioner=False,
         preconditioner_exponent=1.0, warm_start=0.0, ls_c=1e-4, ls_shrink=0.5, ls_max_evals=10,

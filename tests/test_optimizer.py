@@ -42,7 +42,7 @@ def test_exactness_contract(model_case, loss_case):
     damping = 1e-2
     expected, _, _ = _exact_step(model, loss, x, y, damping)
     n = expected.numel()
-    opt = SGN(model, loss, damping=damping, cg_iters=n, **EXACT)
+    opt = SGN(model, loss, damping=damping, cg_iters=n, **EXACT, solver="cg")
     info = opt.step(x, y)
     torch.testing.assert_close(_flat(model), expected, rtol=1e-8, atol=1e-10)
     assert info.step_size == 1.0 and info.tr_ratio is None
@@ -53,7 +53,7 @@ def test_huge_damping_gives_a_scaled_gradient_step():
     _, g, _ = dense_ggn(model, "mse", x, y)
     theta = _flat(model)
     damping = 1e8
-    SGN(model, "mse", damping=damping, cg_iters=3, **EXACT).step(x, y)
+    SGN(model, "mse", damping=damping, cg_iters=3, **EXACT, solver="cg").step(x, y)
     step = _flat(model) - theta
     torch.testing.assert_close(step * damping, -g, rtol=1e-6, atol=1e-12)
 
@@ -62,7 +62,9 @@ def test_linear_least_squares_model_is_exact_so_ratio_is_one():
     torch.manual_seed(0)
     model = nn.Linear(5, 2).double()
     x, y = torch.randn(20, 5, dtype=torch.float64), torch.randn(20, 2, dtype=torch.float64)
-    opt = SGN(model, "mse", damping=1e-9, damping_min=1e-12, cg_iters=3, line_search=False)
+    opt = SGN(
+        model, "mse", damping=1e-9, damping_min=1e-12, cg_iters=3, line_search=False, solver="cg"
+    )
     info = opt.step(x, y)
     assert info.tr_ratio == pytest.approx(1.0, abs=1e-6)
     assert info.next_damping == pytest.approx(info.damping * 2 / 3)  # ratio > 3/4: expand
@@ -74,7 +76,16 @@ def test_linear_model_ratio_is_one_for_any_step_size(lr):
     torch.manual_seed(0)
     model = nn.Linear(4, 3).double()
     x, y = torch.randn(30, 4, dtype=torch.float64), torch.randn(30, 3, dtype=torch.float64)
-    opt = SGN(model, "mse", lr=lr, damping=1e-9, damping_min=1e-12, cg_iters=2, line_search=False)
+    opt = SGN(
+        model,
+        "mse",
+        lr=lr,
+        damping=1e-9,
+        damping_min=1e-12,
+        cg_iters=2,
+        line_search=False,
+        solver="cg",
+    )
     assert opt.step(x, y).tr_ratio == pytest.approx(1.0, abs=1e-6)
 
 
@@ -91,6 +102,7 @@ def test_one_preconditioned_cg_iteration_points_along_the_preconditioned_gradien
         preconditioner=True,
         preconditioner_exponent=exponent,
         **EXACT,
+        solver="cg",
     ).step(x, y)
     step = _flat(model) - theta
     direction = -(g.square() + damping).pow(-exponent) * g
@@ -114,6 +126,7 @@ def test_armijo_condition_holds_after_line_search(c):
         lr=lr,
         trust_region=False,
         ls_c=c,
+        solver="cg",
     )
     info = opt.step(x, y)
     assert info.line_search_ok and info.step_size < lr and info.loss_evals > 1
@@ -132,7 +145,7 @@ def test_armijo_condition_holds_after_line_search(c):
 def test_trust_region_raises_damping_after_a_bad_prediction():
     model, x, y = make_batch(MODELS[0], LOSSES[0])
     # tiny damping, many CG iterations: the step trusts a poor Gauss-Newton model
-    opt = SGN(model, "mse", damping=1e-4, cg_iters=50)
+    opt = SGN(model, "mse", damping=1e-4, cg_iters=50, solver="cg")
     info = opt.step(x, y)
     assert info.predicted_change < 0 and info.loss_after - info.loss > 0.25 * info.predicted_change
     assert info.tr_ratio < 0.25 and info.next_damping == pytest.approx(1.5e-4)
@@ -146,7 +159,7 @@ def test_damping_stays_finite_once_the_batch_is_solved():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 64), nn.Tanh(), nn.Linear(64, 1))  # can interpolate
     x, y = torch.randn(20, 3), torch.randn(20, 1)
-    opt = SGN(model, "mse", cg_iters=5, line_search=False)
+    opt = SGN(model, "mse", cg_iters=5, line_search=False, solver="cg")
     infos = [opt.step(x, y) for _ in range(300)]
     assert infos[-1].loss < 1e-6 * infos[0].loss  # solved to rounding level
     assert all(math.isfinite(i.damping) and i.damping < 1.0 for i in infos)
@@ -167,6 +180,7 @@ def test_damping_schedule_drives_the_damping_without_trust_region(schedule):
         damping_schedule=schedule,
         damping_decay_steps=4,
         cg_iters=2,
+        solver="cg",
     )
     used = [opt.step(x, y).damping for _ in range(6)]
     assert used == [scheduled_damping(schedule, 1e-2, 1e-4, t, 4) for t in range(6)]
@@ -175,7 +189,15 @@ def test_damping_schedule_drives_the_damping_without_trust_region(schedule):
 
 def test_cg_iteration_warmup_schedule():
     model, x, y = make_batch(MODELS[1], LOSSES[2])
-    opt = SGN(model, "cross_entropy", cg_iters=2, warmup_cg_iters=6, warmup_steps=3, cg_tol=0.0)
+    opt = SGN(
+        model,
+        "cross_entropy",
+        cg_iters=2,
+        warmup_cg_iters=6,
+        warmup_steps=3,
+        cg_tol=0.0,
+        solver="cg",
+    )
     iters = [opt.step(x, y).cg_iters for _ in range(5)]
     assert iters == [6, 6, 6, 2, 2]
 
@@ -185,7 +207,9 @@ def test_momentum_uses_bias_corrected_average_as_right_hand_side():
     x2 = x.flip(0) * 0.5
     beta, damping = 0.9, 1e-2
     twin = copy.deepcopy(model)
-    opt = SGN(model, "mse", damping=damping, cg_iters=200, **{**EXACT, "momentum": beta})
+    opt = SGN(
+        model, "mse", damping=damping, cg_iters=200, **{**EXACT, "momentum": beta}, solver="cg"
+    )
     opt.step(x, y)
     # first step: m_hat = (1 - beta) g / (1 - beta) = g, so it is the plain step
     expected, _, g1 = _exact_step(twin, "mse", x, y, damping)
@@ -210,6 +234,7 @@ def test_preconditioned_full_cg_keeps_the_exact_step():
         cg_iters=500,
         preconditioner=True,
         **{**EXACT, "cg_tol": 1e-14},
+        solver="cg",
     )
     opt.step(x, y)
     torch.testing.assert_close(_flat(model), expected, rtol=1e-7, atol=1e-9)
@@ -227,6 +252,7 @@ def test_warm_start_starts_cg_from_the_scaled_previous_direction():
         lr=0.5,
         line_search=False,
         trust_region=False,
+        solver="cg",
     )
     opt.step(x, y)
     prev = opt.state[opt.param_groups[0]["params"][0]]["prev_direction"].clone()
@@ -268,7 +294,7 @@ def _run(model, opt, batches):
 def test_state_dict_round_trip_continues_bit_identically(options):
     model, x, y = make_batch(MODELS[1], LOSSES[2], dtype=torch.float32)
     batches = [(x + 0.1 * k, y) for k in range(6)]
-    opt = SGN(model, "cross_entropy", cg_iters=3, **options)
+    opt = SGN(model, "cross_entropy", cg_iters=3, **options, solver="cg")
     _run(model, opt, batches[:3])
     saved_model = copy.deepcopy(model.state_dict())
     saved_opt = copy.deepcopy(opt.state_dict())
@@ -278,7 +304,7 @@ def test_state_dict_round_trip_continues_bit_identically(options):
 
     resumed = MODELS[1].build()
     resumed.load_state_dict(saved_model)
-    opt2 = SGN(resumed, "cross_entropy", cg_iters=3, **options)
+    opt2 = SGN(resumed, "cross_entropy", cg_iters=3, **options, solver="cg")
     opt2.load_state_dict(saved_opt)
     again = _run(resumed, opt2, batches[3:])
     assert again == reference
@@ -310,7 +336,7 @@ def test_no_grad_left_behind_unless_asked():
 
 def test_step_info_fields_are_consistent():
     model, x, y = make_batch(MODELS[1], LOSSES[2])
-    info = SGN(model, "cross_entropy", cg_iters=4).step(x, y)
+    info = SGN(model, "cross_entropy", cg_iters=4, solver="cg").step(x, y)
     assert isinstance(info, StepInfo)
     assert info.loss_after <= info.loss
     assert info.loss_after == pytest.approx(F.cross_entropy(model(x), y).item(), rel=1e-12)
@@ -324,7 +350,7 @@ def test_training_on_a_small_regression_problem_beats_its_start():
     model = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1))
     x = torch.linspace(-1, 1, 64).unsqueeze(1)
     y = torch.sin(3 * x)
-    opt = SGN(model, "mse", cg_iters=5)
+    opt = SGN(model, "mse", cg_iters=5, solver="cg")
     first = opt.step(x, y).loss
     for _ in range(30):
         last = opt.step(x, y).loss_after
@@ -343,7 +369,7 @@ def test_batchnorm_buffers_update_once_and_dropout_masks_are_consistent():
         twin(x)  # one ordinary training-mode forward pass
     after_one_forward = torch.get_rng_state()
     torch.manual_seed(5)
-    SGN(model, "mse", cg_iters=4).step(x, y)
+    SGN(model, "mse", cg_iters=4, solver="cg").step(x, y)
     bn, bn_twin = model[1], twin[1]
     assert bn.num_batches_tracked.item() == 1
     torch.testing.assert_close(bn.running_mean, bn_twin.running_mean)
@@ -363,7 +389,7 @@ def test_dropout_step_equals_exact_step_with_the_same_mask():
     twin[1] = _FixedMask(mask_probe)
     expected, _, _ = _exact_step(twin, "mse", x, y, 1e-2)
     torch.manual_seed(7)
-    SGN(model, "mse", damping=1e-2, cg_iters=200, **EXACT).step(x, y)
+    SGN(model, "mse", damping=1e-2, cg_iters=200, **EXACT, solver="cg").step(x, y)
     torch.testing.assert_close(_flat(model), expected, rtol=1e-8, atol=1e-10)
 
 
@@ -378,7 +404,7 @@ class _FixedMask(nn.Module):
 
 def test_logging_reports_loss_and_cg(caplog):
     model, x, y = make_batch(MODELS[0], LOSSES[0])
-    opt = SGN(model, "mse", cg_iters=2)
+    opt = SGN(model, "mse", cg_iters=2, solver="cg")
     with caplog.at_level(logging.INFO, logger="torch_sgn"):
         opt.step(x, y)
     assert any("loss" in r.getMessage() for r in caplog.records)
@@ -392,7 +418,7 @@ def test_logging_reports_loss_and_cg(caplog):
 
 def test_float32_training_works():
     model, x, y = make_batch(MODELS[1], LOSSES[2], dtype=torch.float32)
-    opt = SGN(model, "cross_entropy", cg_iters=3)
+    opt = SGN(model, "cross_entropy", cg_iters=3, solver="cg")
     infos = [opt.step(x, y) for _ in range(5)]
     assert infos[-1].loss_after < infos[0].loss
     assert all(p.dtype == torch.float32 for p in model.parameters())
@@ -402,15 +428,15 @@ def test_float32_training_works():
 def test_cuda_step_matches_cpu_step():
     model, x, y = make_batch(MODELS[1], LOSSES[2])
     gpu = copy.deepcopy(model).cuda()
-    SGN(model, "cross_entropy", cg_iters=3).step(x, y)
-    SGN(gpu, "cross_entropy", cg_iters=3).step(x.cuda(), y.cuda())
+    SGN(model, "cross_entropy", cg_iters=3, solver="cg").step(x, y)
+    SGN(gpu, "cross_entropy", cg_iters=3, solver="cg").step(x.cuda(), y.cuda())
     torch.testing.assert_close(_flat(gpu).cpu(), _flat(model), rtol=1e-8, atol=1e-10)
 
 
 def _pair(options):
     model, x, y = make_batch(MODELS[0], LOSSES[2])
     model = nn.Sequential(*model, nn.Dropout(0.2))  # a random state to follow too
-    opt = SGN(model, "cross_entropy", cg_iters=3, **options)
+    opt = SGN(model, "cross_entropy", cg_iters=3, **options, solver="cg")
     batches = [(x + 0.1 * k, y) for k in range(4)]
     _run(model, opt, batches[:2])
     return model, opt, batches[2:]
@@ -509,7 +535,7 @@ def test_a_parameter_frozen_after_construction_keeps_its_value_and_the_rest_step
     -(G_tt + rho I)^-1 g_t, from the dense reference."""
     model, x, y = make_batch(MODELS[0], LOSSES[0])
     damping = 1e-2
-    opt = SGN(model, "mse", damping=damping, cg_iters=100, **EXACT)
+    opt = SGN(model, "mse", damping=damping, cg_iters=100, **EXACT, solver="cg")
     model[0].weight.requires_grad_(False)
     G, g, theta = dense_ggn(model, "mse", x, y)  # over the parameters still trainable
     model[0].weight.requires_grad_(True)
@@ -528,7 +554,7 @@ def test_a_parameter_frozen_after_construction_keeps_its_value_and_the_rest_step
 
 def test_a_parameter_frozen_mid_run_stays_put_with_averaging_and_warm_start():
     model, x, y = make_batch(MODELS[0], LOSSES[0])
-    opt = SGN(model, "mse", momentum=0.9, warm_start=1.0, cg_iters=3)
+    opt = SGN(model, "mse", momentum=0.9, warm_start=1.0, cg_iters=3, solver="cg")
     opt.step(x, y)
     opt.step(x * 0.5, y)  # the averaged gradient and the last direction are non-zero
     model[2].bias.requires_grad_(False)

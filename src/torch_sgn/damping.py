@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 
 __all__ = [
+    "CG_DAMPING_MIN",
     "DAMPING_SCHEDULES",
+    "DIRECT_DAMPING_MIN",
     "DAMPING_UPDATES",
     "nielsen_update",
     "rejected_update",
@@ -22,6 +24,13 @@ DAMPING_UPDATES = ("nielsen", "threshold")
 #: A damping grown past this is held there: it is already a plain gradient step of negligible
 #: length, and growing further would overflow.
 DAMPING_MAX = 1e16
+
+#: The damping floor where ``SGN(damping_min=None)`` (the default) leaves it to the solver that
+#: runs. CG: the paper's 1e-6; its inexact steps gain nothing from a smaller damping. An exact
+#: solve: low enough that the damping never stops a fit to high precision (measured by
+#: ``benchmarks/regression.py``); growth after a failed step keeps it stable.
+CG_DAMPING_MIN = 1e-6
+DIRECT_DAMPING_MIN = 1e-15
 
 #: The first growth factor of a run of rejected steps (Nielsen, 1999), doubled at each.
 GROWTH_START = 2.0

@@ -261,6 +261,7 @@ class DataParallel:
             grad=payload[:n] / total,
             ggn_vp=self._reduced_ggn_vp(lin.ggn_vp, step, n, flat),
             dense_ggn=self._reduced_ggn_matrix(lin, step, n, flat),
+            sample_space=None,  # each rank holds its own samples' outputs only
         )
 
     def _reduced_ggn_vp(

@@ -68,11 +68,12 @@ def curvature_subset(engine: Engine, loss: OutputLoss, fraction: float, seed: in
         sub = engine(flat, batch.subset(idx.to(batch.args[0].device)))
         scale = n / m if loss.reduction == "sum" else 1.0
         if scale == 1.0:
-            return replace(full, ggn_vp=sub.ggn_vp, dense_ggn=sub.ggn_matrix)
+            return replace(full, ggn_vp=sub.ggn_vp, dense_ggn=sub.ggn_matrix, sample_space=None)
         return replace(
             full,
             ggn_vp=lambda v: sub.ggn_vp(v) * scale,
             dense_ggn=lambda: sub.ggn_matrix() * scale,
+            sample_space=None,  # G from other samples than the gradient
         )
 
     return subset_engine

@@ -127,6 +127,20 @@ class LayerRule:
         if self.trainable:
             raise NotImplementedError
 
+    def sample_factors(self, ctx: object, u: Tensor) -> List[Tuple[Slot, Tensor, Optional[Tensor]]]:
+        """:meth:`sample_jacobian`'s rows in factored form, for Gram matrices of the rows.
+
+        Returns ``(slot, left, right)`` triples: sample ``n``'s row is the outer product
+        ``left[n] (x) right[n]`` flattened (``right`` ``None``: the row is ``left[n]``), so that
+        two samples' rows have the inner product ``(left[n] . left[m]) (right[n] . right[m])``
+        without the row being formed. The default forms the rows.
+        """
+        out: List[Tuple[Slot, Tensor, Optional[Tensor]]] = []
+        self.sample_jacobian(
+            ctx, u, lambda slot, rows: out.append((slot, rows.reshape(rows.shape[0], -1), None))
+        )
+        return out
+
 
 def _accumulate(grads: List[Optional[Tensor]], slot: Slot, g: Tensor) -> None:
     if isinstance(slot, int):  # frozen or absent parameters take no cotangent
@@ -210,6 +224,12 @@ class _Affine(LayerRule):
     @property
     def per_sample(self) -> bool:
         return self.op is F.linear
+
+    def sample_factors(self, ctx, u):
+        if u.dim() != 2:  # extra dimensions: a sample's row sums outer products; form it
+            return super().sample_factors(ctx, u)
+        a = ctx[0]  # nn.Linear on (samples, features): weight row u_n a_n^T, bias row u_n
+        return [(self.weight, u, a), (self.bias, u, None)]
 
     def sample_jacobian(self, ctx, u, put):
         a, w, _ = ctx  # nn.Linear: sample n's weight cotangent sums u_n a_n^T over extra dims

@@ -30,7 +30,7 @@ hands over to the functional engine with a one-time warning (``"auto"``).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -39,7 +39,7 @@ from . import graphs
 from .diagnostics import warn
 from .functional import FunctionalEngine, FunctionalModel
 from .layer_rules import RULES, LayerRule, Slot
-from .linearization import Batch, Engine, Linearization, loss_and_output_gradient
+from .linearization import Batch, Engine, Linearization, SampleSpace, loss_and_output_gradient
 from .losses import OutputLoss
 
 
@@ -297,7 +297,19 @@ def _by_hand(steps, fmodel, loss, flat, inputs, targets, captured=False) -> Line
             with torch.no_grad():
                 return _dense_ggn(chain, first, fmodel, hessian, z)
 
-    return Linearization(value, grad, ggn_vp, value_at, outputs=z, dense_ggn=dense)
+    space = None
+    if not captured and _sample_chain(chain[first:], z, inputs.shape[0]):
+        space = SampleSpace(
+            outputs=z,
+            output_grad=dz,
+            hessian=hessian,
+            jvp=lambda v: _jvp(chain, fmodel, v, z),
+            vjp=vjp,
+            kernel=lambda: _sample_kernel(chain, first, fmodel, z),
+        )
+    return Linearization(
+        value, grad, ggn_vp, value_at, outputs=z, dense_ggn=dense, sample_space=space
+    )
 
 
 #: The largest output Jacobian (samples x outputs x parameters) :func:`_dense_ggn` forms; a
@@ -309,9 +321,74 @@ def _per_sample_chain(chain, z: Tensor, n_samples: int, n: int) -> bool:
     """Whether every layer's rule keeps the samples apart (:attr:`LayerRule.per_sample`: linear
     layers, activations, dropout, reshapes that keep the batch dimension), the outputs keep
     the batch dimension, and the Jacobian is small enough to hold."""
-    if z.dim() < 2 or z.shape[0] != n_samples or z.numel() * n > _MAX_JACOBIAN_ENTRIES:
+    return z.numel() * n <= _MAX_JACOBIAN_ENTRIES and _sample_chain(chain, z, n_samples)
+
+
+def _sample_chain(chain, z: Tensor, n_samples: int) -> bool:
+    """Whether every layer's rule keeps the samples apart and the outputs keep the batch
+    dimension: then ``J J^T`` comes from each sample's own cotangents."""
+    if z.dim() < 2 or z.shape[0] != n_samples:
         return False
     return all(step.per_sample for step, _ in chain)
+
+
+def _sample_kernel(chain, first: int, fmodel: FunctionalModel, z: Tensor) -> Tensor:
+    r"""``K = J J^\top`` (``R x R``, float64) from each sample's own cotangents.
+
+    As :func:`_dense_ggn`, one backward pass per output unit gives every sample's cotangent at
+    each layer, in factored form (:meth:`LayerRule.sample_factors`): a linear layer's rows are
+    ``u_n a_n^T``, so two samples' rows have the inner product ``(u_n . u_m)(a_n . a_m)`` and
+    ``K`` costs ``R^2`` times the layers' widths, never ``R P``. Rows of a parameter reached
+    twice (tied weights) add up, so every pair of its factors contributes.
+    """
+    n_samples, n_out = z.shape[0], z[0].numel()
+    factors: Dict[int, list] = {}
+    unused: List[Optional[Tensor]] = [None] * len(fmodel.params)
+    for o in range(n_out):
+        u = z.new_zeros((n_samples, n_out))
+        u[:, o] = 1.0
+        u = u.view(z.shape)
+        for i in range(len(chain) - 1, first - 1, -1):
+            step, ctx = chain[i]
+            if step.trainable:
+                for slot, left, right in step.sample_factors(ctx, u):
+                    if isinstance(slot, int):  # frozen or absent parameters have no rows
+                        right = None if right is None else right.reshape(n_samples, -1)
+                        factors.setdefault(slot, []).append((o, left.reshape(n_samples, -1), right))
+            u = step.cotangent(ctx, u, unused, need_input=i > first)
+    kernel = z.new_zeros((n_samples, n_out, n_samples, n_out), dtype=torch.float64)
+    grams: Dict[tuple, Tensor] = {}  # a layer's weight and bias share their left factor
+
+    def gram(a: Tensor, b: Tensor) -> Tensor:
+        key = (id(a), id(b))
+        if key not in grams:
+            grams[key] = a @ b.T
+        return grams[key]
+
+    for entries in factors.values():
+        for i, (o1, left1, right1) in enumerate(entries):
+            for j in range(i, len(entries)):
+                o2, left2, right2 = entries[j]
+                block = gram(left1, left2)
+                if right1 is not None and right2 is not None:
+                    block = block * (right1 @ right2.T)
+                elif right1 is not None or right2 is not None:  # a row against a factored one
+                    block = _mixed_gram(left1, right1, left2, right2)
+                block = block.double()  # summed in float64; each block in the model's dtype
+                kernel[:, o1, :, o2] += block
+                if j != i:  # the pair (j, i): the transposed block
+                    kernel[:, o2, :, o1] += block.T
+    kernel = kernel.view(z.numel(), z.numel())
+    return (kernel + kernel.T) * 0.5
+
+
+def _mixed_gram(left1, right1, left2, right2) -> Tensor:
+    """Inner products of rows given one factored and one formed (tied weights only)."""
+
+    def rows(left, right):
+        return left if right is None else (left.unsqueeze(2) * right.unsqueeze(1)).flatten(1)
+
+    return rows(left1, right1) @ rows(left2, right2).T
 
 
 def _dense_ggn(chain, first: int, fmodel: FunctionalModel, hessian, z: Tensor) -> Tensor:

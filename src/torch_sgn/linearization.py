@@ -19,7 +19,7 @@ from torch import Tensor
 from . import solvers
 from .losses import OutputLoss
 
-__all__ = ["Batch", "Engine", "Inputs", "Linearization", "loss_and_output_gradient"]
+__all__ = ["Batch", "Engine", "Inputs", "Linearization", "SampleSpace", "loss_and_output_gradient"]
 
 Inputs = Union[Tensor, Tuple[Tensor, ...]]
 
@@ -48,6 +48,42 @@ class Batch:
 
 
 @dataclass
+class SampleSpace:
+    r"""``G = J^\top H J`` seen from the ``R`` network outputs of a batch (samples times outputs
+    per sample), for the direct solver on models with more parameters than the batch has
+    outputs (see :func:`~torch_sgn.solvers.solve_in_sample_space`).
+
+    Attributes:
+        outputs: the network's outputs (their shape; ``R = outputs.numel()``).
+        output_grad: the loss's gradient with respect to the outputs, ``g = J^T output_grad``.
+        hessian: ``t -> H t`` for output-shaped ``t`` (the loss's Hessian in output space).
+        jvp: flat ``v -> J v`` (output-shaped).
+        vjp: output-shaped ``u -> J^T u`` (flat).
+        kernel: ``() -> J J^T``, the ``R x R`` matrix in float64 (rows in the order of
+            ``outputs.reshape(-1)``).
+    """
+
+    outputs: Tensor
+    output_grad: Tensor
+    hessian: Callable[[Tensor], Tensor]
+    jvp: Callable[[Tensor], Tensor]
+    vjp: Callable[[Tensor], Tensor]
+    kernel: Callable[[], Tensor]
+    _kernel: Optional[Tensor] = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def size(self) -> int:
+        """``R``, the number of outputs of the batch."""
+        return self.outputs.numel()
+
+    def kernel_matrix(self) -> Tensor:
+        """``J J^T``, formed once (a step's re-solves with another damping reuse it)."""
+        if self._kernel is None:
+            self._kernel = self.kernel()
+        return self._kernel
+
+
+@dataclass
 class Linearization:
     """The model and loss linearized at one point on one mini-batch.
 
@@ -61,6 +97,9 @@ class Linearization:
         outputs: the network's outputs at the point, where the engine keeps them.
         dense_ggn: ``() -> G``, the ``P x P`` matrix, where the engine has a faster route to it
             than products (see :meth:`ggn_matrix`); ``None`` otherwise.
+        sample_space: ``G`` as seen from the batch's outputs, where the engine forms ``J J^T``
+            (chains of linear layers and activations); ``None`` otherwise. Anything that
+            changes ``G`` or the gradient (a subset, a mask, an all-reduce) must drop it.
     """
 
     loss: Tensor
@@ -69,6 +108,7 @@ class Linearization:
     value_at: Optional[Callable[[Tensor], Tensor]] = None
     outputs: Optional[Tensor] = None
     dense_ggn: Optional[Callable[[], Tensor]] = None
+    sample_space: Optional[SampleSpace] = None
     _matrix: Optional[Tensor] = field(default=None, init=False, repr=False, compare=False)
 
     def ggn_matrix(self) -> Tensor:

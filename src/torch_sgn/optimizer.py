@@ -15,6 +15,8 @@ from torch import Tensor, nn
 from . import solvers
 from .cg import CGResult, conjugate_gradient
 from .damping import (
+    CG_DAMPING_MIN,
+    DIRECT_DAMPING_MIN,
     GROWTH_START,
     nielsen_update,
     rejected_update,
@@ -42,6 +44,7 @@ PAPER_OPTIONS: Mapping[str, object] = MappingProxyType(
         lr=1.0,
         damping=1e-4,
         damping_min=1e-6,
+        solver="cg",
         cg_iters=10,
         cg_tol=1e-6,
         cg_rtol=0.0,
@@ -144,7 +147,10 @@ class SGN(torch.optim.Optimizer):
         damping: initial Levenberg-Marquardt damping :math:`\rho` (``DAMP_RHO``). Default
             ``1e-4``, the paper's value for every benchmark (the original's default is 1e-3).
         damping_min: floor :math:`\rho_{\min}` for the trust-region rule and target of the
-            decay schedules (``DAMP_RHO_MIN``). Default ``1e-6``, the paper's value.
+            decay schedules (``DAMP_RHO_MIN``). Default ``None``: the floor of the solver that
+            runs the step, the paper's ``1e-6`` for CG (its inexact steps gain nothing from a
+            smaller one) and ``1e-15`` for the direct solver, so that the damping never stops
+            an exact fit short of the precision it can reach (``docs/SOLVERS.md``).
         cg_iters: CG iterations per step, :math:`k_{\max}` (``MAX_CG_ITERS``). Default 10, the
             original's default and the paper's best setting on CIFAR-10.
         cg_tol: CG stops early once the largest absolute residual entry is at most this
@@ -229,15 +235,21 @@ class SGN(torch.optim.Optimizer):
             ``G`` (from the per-sample output Jacobian for chains of linear layers and
             activations, else from ``P`` products) and a Cholesky factorization of
             ``G + damping I`` (:math:`P^3/3` flops); where Cholesky fails in floating point, the
-            eigenvalues of ``G`` are clipped to ``>= 0``. For small models, and for fits to high
+            eigenvalues of ``G`` are clipped to ``>= 0``. On a chain of linear layers and
+            activations whose batch has fewer outputs ``R`` (samples times outputs per sample)
+            than the model has parameters, the same step is solved through the ``R x R``
+            matrix ``J J^T`` instead (:func:`~torch_sgn.solvers.solve_in_sample_space`;
+            without ``momentum``, single process). For small models, and for fits to high
             precision, where CG's inexact steps stall (see ``docs/SOLVERS.md``). A model whose
             matrices (``3 P^2`` numbers) do not fit in the free memory of its device raises
-            ``ValueError`` here. ``"auto"``: direct if ``P <= direct_max_params`` and forming
-            and factoring ``G`` costs at most ``cg_iters`` products, timed once at the first
-            step (summed over a data-parallel group, so that every rank agrees), else CG;
-            :attr:`StepInfo.solver` says which ran. Default ``"cg"``.
-        direct_max_params: the most parameters ``solver="auto"`` takes the direct solver for.
-            Default 4000 (``G`` and its factor take about 190 MB in float32).
+            ``ValueError`` here. ``"auto"`` (default): direct if its matrix has at most
+            ``direct_max_params`` rows (``P``, or ``R`` through the outputs) and forming and
+            factoring it costs at most ``cg_iters`` products, timed once at the first step
+            (summed over a data-parallel group, so that every rank agrees), else CG;
+            :attr:`StepInfo.solver` says which ran. :meth:`SGN.paper` sets ``"cg"``.
+        direct_max_params: the largest matrix ``solver="auto"`` takes the direct solver for
+            (its rows: parameters, or the batch's outputs). Default 4000 (the matrix and its
+            factor take about 190 MB in float32).
 
     :meth:`SGN.paper` builds the paper's configuration (:data:`PAPER_OPTIONS`) whatever the
     defaults here.
@@ -273,7 +285,7 @@ class SGN(torch.optim.Optimizer):
         *,
         lr: float = 1.0,
         damping: float = 1e-4,
-        damping_min: float = 1e-6,
+        damping_min: Optional[float] = None,
         cg_iters: int = 10,
         cg_tol: float = 1e-6,
         cg_rtol: float = 0.0,
@@ -298,7 +310,7 @@ class SGN(torch.optim.Optimizer):
         cuda_graphs: bool = False,
         curvature_fraction: float = 1.0,
         process_group: ProcessGroup = None,
-        solver: str = "cg",
+        solver: str = "auto",
         direct_max_params: int = solvers.DEFAULT_DIRECT_MAX_PARAMS,
     ):
         defaults = dict(
@@ -341,7 +353,6 @@ class SGN(torch.optim.Optimizer):
             solvers.check_direct_fits(fm.numel, fm.dtype, fm.device)
         self._solver = solver
         self._direct_max_params = direct_max_params
-        self._solver_choice: Optional[str] = None  # solver="auto"'s measured choice
         self._loss = resolve_loss(loss)
         self._comm = communicator(self._fmodel, self._loss, process_group)
         super().__init__(self._fmodel.params, defaults)
@@ -361,7 +372,7 @@ class SGN(torch.optim.Optimizer):
     def paper(cls, model: nn.Module, loss: LossSpec, **overrides) -> SGN:
         """SGN configured exactly as the paper's experiments ran it.
 
-        The arguments are :data:`PAPER_OPTIONS`: damping ``1e-4`` with floor ``1e-6``, the
+        The arguments are :data:`PAPER_OPTIONS`: CG, damping ``1e-4`` with floor ``1e-6``, the
         threshold trust-region rule (:func:`~torch_sgn.damping.trust_region_update`), one
         solve per step (no Levenberg-Marquardt re-solves), 10 CG iterations stopped only by
         the absolute ``cg_tol=1e-6``, 10 CG iterations during the first 10 steps
@@ -388,19 +399,11 @@ class SGN(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     # --- state -------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """As :meth:`torch.optim.Optimizer.state_dict`, with ``solver="auto"``'s measured
-        choice, so that a resumed run solves as the original did."""
-        saved = super().state_dict()
-        saved["solver_choice"] = self._solver_choice
-        return saved
-
     def load_state_dict(self, state_dict: dict) -> None:
-        """Loads SGN's state; another optimizer's ``state_dict`` raises ``ValueError`` here."""
-        choice = state_dict.get("solver_choice") if isinstance(state_dict, dict) else None
+        """Loads SGN's state; another optimizer's ``state_dict`` raises ``ValueError`` here.
+        The ``"solver_choice"`` that earlier versions saved (a measured choice) is ignored."""
         loaded = {k: v for k, v in check_loaded_state(state_dict).items() if k != "solver_choice"}
         super().load_state_dict(loaded)
-        self._solver_choice = choice
 
     def __getstate__(self) -> dict:
         # torch's Optimizer pickles only its defaults, state and groups; SGN's model, loss and
@@ -414,7 +417,7 @@ class SGN(torch.optim.Optimizer):
             )
         state = super().__getstate__()
         own = ("_fmodel", "_loss", "_curvature_fraction", "_engine_options", "_solver")
-        own += ("_direct_max_params", "_solver_choice")
+        own += ("_direct_max_params",)
         state.update({k: self.__dict__[k] for k in own})
         return state
 
@@ -479,7 +482,9 @@ class SGN(torch.optim.Optimizer):
                 lin, work = _restrict(lin, trainable), _restrict_state(state, trainable)
             loss0, grad_norm = _finite_loss(lin, batch, self._loss)
             rhs, momentum_buffer = self._momentum(lin.grad, work, t)
-            solve = self._step_solver(lin, rhs, work, t)
+            route = self._route(lin, rhs)
+            solve = self._step_solver(lin, rhs, work, t, route)
+            floor = self._floor(route is not None)
 
             def loss_at(step: Tensor, a: float) -> float:
                 value = self._loss_at(lin, theta + a * step, batch)
@@ -488,7 +493,7 @@ class SGN(torch.optim.Optimizer):
 
             # Levenberg-Marquardt: a step that fails the sufficient-decrease test is solved
             # again on the same linearization with a larger damping, up to `attempts` times.
-            damping = self._damping(state, t)
+            damping = self._damping(state, t, floor)
             growth = state.get("damping_growth", GROWTH_START)
             evals = 0
             for attempts in range(1, group["attempts"] + 1):
@@ -499,8 +504,8 @@ class SGN(torch.optim.Optimizer):
                 logger.debug(
                     "  attempt %d rejected: damping %.3g, loss %.6g", attempts, damping, trial.loss
                 )
-                damping, growth = self._rejected(damping, growth, trial.ratio)
-            ratio, next_damping, growth = self._next_damping(damping, growth, trial, loss0)
+                damping, growth = self._rejected(damping, growth, trial.ratio, floor)
+            ratio, next_damping, growth = self._next_damping(damping, growth, trial, loss0, floor)
             search = LineSearchResult(1.0, trial.loss, 1, math.isfinite(trial.loss))
             if group["line_search"] and trial.moved:
                 search = backtracking(
@@ -570,24 +575,34 @@ class SGN(torch.optim.Optimizer):
             return curvature_subset(self._engine, self._loss, self._curvature_fraction, seed=t)
         return self._engine
 
-    def _damping(self, state: dict, t: int) -> float:
+    def _floor(self, direct: bool) -> float:
+        """The damping floor of this step: ``damping_min``, or where it is ``None`` the floor
+        of the solver that runs."""
+        floor = self.param_groups[0]["damping_min"]
+        if floor is not None:
+            return floor
+        return DIRECT_DAMPING_MIN if direct else CG_DAMPING_MIN
+
+    def _damping(self, state: dict, t: int, floor: float) -> float:
         group = self.param_groups[0]
         if group["trust_region"]:
-            return state["damping"]
+            return max(state["damping"], floor)  # CG's floor after the direct solver's
         return scheduled_damping(
-            group["damping_schedule"], group["damping"], group["damping_min"], t,
+            group["damping_schedule"], group["damping"], min(floor, group["damping"]), t,
             group["damping_decay_steps"],
         )  # fmt: skip
 
-    def _rejected(self, damping: float, growth: float, ratio: float) -> tuple[float, float]:
+    def _rejected(
+        self, damping: float, growth: float, ratio: float, floor: float
+    ) -> tuple[float, float]:
         """The damping of the next attempt at this step, and Nielsen's growth factor."""
         group = self.param_groups[0]
         if group["damping_update"] == "nielsen":
             return rejected_update(damping, growth)
-        return trust_region_update(damping, ratio, group["damping_min"]), growth
+        return trust_region_update(damping, ratio, floor), growth
 
     def _next_damping(
-        self, damping: float, growth: float, trial: _Trial, loss0: float
+        self, damping: float, growth: float, trial: _Trial, loss0: float, floor: float
     ) -> tuple[Optional[float], float, float]:
         """The trust-region ratio (``None`` with the trust region off), the next step's damping
         and growth factor.
@@ -605,13 +620,13 @@ class SGN(torch.optim.Optimizer):
         if group["damping_update"] == "threshold":
             return (
                 trial.ratio,
-                trust_region_update(damping, trial.ratio, group["damping_min"]),
+                trust_region_update(damping, trial.ratio, floor),
                 growth,
             )
         if trial.accepted:
             return (
                 trial.ratio,
-                nielsen_update(damping, trial.ratio, group["damping_min"]),
+                nielsen_update(damping, trial.ratio, floor),
                 GROWTH_START,
             )
         return (trial.ratio, *rejected_update(damping, growth))
@@ -626,13 +641,22 @@ class SGN(torch.optim.Optimizer):
         return m / (1 - beta ** (t + 1)), m
 
     def _step_solver(
-        self, lin: Linearization, rhs: Tensor, state: dict, t: int
+        self, lin: Linearization, rhs: Tensor, state: dict, t: int, route: Optional[str]
     ) -> Callable[[float], CGResult | DirectResult]:
         r"""``damping -> solution`` of :math:`(G + \rho I) d = -\hat m` for this step's
         linearization: the step's attempts share it and differ only in the damping (the
-        direct solver forms ``G`` once and factors ``G + \rho I`` for each)."""
-        if self._direct(lin):
-            return lambda damping: self._solve_direct(lin, rhs, damping)
+        direct solver forms its matrix once and factors it for each). ``route``: see
+        :meth:`_route`."""
+        if route == "samples":
+            space = lin.sample_space
+            assert space is not None and rhs is lin.grad
+            return lambda damping: self._logged(
+                solvers.solve_in_sample_space(space, lin.grad, damping, lin.ggn_vp), damping
+            )
+        if route == "matrix":
+            return lambda damping: self._logged(
+                solvers.solve_damped(lin.ggn_matrix(), rhs, damping), damping
+            )
         group = self.param_groups[0]
         iters = group["cg_iters"]
         if group["warmup_cg_iters"] is not None and t < group["warmup_steps"]:
@@ -663,44 +687,41 @@ class SGN(torch.optim.Optimizer):
 
         return solve
 
-    def _direct(self, lin: Linearization) -> bool:
-        """Whether this step solves directly: ``solver``, or ``"auto"``'s choice (measured at
-        its first step; see :func:`~torch_sgn.solvers.measure_costs`)."""
-        if self._solver != "auto":
-            return self._solver == "direct"
-        if self._solver_choice is None:
-            self._solver_choice = self._measured_choice(lin)
-        return self._solver_choice == "direct"
+    def _route(self, lin: Linearization, rhs: Tensor) -> Optional[str]:
+        """How this step solves: ``None`` by CG, ``"matrix"`` directly through the ``P x P``
+        matrix ``G``, ``"samples"`` directly through the batch's outputs
+        (:func:`~torch_sgn.solvers.solve_in_sample_space`). ``solver="auto"``: the direct
+        solver wherever its matrix has at most ``direct_max_params`` rows, through the outputs
+        where they are fewer than the parameters; else CG. A rule, not a timing, so that a run
+        takes the same steps on every machine."""
+        if self._solver == "cg":
+            return None
+        if self._samples_fit(lin, rhs):
+            return "samples"
+        if self._solver == "direct" or self._matrix_fits():
+            return "matrix"
+        return None
 
-    def _measured_choice(self, lin: Linearization) -> str:
+    def _samples_fit(self, lin: Linearization, rhs: Tensor) -> bool:
+        """Whether the step can be solved through the batch's outputs, more cheaply than
+        through ``G`` (fewer outputs than parameters), within ``direct_max_params`` for
+        ``"auto"`` and in the free memory."""
+        space = lin.sample_space
+        if space is None or rhs is not lin.grad or space.size >= self._fmodel.numel:
+            return False
+        if self._solver == "auto" and space.size > self._direct_max_params:
+            return False
+        return _fits(space.size, torch.float64, self._fmodel.device)
+
+    def _matrix_fits(self) -> bool:
         fm = self._fmodel
-        if fm.numel > self._direct_max_params:
-            return "cg"
-        try:
-            solvers.check_direct_fits(fm.numel, fm.dtype, fm.device)
-        except ValueError:
-            return "cg"
-        costs, _ = solvers.measure_costs(
-            lin.ggn_vp,
-            lin.ggn_matrix if lin.dense_ggn is not None else None,  # kept for this step
-            fm.numel,
-            lin.grad,
-            self.param_groups[0]["cg_iters"],
-            agree=self._comm.agree,
-        )
-        logger.info(
-            "solver='auto': %s (direct %.3g s: G %.3g s + factor %.3g s; CG %d x %.3g s)",
-            costs.choice, costs.direct, costs.matrix, costs.factor, costs.cg_iterations,
-            costs.product,
-        )  # fmt: skip
-        return costs.choice
+        return fm.numel <= self._direct_max_params and _fits(fm.numel, fm.dtype, fm.device)
 
-    def _solve_direct(self, lin: Linearization, rhs: Tensor, damping: float) -> DirectResult:
-        result = solvers.solve_damped(lin.ggn_matrix(), rhs, damping)
-        if result.reason != "cholesky":  # routine in float32 at a tiny damping: no warning
+    def _logged(self, result: DirectResult, damping: float) -> DirectResult:
+        if result.reason not in ("cholesky", "lu"):  # routine in float32 at a tiny damping
             logger.debug(
-                "  the direct solve's Cholesky factorization failed at damping %.3g; solved by "
-                "the %s fallback",
+                "  the direct solve's factorization failed at damping %.3g; solved by the %s "
+                "fallback",
                 damping, result.reason,
             )  # fmt: skip
         return result
@@ -822,7 +843,25 @@ def _finite_loss(lin: Linearization, batch: Batch, loss_fn: OutputLoss) -> tuple
 def _restrict(lin: Linearization, mask: Tensor) -> Linearization:
     """The linearization in the directions where ``mask`` is 1: ``P g`` and ``P G P``."""
     ggn_vp = lin.ggn_vp
-    return replace(lin, grad=lin.grad * mask, ggn_vp=lambda v: ggn_vp(v * mask) * mask)
+    dense = None
+    if lin.dense_ggn is not None:
+        dense = lambda: lin.ggn_matrix() * mask[:, None] * mask[None, :]  # noqa: E731
+    return replace(
+        lin,
+        grad=lin.grad * mask,
+        ggn_vp=lambda v: ggn_vp(v * mask) * mask,
+        dense_ggn=dense,
+        sample_space=None,  # its J spans the frozen directions too
+    )
+
+
+def _fits(n: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the direct solver's ``n x n`` matrices fit in the device's free memory."""
+    try:
+        solvers.check_direct_fits(n, dtype, device)
+    except ValueError:
+        return False
+    return True
 
 
 def _restrict_state(state: dict, mask: Tensor) -> dict:

@@ -58,7 +58,11 @@ def check_options(group: Mapping, in_step: bool = False) -> None:
     g = group
     need(lambda v: _finite(v) and v > 0, "lr", "must be > 0 and finite")
     need(lambda v: _finite(v) and v > 0, "damping", "must be > 0 and finite")
-    need(lambda v: 0 <= v <= g["damping"], "damping_min", "must be in [0, damping]")
+    need(
+        lambda v: v is None or 0 <= v <= g["damping"],
+        "damping_min",
+        "must be None (the solver's floor) or in [0, damping]",
+    )
     need(lambda v: _is_int(v) and v >= 1, "cg_iters", "must be an int >= 1")
     need(lambda v: _finite(v) and v >= 0, "cg_tol", "must be >= 0 and finite")
     need(lambda v: _finite(v) and 0 <= v < 1, "cg_rtol", "must be in [0, 1)")
@@ -66,7 +70,7 @@ def check_options(group: Mapping, in_step: bool = False) -> None:
     need(lambda v: _is_int(v) and v >= 1, "attempts", "must be an int >= 1")
     need(lambda v: v in DAMPING_UPDATES, "damping_update", f"must be one of {DAMPING_UPDATES}")
     need(
-        lambda v: not (g["damping_update"] == "nielsen" and not v > 0),
+        lambda v: not (g["damping_update"] == "nielsen" and v is not None and not v > 0),
         "damping_min",
         "must be > 0 with damping_update='nielsen' (a zero damping could not grow again)",
     )

@@ -1,4 +1,4 @@
-r"""The direct solver for small models, and the choice between it and conjugate gradient.
+r"""The direct solver: exact Levenberg-Marquardt steps for small models and small batches.
 
 For a model with ``P`` parameters, the damped Gauss-Newton system
 
@@ -10,7 +10,10 @@ far less than ``P`` separate products on a small model) and a Cholesky factoriza
 :math:`P^3/3` flops. Conjugate gradient costs ``k`` products and is inexact. On models of a
 few thousand parameters the exact solve is cheap and lets the damping fall as low as the fit
 needs (the high-precision regime where dense Levenberg-Marquardt shines); on large models it is
-out of reach (:math:`P^2` memory), and CG is the method.
+out of reach (:math:`P^2` memory). There, when the batch has fewer outputs ``R`` than the
+model has parameters, the same exact step is solved through the ``R x R`` matrix ``J J^T``
+(:func:`solve_in_sample_space`): a 133k-parameter MLP on batches of 1000 takes exact
+Levenberg-Marquardt steps. Elsewhere CG is the method.
 
 * :func:`ggn_matrix` forms ``G`` from products with identity columns, in chunks.
 * :func:`solve_damped` solves the damped system robustly: Cholesky, and where that fails in
@@ -19,21 +22,21 @@ out of reach (:math:`P^2` memory), and CG is the method.
   returns NaN from a finite matrix.
 * :func:`check_direct_fits` refuses, before anything is allocated, a model whose matrix does
   not fit in the device's memory.
-* :func:`measure_costs` is ``solver="auto"``'s cost model (:class:`SolverCosts`).
 """
 
 from __future__ import annotations
 
-import math
 import os
-import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["DirectResult", "solve_damped"]
+if TYPE_CHECKING:  # linearization imports this module
+    from .linearization import SampleSpace
+
+__all__ = ["DirectResult", "solve_damped", "solve_in_sample_space"]
 
 SOLVERS = ("auto", "cg", "direct")
 
@@ -42,7 +45,7 @@ SOLVERS = ("auto", "cg", "direct")
 DEFAULT_DIRECT_MAX_PARAMS = 4000
 
 #: Why :func:`solve_damped` returned what it returned.
-DIRECT_METHODS = ("cholesky", "eigh", "scaled_gradient", "non_finite")
+DIRECT_METHODS = ("cholesky", "eigh", "scaled_gradient", "lu", "pinv", "non_finite")
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,9 @@ class DirectResult:
         reason: ``"cholesky"``: ``A = G + rho I`` was factored. ``"eigh"``: Cholesky failed,
             ``A = V (max(Lambda, 0) + rho) V^T`` from ``G = V Lambda V^T``. ``"scaled_gradient"``:
             the eigendecomposition did not converge either, ``A = (rho + ||G||_F) I``, which
-            bounds ``G + rho I`` from above. ``"non_finite"``: ``G`` or the solution has
+            bounds ``G + rho I`` from above. ``"lu"``, ``"pinv"``: the sample space's
+            non-symmetric system (:func:`solve_in_sample_space`) by an LU factorization, or by
+            the pseudo-inverse where that failed. ``"non_finite"``: ``G`` or the solution has
             non-finite entries; ``x`` is zero (a breakdown).
     """
 
@@ -124,6 +129,76 @@ def _all_finite(*tensors: Tensor) -> bool:
     # One sum per tensor is finite exactly when no entry is NaN or infinite, unless finite
     # entries overflow it; the exact test settles that case.
     return all(bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all()) for t in tensors)
+
+
+# --- the sample space ---------------------------------------------------------------------------
+def solve_in_sample_space(
+    space: SampleSpace, grad: Tensor, damping: float, ggn_vp: Callable[[Tensor], Tensor]
+) -> DirectResult:
+    r"""Solves :math:`(G + \rho I)\, d = -g` exactly through the batch's ``R`` outputs.
+
+    With :math:`G = J^\top H J`, :math:`g = J^\top e` (``e`` the loss's gradient with respect to
+    the outputs) and :math:`K = J J^\top`, the identity
+    :math:`(J^\top H J + \rho I) J^\top = J^\top (H K + \rho I)` gives
+
+    .. math::
+        d = -J^\top w, \qquad (H K + \rho I)\, w = e,
+
+    an ``R x R`` system in place of a ``P x P`` one: on a model with more parameters than the
+    batch has outputs (a 133k-parameter MLP on 1000 samples) the exact Levenberg-Marquardt step
+    costs about as much as a few products. The system is solved in float64, by
+    :func:`solve_damped` (Cholesky, its fallbacks) where :math:`HK` is symmetric (``H`` a
+    multiple of the identity, as for the squared error), else by an LU factorization (the
+    pseudo-inverse where that fails). Only for the gradient itself: a gradient average is not
+    of the form :math:`J^\top e`.
+
+    Args:
+        space: the batch's outputs, ``J J^T`` and the loss's output-space Hessian.
+        grad: :math:`g`, flat, of the parameters' dtype.
+        damping: :math:`\rho \ge 0`.
+        ggn_vp: ``v -> G v``, for the residual of the solution (one product).
+
+    Returns:
+        A :class:`DirectResult` whose ``residual`` is :math:`(G + \rho I) d + g` measured with
+        one product.
+    """
+    outputs = space.outputs
+    kernel = space.kernel_matrix()
+    e = space.output_grad.reshape(-1).double()
+    hk = _hessian_rows(space.hessian, kernel, outputs)  # row j: H K e_j, so H K = hk^T
+    matrix = hk.mT
+    if torch.equal(matrix, hk):
+        w = solve_damped(matrix, -e, damping)
+        w, reason = w.x, w.reason
+    else:
+        damped = matrix.clone()
+        damped.diagonal().add_(damping)
+        w, info = torch.linalg.solve_ex(damped, e)
+        reason = "lu"
+        if int(info) != 0 or not _all_finite(w):
+            w, reason = torch.linalg.pinv(damped) @ e, "pinv"
+    if not _all_finite(w):
+        return DirectResult(torch.zeros_like(grad), grad.clone(), 0, "non_finite")
+    d = space.vjp(w.to(outputs.dtype).view(outputs.shape)).neg_()
+    if not _all_finite(d):
+        return DirectResult(torch.zeros_like(grad), grad.clone(), 0, "non_finite")
+    residual = ggn_vp(d).add_(d, alpha=damping).add_(grad)
+    return DirectResult(d, residual, 0, reason)
+
+
+def _hessian_rows(hessian: Callable[[Tensor], Tensor], kernel: Tensor, outputs: Tensor) -> Tensor:
+    """``H`` applied to each row of the symmetric ``kernel`` (rows shaped as the outputs): in
+    float64 where the loss's Hessian takes it, else in the outputs' dtype; batched by ``vmap``
+    where the Hessian allows it (one by one for a loss whose Hessian product runs autograd)."""
+    rows = kernel.view(kernel.shape[0], *outputs.shape)
+    for dtype in (torch.float64, outputs.dtype):
+        try:
+            out = torch.func.vmap(hessian)(rows.to(dtype))
+        except Exception:  # mixed dtypes, or an autograd product vmap cannot batch
+            continue
+        if out.dtype == dtype:
+            return out.reshape(kernel.shape).double()
+    return torch.stack([hessian(r.to(outputs.dtype)) for r in rows]).reshape(kernel.shape).double()
 
 
 # --- forming G ---------------------------------------------------------------------------------
@@ -237,105 +312,3 @@ def _human(count: int) -> str:
             return f"{value:.3g} {unit}" if unit != "bytes" else f"{count} bytes"
         value /= 1024
     raise AssertionError  # pragma: no cover
-
-
-# --- solver="auto": the cost model -------------------------------------------------------------
-@dataclass(frozen=True)
-class SolverCosts:
-    """Seconds, measured once on this device, of what one step's solve costs each way.
-
-    Attributes:
-        product: one ``G v`` product.
-        factor: a Cholesky factorization of ``P x P`` (timed at most ``256 x 256`` and scaled
-            by ``P^3``).
-        matrix: forming ``G`` (``nan`` when not measured: the factorization alone already
-            cost more than CG).
-        cg_iterations: CG's iteration budget ``k``.
-    """
-
-    product: float
-    factor: float
-    matrix: float
-    cg_iterations: int
-
-    @property
-    def direct(self) -> float:
-        return self.matrix + self.factor
-
-    @property
-    def cg(self) -> float:
-        return self.cg_iterations * self.product
-
-    @property
-    def choice(self) -> str:
-        """``"direct"`` when forming and factoring ``G`` costs at most CG's ``k`` products (a
-        tie goes to the exact solve), else ``"cg"``."""
-        return "direct" if self.direct <= self.cg else "cg"
-
-
-def measure_costs(
-    ggn_vp: Callable[[Tensor], Tensor],
-    dense_ggn: Optional[Callable[[], Tensor]],
-    n: int,
-    like: Tensor,
-    cg_iterations: int,
-    agree: Callable[[list], list] = lambda values: values,
-) -> tuple[SolverCosts, Optional[Tensor]]:
-    """``solver="auto"``'s measurement: times one product and a Cholesky factorization; only if
-    the factorization is cheaper than CG, also forms ``G`` (returned, so that a step that goes
-    on with the direct solve uses it) or, where it comes from products, times one chunk of 64.
-
-    Args:
-        ggn_vp: ``v -> G v``.
-        dense_ggn: the engine's own route to ``G`` (see
-            :meth:`~torch_sgn.linearization.Linearization.ggn_matrix`), or ``None``.
-        n: the number of parameters.
-        like: a tensor of the parameters' dtype and device.
-        cg_iterations: CG's iteration budget.
-        agree: maps the measured seconds to the ones every process decides by (the sums over
-            a data-parallel group, so that all take the same decision).
-
-    Returns:
-        The costs and ``G`` when it was formed, else ``None``.
-    """
-    v = like.new_ones(n)
-    product = _timed(lambda: ggn_vp(v), like.device)
-    m = min(n, 256)
-    spd = like.new_full((m, m), 1.0 / m)
-    spd.diagonal().add_(1.0)
-    factor = _timed(lambda: torch.linalg.cholesky_ex(spd), like.device) * (n / m) ** 3
-    product, factor = agree([product, factor])
-    if factor > cg_iterations * product:
-        return SolverCosts(product, factor, math.nan, cg_iterations), None
-    matrix = None
-    if dense_ggn is not None:
-        _sync(like.device)
-        start = time.perf_counter()
-        matrix = dense_ggn()
-        _sync(like.device)
-        seconds = time.perf_counter() - start
-    else:
-        chunk = min(n, 64)
-        products = _products(ggn_vp, like.device)
-        columns = _identity_columns(n, 0, chunk, like)
-        seconds = _timed(lambda: products(columns), like.device) * math.ceil(n / chunk)
-    (seconds,) = agree([seconds])
-    return SolverCosts(product, factor, seconds, cg_iterations), matrix
-
-
-def _timed(fn: Callable[[], object], device: torch.device) -> float:
-    """Seconds of ``fn()``, the faster of two calls after a warm-up, device synchronised."""
-    fn()
-    best = math.inf
-    for _ in range(2):  # the faster of two: noise only ever adds time
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
