@@ -1,0 +1,136 @@
+"""The library's defaults against the paper's configuration on the paper's benchmarks, by epochs.
+
+``SGN(model, loss)`` (``solver="auto"``, the damping floor of the solver that runs) and
+``SGN.paper(model, loss)`` (CG with 10 iterations, floor 1e-6) train the same network from the
+same initialisation on the same mini-batches; the training and test losses are recorded after
+every epoch. Sine (1-20-20-20-1 MLP, 901 parameters) and Boston (13-100-100-1 MLP, 11,601
+parameters, batches of 101) are fitted in full; on Fashion-MNIST (LeNet) the defaults take CG, and
+the script checks that their steps are the paper's, bit for bit, over ``--fashion-steps`` steps
+(skipped when the data is not on disk).
+
+Command of the recorded run (from the repository root)::
+
+    PYTHONPATH=src python benchmarks/defaults_by_epochs.py --name defaults_by_epochs
+
+Output: a table and ``record.json`` under ``benchmarks/results/<YYYY-MM-DD>_<name>/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from torch_sgn import SGN
+from torch_sgn.experiments.models import PRESETS
+from torch_sgn.experiments.runner import RunConfig, evaluate, load_data
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = {"paper": SGN.paper, "defaults": SGN}
+
+
+def train(preset: str, config: str, epochs: int, seed: int) -> dict:
+    """Trains the preset's network with one configuration; losses after every epoch."""
+    p = PRESETS[preset]
+    data = load_data(RunConfig(preset=preset, epochs=1)).to("cpu", torch.float32)
+    model = p.build()
+    opt = CONFIGS[config](model, p.loss)
+    gen = torch.Generator().manual_seed(seed)
+    curve = [evaluate(model, p.loss, data.x_train, data.y_train)[0]]
+    test = [evaluate(model, p.loss, data.x_test, data.y_test)[0]]
+    solvers, seconds = set(), 0.0
+    for _ in range(epochs):
+        for x, y in data.batches(p.batch_size, gen):
+            start = time.process_time()
+            solvers.add(opt.step(x, y).solver)
+            seconds += time.process_time() - start
+        curve.append(evaluate(model, p.loss, data.x_train, data.y_train)[0])
+        test.append(evaluate(model, p.loss, data.x_test, data.y_test)[0])
+    return {"train": curve, "test": test, "solvers": sorted(solvers), "cpu_seconds": seconds}
+
+
+def fashion_identical(steps: int) -> dict:
+    """Whether the defaults' first ``steps`` steps on Fashion-MNIST are the paper's."""
+    p = PRESETS["fashion_mnist"]
+    try:
+        data = load_data(RunConfig(preset="fashion_mnist", epochs=1)).to("cpu", torch.float32)
+    except (FileNotFoundError, OSError, RuntimeError) as e:
+        return {"skipped": str(e)}
+    models = [p.build(), p.build()]
+    opts = [SGN.paper(models[0], p.loss), SGN(models[1], p.loss)]
+    gen = torch.Generator().manual_seed(1)
+    infos: list = [[], []]
+    for k, (x, y) in enumerate(data.batches(p.batch_size, gen)):
+        if k == steps:
+            break
+        for opt, out in zip(opts, infos):
+            out.append(opt.step(x, y))
+    same_params = all(torch.equal(a, b) for a, b in zip(*(m.parameters() for m in models)))
+    return {
+        "steps": len(infos[0]),
+        "identical_step_infos": infos[0] == infos[1],
+        "identical_parameters": same_params,
+        "solvers": sorted({i.solver for i in infos[1]}),
+        "losses": [i.loss for i in infos[1]],
+    }
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sine-epochs", type=int, default=50)
+    parser.add_argument("--boston-epochs", type=int, default=50)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--fashion-steps", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--name", default="defaults_by_epochs")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    runs = []
+    for preset, epochs in (("sine", args.sine_epochs), ("boston", args.boston_epochs)):
+        for seed in args.seeds:
+            for config in CONFIGS:
+                r = train(preset, config, epochs, seed)
+                runs.append({"preset": preset, "config": config, "seed": seed, **r})
+                print(
+                    f"{preset} seed {seed} {config:8s} solver {'/'.join(r['solvers'])}: train "
+                    f"{r['train'][-1]:.4g} test {r['test'][-1]:.4g} ({r['cpu_seconds']:.1f} s)",
+                    flush=True,
+                )
+    fashion = fashion_identical(args.fashion_steps)
+    print("fashion_mnist:", {k: v for k, v in fashion.items() if k != "losses"})
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    dirty = bool(
+        subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT, capture_output=True, text=True,
+        ).stdout.strip()
+    )  # fmt: skip
+    out = Path(args.out) / f"{datetime.date.today():%Y-%m-%d}_{args.name}"
+    out.mkdir(parents=True, exist_ok=True)
+    record = {
+        "command": "PYTHONPATH=src python benchmarks/defaults_by_epochs.py "
+        + " ".join(sys.argv[1:]),
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "threads": args.threads,
+        "runs": runs,
+        "fashion_mnist": fashion,
+    }
+    (out / "record.json").write_text(json.dumps(record, indent=1))
+    print("record:", out / "record.json")
+
+
+if __name__ == "__main__":
+    main()
