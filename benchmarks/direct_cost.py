@@ -12,6 +12,13 @@ layer-wise engine's route); ``G`` from products with the identity's columns, one
 ``torch.func.vmap`` in chunks of 64 (its route on other devices); a Cholesky factorization of a
 ``P x P`` matrix. Models: the sinc benchmark's 1-20-1 tanh MLP (batch 1000), the paper's
 Boston MLP 13-100-100-1 sigmoid (batch 101), a 1-40-40-1 tanh MLP (batch 1000).
+
+A second table times the route through the batch's outputs, for models with more parameters
+than the batch has outputs ``R``: ``J J^T`` (``R x R``, from each sample's factored
+cotangents), one exact solve through it (:func:`torch_sgn.solvers.solve_in_sample_space`,
+including the product that measures its residual), and, for comparison, 10 CG iterations.
+Models: the Boston MLP (batch 101) and the regression benchmark's 3-256-256-256-1 tanh MLP
+(132,865 parameters, batch 1000).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch
 from torch import nn
 
 from torch_sgn import solvers
+from torch_sgn.cg import conjugate_gradient
 from torch_sgn.engines import select_engine
 from torch_sgn.functional import FunctionalModel
 from torch_sgn.linearization import Batch
@@ -71,6 +79,54 @@ def _vmapped(ggn_vp, n: int, like: torch.Tensor, chunk: int = 64) -> torch.Tenso
     return out
 
 
+OUTPUT_MODELS = {
+    "Boston 13-100-100-1 sigmoid, batch 101": MODELS["Boston 13-100-100-1 sigmoid, batch 101"],
+    "3-256-256-256-1 tanh, batch 1000": (
+        lambda: nn.Sequential(
+            nn.Linear(3, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256),
+            nn.Tanh(), nn.Linear(256, 1),
+        ),
+        1000,
+        3,
+    ),
+}  # fmt: skip
+
+
+def _solve_outputs(lin) -> None:
+    solvers.solve_in_sample_space(lin.sample_space, lin.grad, 1e-4, lin.ggn_vp)
+
+
+def _cg10(lin) -> None:
+    conjugate_gradient(lambda v: lin.ggn_vp(v).add_(v, alpha=1e-4), -lin.grad, max_iters=10)
+
+
+def through_outputs(dtypes) -> None:
+    print()
+    print("| model | dtype | P | R | product | J J^T | solve through outputs | CG, 10 iterations |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, (build, batch, inputs) in OUTPUT_MODELS.items():
+        for dtype_name in dtypes:
+            dtype = getattr(torch, dtype_name)
+            model = build().to(dtype)
+            fmodel = FunctionalModel(model)
+            x = torch.randn(batch, inputs, dtype=dtype)
+            y = torch.randn(batch, 1, dtype=dtype)
+            lin = select_engine(fmodel, resolve_loss("mse"), "fast")(fmodel.flat(), Batch(x, y))
+            space = lin.sample_space
+            like = fmodel.flat()
+            product = _median(partial(lin.ggn_vp, like), 11)
+            kernel = _median(space.kernel, 5)
+            space.kernel_matrix()  # formed once per step; the solve below reuses it
+
+            solve = _median(partial(_solve_outputs, lin), 5)
+            cg = _median(partial(_cg10, lin), 5)
+            print(
+                f"| {name} | {dtype_name} | {fmodel.numel} | {space.size} | {product:.2e} | "
+                f"{kernel:.2e} | {solve:.2e} | {cg:.2e} |",
+                flush=True,
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "float64"])
@@ -107,6 +163,7 @@ def main() -> None:
                 f"{batched:.2e} | {chol:.2e} |",
                 flush=True,
             )
+    through_outputs(args.dtypes)
 
 
 if __name__ == "__main__":

@@ -153,8 +153,12 @@ def test_tied_weights_add_up_in_the_jacobian_route():
 
 # --- SGN(solver="direct") -------------------------------------------------------------------------
 @pytest.mark.usefixtures("each_engine")
+@pytest.mark.parametrize("momentum", [0.0, 0.5], ids=["outputs-or-G", "G"])
 @pytest.mark.parametrize("loss_case", LOSSES, ids=[c.name for c in LOSSES])
-def test_direct_step_solves_the_damped_system_for_every_loss(loss_case):
+def test_direct_step_solves_the_damped_system_for_every_loss(loss_case, momentum):
+    # Without momentum the layer-wise engine solves through the batch's outputs (fewer than
+    # the parameters); a gradient average (the first one is the gradient itself) goes
+    # through G. Both must give the dense solution.
     models = (MODELS[0], MODELS[2]) if loss_case.targets != "real" else (MODELS[0],)
     for model_case in models:
         model, x, y = make_batch(model_case, loss_case)
@@ -163,7 +167,8 @@ def test_direct_step_solves_the_damped_system_for_every_loss(loss_case):
         rho = 1e-3
         A = G + rho * torch.eye(len(theta), dtype=G.dtype)
         expected = theta - torch.linalg.solve(A, g)
-        opt = SGN(model, loss, damping=rho, solver="direct", cg_iters=1, **EXACT)
+        options = {**EXACT, "momentum": momentum}
+        opt = SGN(model, loss, damping=rho, solver="direct", cg_iters=1, **options)
         info = opt.step(x, y)
         torch.testing.assert_close(_flat(model), expected, rtol=1e-9, atol=1e-11)
         assert info.solver == "direct" and info.cg_iters == 0

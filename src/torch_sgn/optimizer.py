@@ -97,7 +97,9 @@ class StepInfo:
             the direct solver ``cg_iters`` is 0, ``cg_residual`` the residual of the system it
             solved, and ``cg_stop`` how it solved it: ``"cholesky"``; ``"eigh"`` where
             Cholesky failed in floating point (the eigenvalues of ``G`` clipped to ``>= 0``);
-            ``"scaled_gradient"`` where that failed too; ``"non_finite"`` (no step).
+            ``"scaled_gradient"`` where that failed too; ``"lu"`` (or ``"pinv"`` where that
+            failed) for the non-symmetric system through the batch's outputs of a loss whose
+            output-space Hessian is not a multiple of the identity; ``"non_finite"`` (no step).
     """
 
     loss: float
