@@ -5,8 +5,9 @@
 #     OUT=gpu-results TORCH_SGN_DATA=<dir holding fashion_mnist/> bash benchmarks/gpu_checks.sh
 #
 # Writes into $OUT: env.txt, pytest_graphs.txt, ggn_cost_cuda*.txt/.json,
-# time_to_accuracy_cuda.txt/.json and pytest.txt. Each part has its own time limit, so one
-# that fails or hangs leaves the others' results.
+# time_to_accuracy_cuda.txt/.json, solver.txt/.json, any_model.txt/.json, pytest_cuda.txt and
+# pytest.txt. Each part has its own time limit, so one that fails or hangs leaves the others'
+# results. PARTS="solver any_model pytest_cuda" runs only the parts named.
 set -u
 OUT=${OUT:-gpu-results}
 PY=${PYTHON:-python3}
@@ -19,6 +20,10 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
   lscpu | grep 'Model name' || true
   echo "commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
 } 2>&1 | tee "$OUT/env.txt"
+
+want() {  # want NAME: whether PARTS (empty: every part) names this part
+  [ -z "${PARTS:-}" ] || [[ " $PARTS " == *" $1 "* ]]
+}
 
 part() {  # part NAME SECONDS COMMAND...: one timed part, its output in $OUT/NAME.txt
   local name=$1 limit=$2
@@ -33,23 +38,34 @@ part() {  # part NAME SECONDS COMMAND...: one timed part, its output in $OUT/NAM
 }
 
 # 1. CUDA graphs: captured steps against eager steps, and the other CUDA tests.
-part pytest_graphs 100 $PY -m pytest -q -p no:cacheprovider tests/test_graphs.py \
+want pytest_graphs && part pytest_graphs 100 $PY -m pytest -q -p no:cacheprovider tests/test_graphs.py \
   tests/test_optimizer.py::test_cuda_step_matches_cpu_step tests/test_runner.py -k "cuda or graphs"
 # 2. The cost table of issue 4 on the GPU: the fast engine eager and with CUDA graphs.
-part ggn_cost_cuda 150 $PY benchmarks/ggn_cost.py --devices cuda --engines fast graphs \
+want ggn_cost_cuda && { part ggn_cost_cuda 150 $PY benchmarks/ggn_cost.py --devices cuda --engines fast graphs \
   --repeats 10 --warmup 3 --out "$OUT/ggn_cost_cuda.json" \
   || part ggn_cost_cuda_eager 90 $PY benchmarks/ggn_cost.py --devices cuda --engines fast \
-    --repeats 5 --warmup 2 --out "$OUT/ggn_cost_cuda_eager.json"
+    --repeats 5 --warmup 2 --out "$OUT/ggn_cost_cuda_eager.json"; }
 # 3. Time to 85% test accuracy on Fashion-MNIST, 15 s each.
-part time_to_accuracy_cuda 120 $PY benchmarks/time_to_accuracy_fashion.py --device cuda \
+want time_to_accuracy_cuda && part time_to_accuracy_cuda 120 $PY benchmarks/time_to_accuracy_fashion.py --device cuda \
   --budget 15 --target 0.85 --eval-every 10 \
   --only "SGN(5) fast" "SGN(5) graphs" "SGD lr 0.1" "Adam lr 1e-3" \
   --out "$OUT/time_to_accuracy_cuda.json"
 # 4. A second cost table, for the spread between runs.
-part ggn_cost_cuda_2 80 $PY benchmarks/ggn_cost.py --devices cuda --engines fast graphs \
+want ggn_cost_cuda_2 && part ggn_cost_cuda_2 80 $PY benchmarks/ggn_cost.py --devices cuda --engines fast graphs \
   --repeats 10 --warmup 3 --no-memory --out "$OUT/ggn_cost_cuda_2.json"
 # 5. The whole test suite on this machine's torch. With pytest-xdist, 8 workers of 2 threads
 # each: 8 workers of torch's default (one thread per core) oversubscribe a 16-core host, and the
 # suite did not finish in 6 minutes that way (the suspected cause; not verified).
 XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
-OMP_NUM_THREADS=2 part pytest 240 $PY -m pytest -q -rf -p no:cacheprovider $XDIST tests
+# 6. The direct solver on the GPU: exactness against a dense float64 solve, and the
+# 133k-parameter regression fit against Adam, 20 s of wall-clock time each.
+want solver && part solver 150 $PY benchmarks/gpu_solver_check.py --seconds 20 \
+  --out "$OUT/solver.json"
+# 7. Products on the models outside the layer-wise engine (ResNet with BatchNorm, causal
+# transformer, LSTM), functional and traced engines, curvlinops beside them where installed.
+want any_model && part any_model 150 $PY benchmarks/ggn_cost.py --devices cuda \
+  --models resnet_bn transformer lstm --engines functional traced --ks 2 5 \
+  --repeats 5 --warmup 2 --out "$OUT/any_model.json"
+# 8. The tests that need CUDA (skipped on a CPU machine).
+want pytest_cuda && part pytest_cuda 120 $PY -m pytest -q -rs -p no:cacheprovider tests -k cuda
+want pytest && OMP_NUM_THREADS=2 part pytest 240 $PY -m pytest -q -rf -p no:cacheprovider $XDIST tests
