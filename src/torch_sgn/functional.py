@@ -76,8 +76,11 @@ class FunctionalModel:
         self._slots = [
             (name, index[id(p)]) for name, p in _slots(model, "_parameters") if id(p) in index
         ]
-        #: kernel switches (see :mod:`torch_sgn.forward_mode`) every forward pass runs with
-        self.switches: FrozenSet[str] = frozenset()
+        #: kernel switches (see :mod:`torch_sgn.forward_mode`) every forward pass runs with.
+        #: Recurrent layers start without cuDNN: ``nn.RNNBase`` reads its weights' data
+        #: pointers on CUDA, which ``torch.func``'s tensors do not have.
+        recurrent = any(isinstance(m, nn.RNNBase) for m in model.modules())
+        self.switches: FrozenSet[str] = frozenset({"no_cudnn"} if recurrent else ())
         self._rng_state: dict | None = None
         self._after_first: dict | None = None
 

@@ -188,11 +188,16 @@ def _key(model: nn.Module, flat: Tensor, args: Sequence[Tensor], targets: Tensor
 # --- tracing -----------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _plain_kernels() -> object:
-    """Kernels with forward-mode rules: the math attention kernel, non-mkldnn recurrent layers."""
-    mkldnn = torch.backends.mkldnn.enabled
+    """Kernels with forward-mode rules: the math attention kernel, recurrent layers without
+    oneDNN and cuDNN (cuDNN's also reads its weights' data pointers, which the tracer's fake
+    tensors do not have). Only the tracing runs under it: convolutions are recorded as
+    ``aten.convolution``, which picks cuDNN again when the graph runs."""
+    mkldnn, cudnn = torch.backends.mkldnn.enabled, torch.backends.cudnn.enabled
     torch.backends.mkldnn.enabled = False
+    torch.backends.cudnn.enabled = False
     with contextlib.ExitStack() as stack:
         stack.callback(setattr, torch.backends.mkldnn, "enabled", mkldnn)
+        stack.callback(setattr, torch.backends.cudnn, "enabled", cudnn)
         try:
             from torch.nn.attention import SDPBackend, sdpa_kernel  # torch >= 2.3
 
