@@ -14,6 +14,7 @@ from torch import nn
 
 from cases import dense_ggn_of_module
 from torch_sgn import GGN, SGN
+from torch_sgn.engines import select_engine
 from torch_sgn.forward_mode import kernels, missing_rule, switch_for
 from torch_sgn.functional import FunctionalEngine, FunctionalModel
 from torch_sgn.linearization import Batch
@@ -416,3 +417,36 @@ def test_encoder_with_dropout_in_training_mode(engine):
         G_ref, _ = dense_ggn_of_module(model, "mse", x, y)
     torch.testing.assert_close(V.T @ GV, GV.T @ V, rtol=1e-9, atol=1e-11)  # symmetric
     torch.testing.assert_close(GV, G_ref @ V, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cuDNN's LSTM)")
+@pytest.mark.parametrize("engine", ["functional", "traced"])
+def test_lstm_steps_on_cuda_with_cudnn_enabled(engine):
+    # cuDNN's LSTM reads its weights' data pointers, which torch.func's and the tracer's
+    # tensors lack: the curvature passes run it without cuDNN, products against a CPU float64
+    # reference.
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = nn.LSTM(3, 5, batch_first=True)
+            self.head = nn.Linear(5, 2)
+
+        def forward(self, x):
+            return self.head(self.lstm(x)[0][:, -1])
+
+    model = Net().double()
+    x = torch.randn(4, 6, 3, dtype=torch.float64)
+    y = torch.randn(4, 2, dtype=torch.float64)
+    G, _ = dense_ggn_of_module(model, "mse", x, y)
+    v = torch.randn(G.shape[0], dtype=torch.float64)
+    assert torch.backends.cudnn.enabled
+    cuda = model.cuda()
+    fm = FunctionalModel(cuda)
+    lin = select_engine(fm, resolve_loss("mse"), engine)(fm.flat(), Batch(x.cuda(), y.cuda()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the double-backward route's one-time notice
+        torch.testing.assert_close(lin.ggn_vp(v.cuda()).cpu(), G @ v, rtol=1e-8, atol=1e-10)
+    info = SGN(cuda, "mse", engine=engine, solver="cg").step(x.cuda(), y.cuda())
+    assert info.loss_after <= info.loss
