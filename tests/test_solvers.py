@@ -283,6 +283,18 @@ def test_auto_picks_direct_within_the_limit_and_cg_above_it():
     assert info.solver == "cg" and info.cg_iters > 0
 
 
+def test_auto_forms_G_by_products_only_where_they_cost_at_most_cg():
+    # Without the layer-wise engine's Jacobian route G costs P products: auto takes CG there,
+    # unless P is within CG's budget of products.
+    model, x, y = make_batch(MODELS[0], LOSS["mse"])  # 43 parameters
+    info = SGN(copy.deepcopy(model), "mse", engine="functional").step(x, y)
+    assert info.solver == "cg"
+    info = SGN(copy.deepcopy(model), "mse", engine="functional", cg_iters=43).step(x, y)
+    assert info.solver == "direct"
+    cnn, x, y = make_batch(MODELS[1], LOSS["cross_entropy"])  # products on every engine
+    assert SGN(cnn, "cross_entropy").step(x, y).solver == "cg"
+
+
 def _count_calls(monkeypatch, name: str) -> list:
     calls = []
     original = getattr(solvers, name)
@@ -399,7 +411,7 @@ def test_the_damping_floor_follows_the_solver():
 def test_state_dict_round_trip_continues_bit_identically_and_old_choice_keys_load():
     model, x, y = make_batch(MODELS[1], LOSS["cross_entropy"], dtype=torch.float32)
     batches = [(x + 0.1 * k, y) for k in range(6)]
-    opt = SGN(model, "cross_entropy")
+    opt = SGN(model, "cross_entropy", solver="direct")
     infos = [opt.step(*b) for b in batches[:3]]
     assert {i.solver for i in infos} == {"direct"}
     saved_model = copy.deepcopy(model.state_dict())
@@ -407,7 +419,7 @@ def test_state_dict_round_trip_continues_bit_identically_and_old_choice_keys_loa
     reference = [opt.step(*b) for b in batches[3:]]
     resumed = MODELS[1].build()
     resumed.load_state_dict(saved_model)
-    opt2 = SGN(resumed, "cross_entropy")
+    opt2 = SGN(resumed, "cross_entropy", solver="direct")
     opt2.load_state_dict({**saved_opt, "solver_choice": "cg"})  # saved by earlier versions
     assert [opt2.step(*b) for b in batches[3:]] == reference
     for p, q in zip(model.parameters(), resumed.parameters()):

@@ -245,10 +245,10 @@ class SGN(torch.optim.Optimizer):
             precision, where CG's inexact steps stall (see ``docs/SOLVERS.md``). A model whose
             matrices (``3 P^2`` numbers) do not fit in the free memory of its device raises
             ``ValueError`` here. ``"auto"`` (default): direct if its matrix has at most
-            ``direct_max_params`` rows (``P``, or ``R`` through the outputs) and forming and
-            factoring it costs at most ``cg_iters`` products, timed once at the first step
-            (summed over a data-parallel group, so that every rank agrees), else CG;
-            :attr:`StepInfo.solver` says which ran. :meth:`SGN.paper` sets ``"cg"``.
+            ``direct_max_params`` rows (``R`` through the outputs; ``P`` where ``G`` comes from
+            the per-sample Jacobian, or ``P <= cg_iters``), else CG; a rule, so every machine
+            takes the same steps. :attr:`StepInfo.solver` says which ran. :meth:`SGN.paper`
+            sets ``"cg"``.
         direct_max_params: the largest matrix ``solver="auto"`` takes the direct solver for
             (its rows: parameters, or the batch's outputs). Default 4000 (the matrix and its
             factor take about 190 MB in float32).
@@ -694,15 +694,19 @@ class SGN(torch.optim.Optimizer):
         matrix ``G``, ``"samples"`` directly through the batch's outputs
         (:func:`~torch_sgn.solvers.solve_in_sample_space`). ``solver="auto"``: the direct
         solver wherever its matrix has at most ``direct_max_params`` rows, through the outputs
-        where they are fewer than the parameters; else CG. A rule, not a timing, so that a run
-        takes the same steps on every machine."""
+        where they are fewer than the parameters, and through ``G`` only where the engine forms
+        it from the per-sample Jacobian (or ``P <= cg_iters``): from products with the
+        identity's columns ``G`` costs ``P`` products, which on a model of thousands of
+        parameters is hundreds of times CG's ``k``. Else CG. A rule, not a timing, so that a
+        run takes the same steps on every machine."""
         if self._solver == "cg":
             return None
         if self._samples_fit(lin, rhs):
             return "samples"
-        if self._solver == "direct" or self._matrix_fits():
+        if self._solver == "direct":
             return "matrix"
-        return None
+        cheap = lin.dense_ggn is not None or self._fmodel.numel <= self.param_groups[0]["cg_iters"]
+        return "matrix" if cheap and self._matrix_fits() else None
 
     def _samples_fit(self, lin: Linearization, rhs: Tensor) -> bool:
         """Whether the step can be solved through the batch's outputs, more cheaply than
