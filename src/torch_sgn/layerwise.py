@@ -303,7 +303,6 @@ def _by_hand(steps, fmodel, loss, flat, inputs, targets, captured=False) -> Line
             outputs=z,
             output_grad=dz,
             hessian=hessian,
-            jvp=lambda v: _jvp(chain, fmodel, v, z),
             vjp=vjp,
             kernel=lambda: _sample_kernel(chain, first, fmodel, z),
         )

@@ -57,7 +57,6 @@ class SampleSpace:
         outputs: the network's outputs (their shape; ``R = outputs.numel()``).
         output_grad: the loss's gradient with respect to the outputs, ``g = J^T output_grad``.
         hessian: ``t -> H t`` for output-shaped ``t`` (the loss's Hessian in output space).
-        jvp: flat ``v -> J v`` (output-shaped).
         vjp: output-shaped ``u -> J^T u`` (flat).
         kernel: ``() -> J J^T``, the ``R x R`` matrix in float64 (rows in the order of
             ``outputs.reshape(-1)``).
@@ -66,7 +65,6 @@ class SampleSpace:
     outputs: Tensor
     output_grad: Tensor
     hessian: Callable[[Tensor], Tensor]
-    jvp: Callable[[Tensor], Tensor]
     vjp: Callable[[Tensor], Tensor]
     kernel: Callable[[], Tensor]
     _kernel: Optional[Tensor] = field(default=None, init=False, repr=False, compare=False)
