@@ -16,7 +16,7 @@ from torch_sgn.functional import FunctionalModel
 from torch_sgn.layerwise import LayerwiseEngine
 from torch_sgn.linearization import Batch
 from torch_sgn.losses import resolve_loss
-from torch_sgn.tangent_rules import BatchNorm, LayerNorm, LSTMLayer
+from torch_sgn.tangent_rules import BatchNorm, LayerNorm, LSTMLayer, Softmax
 from torch_sgn.traced import TracedEngine
 
 D = torch.float64
@@ -597,6 +597,49 @@ def test_layer_norm_rule_matches_the_dense_reference(monkeypatch):
         warnings.filterwarnings("error", message=".*tangent rules")
         lin = engine(engine.fmodel.flat(), Batch(x, y))
     assert len(calls) == 5  # every layer norm was recorded with the rule
+    G = torch.stack([lin.ggn_vp(e) for e in torch.eye(engine.fmodel.numel, dtype=D)], 1)
+    torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(G, G_ref, rtol=1e-9, atol=1e-11)
+
+
+class _Attend(nn.Module):
+    """scaled_dot_product_attention: causal, or with another scale, or with a mask tensor
+    (which the rule declines)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.qkv = nn.Linear(4, 12)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):  # (N, L, 4), two heads of width 2
+        n, length, _ = x.shape
+        q, k, v = self.qkv(x).view(n, length, 3, 2, 2).permute(2, 0, 3, 1, 4)
+        if self.kind == "causal":
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif self.kind == "scale":
+            a = F.scaled_dot_product_attention(q, k, v, scale=0.7)
+        else:
+            mask = torch.rand(length, length, generator=torch.Generator().manual_seed(0)) > 0.3
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.fill_diagonal_(True))
+        return self.head(a.transpose(1, 2).reshape(n, length, 4).mean(1))
+
+
+@pytest.mark.parametrize("kind", ["causal", "scale", "mask"])
+def test_attention_rule_matches_the_dense_reference(kind, monkeypatch):
+    calls = []
+    jvp = Softmax.jvp
+    monkeypatch.setattr(Softmax, "jvp", staticmethod(lambda *a: calls.append(1) or jvp(*a)))
+    torch.manual_seed(5)
+    g = torch.Generator().manual_seed(5)
+    model = _Attend(kind).to(D)
+    x, y = torch.randn(3, 4, 4, generator=g).to(D), torch.randn(3, 2, generator=g).to(D)
+    G_ref, g_ref = dense_reference(model, F.mse_loss, x, y)
+    engine = _traced(model, "mse")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*tangent rules")
+        lin = engine(engine.fmodel.flat(), Batch(x, y))
+    assert bool(calls) == (kind != "mask")  # a mask tensor keeps PyTorch's kernel
     G = torch.stack([lin.ggn_vp(e) for e in torch.eye(engine.fmodel.numel, dtype=D)], 1)
     torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(G, G_ref, rtol=1e-9, atol=1e-11)

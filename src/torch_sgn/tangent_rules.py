@@ -24,6 +24,12 @@ taken over the normalized dimensions and :math:`\gamma \sigma^{-1}` applied as t
 (per feature, per row); its rule keeps the normalized input alone for the products, where
 PyTorch's keeps the centred input beside it.
 
+Attention (:func:`torch.nn.functional.scaled_dot_product_attention` without a mask tensor,
+dropout or grouped heads) is recorded as its composite, ``softmax(q k^T * scale) v`` with the
+causal mask by ``masked_fill``, and a softmax (:class:`Softmax`) whose tangent reads only the
+attention weights, where PyTorch's keeps the exponentials beside them: one tensor of the
+weights' size less per attention layer for the products.
+
 LSTM layers. PyTorch's recurrent kernels take the tangent one time step at a time, every term
 of it: ``x_t dW_ih^T`` and ``h_{t-1} dW_hh^T`` as well as the recurrent ``dh_{t-1} W_hh^T``,
 in a few dozen small operations per step. :class:`LSTMLayer` takes the terms that do not
@@ -51,14 +57,19 @@ _LAYER_NORM = inspect.signature(F.layer_norm)
 
 class TangentRules(TorchFunctionMode):
     """A function mode that routes :func:`torch.nn.functional.batch_norm` through
-    :class:`BatchNorm`, :func:`torch.nn.functional.layer_norm` through :class:`LayerNorm`
-    and unidirectional LSTM layers (``torch.lstm``, as ``nn.LSTM`` calls it,
+    :class:`BatchNorm`, :func:`torch.nn.functional.layer_norm` through :class:`LayerNorm`,
+    :func:`torch.nn.functional.scaled_dot_product_attention` through its composite and
+    unidirectional LSTM layers (``torch.lstm``, as ``nn.LSTM`` calls it,
     without projections) through :class:`LSTMLayer`; every other function runs as usual."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.lstm:
             out = _lstm(*args, **kwargs)
+            if out is not None:
+                return out
+        if func is F.scaled_dot_product_attention:
+            out = _attention(*args, **kwargs)
             if out is not None:
                 return out
         if func is F.layer_norm:
@@ -361,3 +372,44 @@ class LayerNorm(torch.autograd.Function):
             grad_out.contiguous(), x, ctx.normalized_shape, mean, rstd, weight, bias, mask
         )
         return gx, None, gweight, gbias, None
+
+
+# --- attention ---------------------------------------------------------------------------------
+def _attention(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
+    """``F.scaled_dot_product_attention`` as its composite, or ``None`` where the rule does not
+    apply (a mask tensor, dropout, grouped heads)."""
+    if attn_mask is not None or dropout_p > 0.0 or enable_gqa:
+        return None
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    scores = torch.matmul(query * scale, key.transpose(-2, -1))
+    if is_causal:
+        length, source = query.shape[-2], key.shape[-2]
+        keep = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(keep.logical_not(), float("-inf"))
+    return torch.matmul(Softmax.apply(scores), value)
+
+
+class Softmax(torch.autograd.Function):
+    """``softmax`` over the last dimension whose tangent, ``y (dx - sum(y dx))``, reads only
+    its output ``y``."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.softmax(x, -1)
+        ctx.save_for_backward(y)
+        ctx.save_for_forward(y)
+        return y
+
+    @staticmethod
+    def jvp(ctx, dx):
+        (y,) = ctx.saved_tensors
+        p = y * dx
+        return torch.addcmul(p, y, p.sum(-1, keepdim=True), value=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return torch._softmax_backward_data(grad, y, -1, y.dtype)
