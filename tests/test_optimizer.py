@@ -1,6 +1,7 @@
 import copy
 import logging
 import math
+import warnings
 
 import pytest
 import torch
@@ -565,3 +566,17 @@ def test_a_parameter_frozen_mid_run_stays_put_with_averaging_and_warm_start():
     model[2].bias.requires_grad_(True)  # unfrozen: it trains again
     opt.step(x, y)
     assert not torch.equal(model[2].bias, frozen)
+
+
+def test_a_parameter_made_trainable_after_construction_warns_once_and_keeps_its_value():
+    model, x, y = make_batch(MODELS[0], LOSSES[0])
+    model[0].weight.requires_grad_(False)  # frozen when SGN is built: not in its vector
+    opt = SGN(model, "mse")
+    model[0].weight.requires_grad_(True)
+    before = model[0].weight.detach().clone()
+    with pytest.warns(UserWarning, match=r"0\.weight became trainable after SGN was built"):
+        opt.step(x, y)
+    assert torch.equal(model[0].weight, before)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        opt.step(x, y)

@@ -23,6 +23,7 @@ from .damping import (
     scheduled_damping,
     trust_region_update,
 )
+from .diagnostics import warn
 from .distributed import ProcessGroup, SingleProcess, communicator
 from .engines import ENGINES, curvature_subset, select_engine
 from .functional import FunctionalModel
@@ -466,7 +467,8 @@ class SGN(torch.optim.Optimizer):
             loss's value, while SGN needs the model's outputs and the targets to form the
             Gauss-Newton matrix :math:`J^\top H J` of the loss in output space. It runs the
             forward passes itself. A parameter frozen (``requires_grad=False``) after SGN was
-            built keeps its value: steps are taken in the other parameters alone.
+            built keeps its value: steps are taken in the other parameters alone. One made
+            trainable after SGN was built is not trained (SGN warns once): build a new SGN.
         """
         group = self.param_groups[0]
         check_options(group, in_step=True)  # a user or a scheduler may have changed them
@@ -477,6 +479,7 @@ class SGN(torch.optim.Optimizer):
         theta = self._fmodel.flat()
         buffers: dict = {}
         trainable = self._trainable_mask()
+        self._warn_unfrozen()
         with self._fmodel.consistent():
             lin = self._comm.linearize(t, self._step_engine(t), theta, batch, buffers)
             work = state  # what the direction is computed from
@@ -569,6 +572,25 @@ class SGN(torch.optim.Optimizer):
             torch.full((n,), float(f), dtype=fm.dtype, device=fm.device)
             for n, f in zip(fm.numels, flags)
         ])  # fmt: skip
+
+    def _warn_unfrozen(self) -> None:
+        """Warns once about parameters made trainable after construction: SGN's parameter
+        vector was fixed then, and they stay where they are."""
+        if getattr(self, "_unfrozen_warned", False):
+            return
+        own = {id(p) for p in self._fmodel.params}
+        names = [
+            n
+            for n, p in self._fmodel.model.named_parameters()
+            if p.requires_grad and id(p) not in own
+        ]
+        if names:
+            self._unfrozen_warned = True
+            warn(
+                f"parameter(s) {', '.join(names[:5])}{' ...' if len(names) > 5 else ''} became "
+                "trainable after SGN was built; SGN trains the parameters that were trainable "
+                "then, so these keep their values. Build a new SGN to train them"
+            )
 
     def _step_engine(self, t: int):
         """The engine for step ``t``: the curvature subset is drawn from a generator seeded
