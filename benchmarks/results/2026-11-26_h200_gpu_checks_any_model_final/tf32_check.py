@@ -1,11 +1,21 @@
-import sys, copy
-sys.path.insert(0, "src"); sys.path.insert(0, "benchmarks")
-import torch
-from ggn_cost import _batch
-from torch_sgn.engines import select_engine
-from torch_sgn.functional import FunctionalModel
-from torch_sgn.linearization import Batch
-from torch_sgn.losses import resolve_loss
+"""The ResNet's traced and functional products on CUDA in float32, with TF32 on and off.
+
+Run from the repository root on a CUDA machine: ``python tf32_check.py`` (output: tf32_check.txt).
+"""
+
+import copy
+import sys
+
+sys.path[:0] = ["src", "benchmarks"]
+
+import torch  # noqa: E402
+from ggn_cost import _batch  # noqa: E402
+
+from torch_sgn.engines import select_engine  # noqa: E402
+from torch_sgn.functional import FunctionalModel  # noqa: E402
+from torch_sgn.linearization import Batch  # noqa: E402
+from torch_sgn.losses import resolve_loss  # noqa: E402
+
 dev = torch.device("cuda")
 for tf32 in (True, False):
     torch.backends.cudnn.allow_tf32 = tf32
@@ -18,5 +28,7 @@ for tf32 in (True, False):
         fm = FunctionalModel(copy.deepcopy(model))
         lin = select_engine(fm, resolve_loss(loss), engine)(fm.flat(), Batch(x, y))
         out[engine] = lin.ggn_vp(v)
-    print(f"resnet_bn float32 allow_tf32={tf32}: traced vs functional relative difference "
-          f"{float((out['functional'] - out['traced']).norm() / out['functional'].norm()):.2e}", flush=True)
+    diff = float((out["functional"] - out["traced"]).norm() / out["functional"].norm())
+    print(
+        f"resnet_bn float32 allow_tf32={tf32}: traced vs functional relative difference {diff:.2e}"
+    )
