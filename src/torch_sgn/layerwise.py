@@ -30,7 +30,7 @@ hands over to the functional engine with a one-time warning (``"auto"``).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -342,19 +342,11 @@ def _sample_kernel(chain, first: int, fmodel: FunctionalModel, z: Tensor) -> Ten
     """
     n_samples, n_out = z.shape[0], z[0].numel()
     factors: Dict[int, list] = {}
-    unused: List[Optional[Tensor]] = [None] * len(fmodel.params)
-    for o in range(n_out):
-        u = z.new_zeros((n_samples, n_out))
-        u[:, o] = 1.0
-        u = u.view(z.shape)
-        for i in range(len(chain) - 1, first - 1, -1):
-            step, ctx = chain[i]
-            if step.trainable:
-                for slot, left, right in step.sample_factors(ctx, u):
-                    if isinstance(slot, int):  # frozen or absent parameters have no rows
-                        right = None if right is None else right.reshape(n_samples, -1)
-                        factors.setdefault(slot, []).append((o, left.reshape(n_samples, -1), right))
-            u = step.cotangent(ctx, u, unused, need_input=i > first)
+    for o, step, ctx, u in _output_cotangents(chain, first, fmodel, z):
+        for slot, left, right in step.sample_factors(ctx, u):
+            if isinstance(slot, int):  # frozen or absent parameters have no rows
+                right = None if right is None else right.reshape(n_samples, -1)
+                factors.setdefault(slot, []).append((o, left.reshape(n_samples, -1), right))
     kernel = z.new_zeros((n_samples, n_out, n_samples, n_out), dtype=torch.float64)
     grams: Dict[tuple, Tensor] = {}  # a layer's weight and bias share their left factor
 
@@ -381,6 +373,23 @@ def _sample_kernel(chain, first: int, fmodel: FunctionalModel, z: Tensor) -> Ten
     return (kernel + kernel.T) * 0.5
 
 
+def _output_cotangents(chain, first: int, fmodel: FunctionalModel, z: Tensor) -> Iterator:
+    """One backward pass per output unit (``z[n, o]`` for every sample ``n`` at once): yields
+    ``(o, step, ctx, u)`` at each trainable layer, ``u`` the cotangent of its output, which for
+    a per-sample chain holds each sample's own cotangent."""
+    n_samples, n_out = z.shape[0], z[0].numel()
+    unused: List[Optional[Tensor]] = [None] * len(fmodel.params)
+    for o in range(n_out):
+        u = z.new_zeros((n_samples, n_out))
+        u[:, o] = 1.0
+        u = u.view(z.shape)
+        for i in range(len(chain) - 1, first - 1, -1):
+            step, ctx = chain[i]
+            if step.trainable:
+                yield o, step, ctx, u
+            u = step.cotangent(ctx, u, unused, need_input=i > first)
+
+
 def _mixed_gram(left1, right1, left2, right2) -> Tensor:
     """Inner products of rows given one factored and one formed (tied weights only)."""
 
@@ -404,21 +413,13 @@ def _dense_ggn(chain, first: int, fmodel: FunctionalModel, hessian, z: Tensor) -
     for numel in fmodel.numels:
         offsets.append(offsets[-1] + numel)
     jac = z.new_zeros((n_samples, n_out, fmodel.numel))
-    unused: List[Optional[Tensor]] = [None] * len(fmodel.params)
 
     def put(slot: Slot, o: int, rows: Tensor) -> None:
         if isinstance(slot, int):  # tied weights add up
             jac[:, o, offsets[slot] : offsets[slot + 1]] += rows.reshape(n_samples, -1)
 
-    for o in range(n_out):
-        u = z.new_zeros((n_samples, n_out))
-        u[:, o] = 1.0
-        u = u.view(z.shape)
-        for i in range(len(chain) - 1, first - 1, -1):
-            step, ctx = chain[i]
-            if step.trainable:
-                step.sample_jacobian(ctx, u, lambda slot, rows, o=o: put(slot, o, rows))
-            u = step.cotangent(ctx, u, unused, need_input=i > first)
+    for o, step, ctx, u in _output_cotangents(chain, first, fmodel, z):
+        step.sample_jacobian(ctx, u, lambda slot, rows, o=o: put(slot, o, rows))
     # H J column by column (as outputs-shaped tangents), then G = J^T (H J).
     hj = torch.func.vmap(hessian, in_dims=-1, out_dims=-1)(jac.view(*z.shape, -1))
     jac = jac.view(-1, fmodel.numel)
