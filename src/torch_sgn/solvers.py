@@ -300,8 +300,8 @@ def check_direct_fits(n: int, dtype: torch.dtype, device: torch.device) -> None:
             f"solver='direct' cannot run on this model: it has {n:,} parameters, and the "
             f"dense Gauss-Newton matrix with its factor needs {_human(need)} ({need:,} bytes, "
             f"3 x {n:,}^2 x {_itemsize(dtype)} bytes in {dtype}) where {device.type} has "
-            f"{_human(free)} free. Use solver='cg' (or 'auto', which picks CG above "
-            "direct_max_params parameters)"
+            f"{_human(free)} free. Use solver='cg', or the default 'auto' (exact steps through "
+            "the batch's outputs where they are few enough, else CG)"
         )
 
 
