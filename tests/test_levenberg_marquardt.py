@@ -15,7 +15,11 @@ pytestmark = pytest.mark.usefixtures("each_engine")  # every test, once per engi
 
 #: An exact solve per attempt (CG run to convergence), no line search, so each attempt's step
 #: is the dense reference's.
-EXACT_LM = dict(cg_tol=0.0, cg_rtol=1e-13, line_search=False, lr=1.0, momentum=0.0)
+# The plain Levenberg-Marquardt steps of the references (the acceleration: test_geodesic.py).
+EXACT_LM = dict(
+    cg_tol=0.0, cg_rtol=1e-13, line_search=False, lr=1.0, momentum=0.0,
+    geodesic_acceleration=False,
+)  # fmt: skip
 
 
 def _flat(model):
@@ -199,6 +203,7 @@ def test_paper_equals_the_explicit_paper_configuration():
         trust_region=True, momentum=0.0, warmup_cg_iters=10, warmup_steps=10,
         damping_schedule="constant", damping_decay_steps=10, preconditioner=False,
         preconditioner_exponent=1.0, warm_start=0.0, ls_c=1e-4, ls_shrink=0.5, ls_max_evals=10,
+        geodesic_acceleration=False,
     )  # fmt: skip
     for overrides in (dict(), dict(cg_iters=3), dict(cg_iters=2, line_search=False)):
         model, x, y = make_batch(MODELS[0], LOSSES[2])

@@ -253,7 +253,12 @@ class FunctionalEngine:
                 (jthjv,) = torch.autograd.grad(point.outputs, point.leaf, hjv, retain_graph=True)
             return jthjv  # -> J^T H J v
 
-        return Linearization(value, grad, ggn_vp)
+        def vjp(u: Tensor) -> Tensor:
+            with torch.enable_grad():
+                (jtu,) = torch.autograd.grad(point.outputs, point.leaf, u, retain_graph=True)
+            return jtu
+
+        return Linearization(value, grad, ggn_vp, vjp=vjp)
 
     def _record(
         self, flat: Tensor, batch: Batch, buffers_out: Optional[dict], check: bool

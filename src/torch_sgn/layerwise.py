@@ -223,19 +223,24 @@ def _jvp(chain, fmodel, v: Tensor, like: Tensor) -> Tensor:
     return torch.zeros_like(like) if t is None else t
 
 
-def _value_at(chain, fmodel, loss, inputs, targets) -> Callable[[Tensor], Tensor]:
-    """``flat -> loss`` on the recorded batch: a plain forward pass through the chain, with the
-    recorded dropout masks; nothing is recorded."""
+def _outputs_at(chain, fmodel, inputs) -> Callable[[Tensor], Tensor]:
+    """``flat -> outputs`` on the recorded batch: a plain forward pass through the chain, with
+    the recorded dropout masks; nothing is recorded."""
 
-    def value_at(flat: Tensor) -> Tensor:
+    def outputs_at(flat: Tensor) -> Tensor:
         with torch.no_grad():
             params = _per_parameter(fmodel, flat)
             h = inputs
             for step, ctx in chain:
                 h = step.value(ctx, h, params)
-            return loss.value(h, targets)
+            return h
 
-    return value_at
+    return outputs_at
+
+
+def _value_at(outputs_at, loss, targets) -> Callable[[Tensor], Tensor]:
+    """``flat -> loss`` on the recorded batch (see :func:`_outputs_at`)."""
+    return lambda flat: loss.value(outputs_at(flat), targets)
 
 
 def _through_autograd(steps, fmodel, loss, flat, inputs, targets) -> Linearization:
@@ -256,7 +261,14 @@ def _through_autograd(steps, fmodel, loss, flat, inputs, targets) -> Linearizati
             (jthjv,) = torch.autograd.grad(outputs, leaf, hjv, retain_graph=True)
         return jthjv
 
-    return Linearization(value, grad, ggn_vp, _value_at(chain, fmodel, loss, inputs, targets))
+    def vjp(u: Tensor) -> Tensor:
+        with torch.enable_grad():
+            (jtu,) = torch.autograd.grad(outputs, leaf, u, retain_graph=True)
+        return jtu
+
+    outputs_at = _outputs_at(chain, fmodel, inputs)
+    value_at = _value_at(outputs_at, loss, targets)
+    return Linearization(value, grad, ggn_vp, value_at, outputs=z, outputs_at=outputs_at, vjp=vjp)
 
 
 def _by_hand(steps, fmodel, loss, flat, inputs, targets, captured=False) -> Linearization:
@@ -289,7 +301,8 @@ def _by_hand(steps, fmodel, loss, flat, inputs, targets, captured=False) -> Line
     with torch.no_grad():
         hessian = loss.hessian(z, targets)
         grad = vjp(dz)
-    value_at = _value_at(chain, fmodel, loss, inputs, targets)
+    outputs_at = _outputs_at(chain, fmodel, inputs)
+    value_at = _value_at(outputs_at, loss, targets)
     dense = None
     if not captured and _per_sample_chain(chain[first:], z, inputs.shape[0], fmodel.numel):
 
@@ -307,8 +320,9 @@ def _by_hand(steps, fmodel, loss, flat, inputs, targets, captured=False) -> Line
             kernel=lambda: _sample_kernel(chain, first, fmodel, z),
         )
     return Linearization(
-        value, grad, ggn_vp, value_at, outputs=z, dense_ggn=dense, sample_space=space
-    )
+        value, grad, ggn_vp, value_at, outputs=z, outputs_at=outputs_at, vjp=vjp,
+        dense_ggn=dense, sample_space=space,
+    )  # fmt: skip
 
 
 #: The largest output Jacobian (samples x outputs x parameters) :func:`_dense_ggn` forms; a

@@ -93,6 +93,11 @@ class Linearization:
             numbers (the trust region's and line search's trial points); ``None`` lets the
             optimizer evaluate the model functionally.
         outputs: the network's outputs at the point, where the engine keeps them.
+        outputs_at: ``flat -> outputs`` at other parameters on the same batch, with the same
+            random numbers (the geodesic acceleration's second difference); ``None`` lets the
+            optimizer evaluate the model functionally.
+        vjp: output-shaped ``u -> J^T u`` (flat) at the point, where the engine has it without
+            another forward pass; ``None`` lets the optimizer run one.
         dense_ggn: ``() -> G``, the ``P x P`` matrix, where the engine has a faster route to it
             than products (see :meth:`ggn_matrix`); ``None`` otherwise.
         sample_space: ``G`` as seen from the batch's outputs, where the engine forms ``J J^T``
@@ -105,6 +110,8 @@ class Linearization:
     ggn_vp: Callable[[Tensor], Tensor]
     value_at: Optional[Callable[[Tensor], Tensor]] = None
     outputs: Optional[Tensor] = None
+    outputs_at: Optional[Callable[[Tensor], Tensor]] = None
+    vjp: Optional[Callable[[Tensor], Tensor]] = None
     dense_ggn: Optional[Callable[[], Tensor]] = None
     sample_space: Optional[SampleSpace] = None
     _matrix: Optional[Tensor] = field(default=None, init=False, repr=False, compare=False)

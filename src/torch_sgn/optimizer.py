@@ -12,7 +12,7 @@ from typing import Callable, Mapping, Optional
 import torch
 from torch import Tensor, nn
 
-from . import solvers
+from . import geodesic, solvers
 from .cg import CGResult, conjugate_gradient
 from .damping import (
     CG_DAMPING_MIN,
@@ -65,6 +65,7 @@ PAPER_OPTIONS: Mapping[str, object] = MappingProxyType(
         ls_c=1e-4,
         ls_shrink=0.5,
         ls_max_evals=10,
+        geodesic_acceleration=False,
         curvature_fraction=1.0,
     )
 )
@@ -101,6 +102,9 @@ class StepInfo:
             ``"scaled_gradient"`` where that failed too; ``"lu"`` (or ``"pinv"`` where that
             failed) for the non-symmetric system through the batch's outputs of a loss whose
             output-space Hessian is not a multiple of the identity; ``"non_finite"`` (no step).
+        accelerated: whether the step carried a geodesic acceleration (see
+            ``SGN(geodesic_acceleration=...)``); ``step_size`` is then the factor along the
+            parabola ``s d + s^2 a / 2``.
     """
 
     loss: float
@@ -118,6 +122,7 @@ class StepInfo:
     line_search_ok: bool
     attempts: int = 1
     solver: str = "cg"
+    accelerated: bool = False
 
 
 class SGN(torch.optim.Optimizer):
@@ -207,6 +212,15 @@ class SGN(torch.optim.Optimizer):
         ls_max_evals: most loss evaluations in one line search (``MAX_LS_ITERS``). Default 10.
         keep_grad: write the mini-batch gradient into each parameter's ``.grad``. Default off:
             SGN leaves ``.grad`` untouched.
+        geodesic_acceleration: add to each exact (direct) step its geodesic acceleration
+            (Transtrum and Sethna, 2012; :mod:`torch_sgn.geodesic`): the second-order term
+            ``a / 2``, ``(G + rho I) a = -J^T H f_vv``, of the path along which the outputs
+            keep their velocity, with ``f_vv`` the outputs' second difference along the step
+            ``d`` (three forward passes) and the step's own factorization. Used only while
+            ``2 |a| <= 0.75 |d|`` and above the outputs' rounding; the trust region and the
+            line search judge ``d``. It keeps exact steps moving along the curved valleys of
+            precise fits (``docs/SOLVERS.md``). Ignored by CG steps and in data-parallel
+            groups of several processes. Default on.
         engine: how ``G v`` products are computed. ``"fast"``: the layer-wise engine of
             :mod:`torch_sgn.layerwise` for ``nn.Sequential`` chains of the layers listed by
             ``torch_sgn.layer_rules.supported_layers()`` (one forward pass per step, about one
@@ -309,6 +323,7 @@ class SGN(torch.optim.Optimizer):
         ls_shrink: float = 0.5,
         ls_max_evals: int = 10,
         keep_grad: bool = False,
+        geodesic_acceleration: bool = True,
         engine: str = "auto",
         cuda_graphs: bool = False,
         curvature_fraction: float = 1.0,
@@ -325,6 +340,7 @@ class SGN(torch.optim.Optimizer):
             damping_decay_steps=damping_decay_steps, preconditioner=preconditioner,
             preconditioner_exponent=preconditioner_exponent, warm_start=warm_start, ls_c=ls_c,
             ls_shrink=ls_shrink, ls_max_evals=ls_max_evals, keep_grad=keep_grad,
+            geodesic_acceleration=geodesic_acceleration,
         )  # fmt: skip
         assert set(defaults) == set(KEYS)
         check_options(defaults)
@@ -489,10 +505,11 @@ class SGN(torch.optim.Optimizer):
             rhs, momentum_buffer = self._momentum(lin.grad, work, t)
             route = self._route(lin, rhs)
             solve = self._step_solver(lin, rhs, work, t, route)
+            accelerate = self._accelerator(lin, batch, theta, route, trainable)
             floor = self._floor(route is not None)
 
-            def loss_at(step: Tensor, a: float) -> float:
-                value = self._loss_at(lin, theta + a * step, batch)
+            def loss_at(displacement: Tensor, a: float = 1.0) -> float:
+                value = self._loss_at(lin, theta + displacement, batch)
                 logger.debug("  line search: a=%.4g loss=%.6g", a, value)
                 return value
 
@@ -502,7 +519,9 @@ class SGN(torch.optim.Optimizer):
             growth = state.get("damping_growth", GROWTH_START)
             evals = 0
             for attempts in range(1, group["attempts"] + 1):
-                trial = _Trial.of(solve(damping), lin.grad, rhs, group, loss0, loss_at)
+                result = solve(damping)
+                curve = None if accelerate is None else accelerate(result)
+                trial = _Trial.of(result, curve, lin.grad, rhs, group, loss0, loss_at)
                 if trial.settled or attempts == group["attempts"]:
                     break
                 evals += trial.evals
@@ -514,7 +533,7 @@ class SGN(torch.optim.Optimizer):
             search = LineSearchResult(1.0, trial.loss, 1, math.isfinite(trial.loss))
             if group["line_search"] and trial.moved:
                 search = backtracking(
-                    lambda a: loss_at(trial.step, a), loss0, trial.solution.slope,
+                    lambda a: loss_at(trial.displacement(a), a), loss0, trial.solution.slope,
                     c=group["ls_c"], shrink=group["ls_shrink"], max_evals=group["ls_max_evals"],
                     first=trial.loss,
                 )  # fmt: skip
@@ -527,7 +546,7 @@ class SGN(torch.optim.Optimizer):
 
         # Commit: nothing above has touched the model or the optimizer's state.
         if take:
-            self._fmodel.write(theta + a * trial.step)
+            self._fmodel.write(theta + trial.displacement(a))
         self._fmodel.write_buffers(buffers)
         if group["keep_grad"]:
             self._write_grad(lin.grad)
@@ -556,6 +575,7 @@ class SGN(torch.optim.Optimizer):
             line_search_ok=search.success,
             attempts=attempts,
             solver="direct" if isinstance(cg, DirectResult) else "cg",
+            accelerated=take and trial.curve is not None,
         )
         self._log(t, info)
         return info
@@ -711,6 +731,61 @@ class SGN(torch.optim.Optimizer):
 
         return solve
 
+    def _accelerator(
+        self,
+        lin: Linearization,
+        batch: Batch,
+        theta: Tensor,
+        route: Optional[str],
+        mask: Optional[Tensor],
+    ) -> Optional[Callable[[DirectResult], Optional[Tensor]]]:
+        r"""``solution -> (lr^2 / 2) a``, the geodesic acceleration's term of an exact step
+        (:mod:`torch_sgn.geodesic`; ``None`` where it does not apply), or ``None`` where the
+        step has no acceleration: CG steps, the option off, several processes."""
+        group = self.param_groups[0]
+        if route is None or not group["geodesic_acceleration"]:
+            return None
+        if not isinstance(self._comm, SingleProcess):
+            return None  # J^T u and the outputs would need all-reduces of their own
+        outputs_at = lin.outputs_at
+        if outputs_at is None:
+            outputs_at = lambda flat: self._fmodel(flat, batch.inputs)  # noqa: E731
+        lr = group["lr"]
+
+        def curve(result: DirectResult) -> Optional[Tensor]:
+            if result.again is None or result.breakdown:
+                return None
+            v = result.x
+            centre = outputs_at(theta)
+            fvv = geodesic.second_difference(outputs_at, theta, v, centre)
+            if fvv is None:
+                return None
+            hessian = self._loss.hessian(centre, batch.targets)
+            if route == "samples":  # the system is solved in output space
+                solve = result.again
+            else:
+                vjp = lin.vjp if lin.vjp is not None else self._vjp_at(theta, batch)
+                if mask is None:
+                    solve = lambda u: result.again(vjp(u))  # noqa: E731
+                else:
+                    solve = lambda u: result.again(vjp(u) * mask)  # noqa: E731
+            a = geodesic.acceleration(v, fvv, hessian, solve)
+            return None if a is None else a.mul_(0.5 * lr * lr)
+
+        return curve
+
+    def _vjp_at(self, theta: Tensor, batch: Batch) -> Callable[[Tensor], Tensor]:
+        """``u -> J^T u`` at ``theta`` by a forward and a backward pass, for engines that keep
+        no graph."""
+
+        def vjp(u: Tensor) -> Tensor:
+            leaf = theta.detach().requires_grad_(True)
+            with torch.enable_grad():
+                (jtu,) = torch.autograd.grad(self._fmodel(leaf, batch.inputs), leaf, u)
+            return jtu
+
+        return vjp
+
     def _route(self, lin: Linearization, rhs: Tensor) -> Optional[str]:
         """How this step solves: ``None`` by CG, ``"matrix"`` directly through the ``P x P``
         matrix ``G``, ``"samples"`` directly through the batch's outputs
@@ -806,6 +881,7 @@ class _Trial:
     cg: CGResult
     solution: _Solution
     step: Tensor  # lr d
+    curve: Optional[Tensor]  # lr^2 a / 2, the geodesic acceleration's term; None without
     loss: float  # at the full step (loss0 when d = 0)
     evals: int  # loss evaluations made (0 or 1)
     ratio: float  # actual over predicted change; NaN unless the prediction is a decrease
@@ -816,17 +892,32 @@ class _Trial:
     def moved(self) -> bool:
         return self.solution.moved
 
+    def displacement(self, a: float) -> Tensor:
+        """The change of the parameters at the line search's factor ``a``: ``a lr d``, and
+        with a geodesic acceleration the parabola ``a lr d + a^2 lr^2 a_geo / 2``."""
+        if self.curve is None:
+            return a * self.step
+        return torch.add(self.step, self.curve, alpha=a).mul_(a)
+
     @property
     def settled(self) -> bool:
         """Whether another attempt with a larger damping is pointless."""
         return self.accepted or self.noise or not self.moved
 
     @staticmethod
-    def of(cg: CGResult, grad: Tensor, rhs: Tensor, group: dict, loss0: float, loss_at) -> _Trial:
+    def of(
+        cg: CGResult,
+        curve: Optional[Tensor],
+        grad: Tensor,
+        rhs: Tensor,
+        group: dict,
+        loss0: float,
+        loss_at: Callable[[Tensor], float],
+    ) -> _Trial:
         solution = _Solution.of(grad, rhs, cg, group["lr"])
         step = group["lr"] * cg.x
         moved = solution.moved
-        loss = loss_at(step, 1.0) if moved else loss0
+        loss = loss_at(step if curve is None else step + curve) if moved else loss0
         predicted = solution.predicted
         dtype = grad.dtype
         noise = 100 * torch.finfo(dtype).eps * max(abs(loss0), torch.finfo(dtype).tiny)
@@ -834,7 +925,7 @@ class _Trial:
         ratio = (loss - loss0) / predicted if predicted < 0 else math.nan
         # The line search's first test, at a = 1.
         accepted = moved and math.isfinite(loss) and loss <= loss0 + group["ls_c"] * solution.slope
-        return _Trial(cg, solution, step, loss, int(moved), ratio, accepted, within_noise)
+        return _Trial(cg, solution, step, curve, loss, int(moved), ratio, accepted, within_noise)
 
 
 def _finite_loss(lin: Linearization, batch: Batch, loss_fn: OutputLoss) -> tuple[float, float]:

@@ -23,12 +23,18 @@ KEYS = (
     "attempts", "damping_update", "line_search", "trust_region",
     "gradient_averaging", "warmup_cg_iters", "warmup_steps", "damping_schedule",
     "damping_decay_steps", "preconditioner", "preconditioner_exponent", "warm_start", "ls_c",
-    "ls_shrink", "ls_max_evals", "keep_grad",
+    "ls_shrink", "ls_max_evals", "keep_grad", "geodesic_acceleration",
 )  # fmt: skip
 
 #: Keys added after SGN's first release, with the values that behave as SGN did before them: a
 #: ``state_dict`` saved without them loads with these.
-ADDED_KEYS = {"cg_rtol": 0.0, "cg_progress_tol": 0.0, "attempts": 1, "damping_update": "threshold"}
+ADDED_KEYS = {
+    "cg_rtol": 0.0,
+    "cg_progress_tol": 0.0,
+    "attempts": 1,
+    "damping_update": "threshold",
+    "geodesic_acceleration": False,
+}
 
 #: The constructor's argument for each group key named otherwise.
 ARGUMENT_NAMES = {"gradient_averaging": "momentum"}
@@ -97,6 +103,7 @@ def check_options(group: Mapping, in_step: bool = False) -> None:
     need(lambda v: 0 < v < 1, "ls_c", "must be in (0, 1)")
     need(lambda v: 0 < v < 1, "ls_shrink", "must be in (0, 1)")
     need(lambda v: _is_int(v) and v >= 1, "ls_max_evals", "must be an int >= 1")
+    need(lambda v: isinstance(v, bool), "geodesic_acceleration", "must be True or False")
 
 
 def check_loaded_state(state_dict: Mapping) -> dict:

@@ -27,7 +27,7 @@ Levenberg-Marquardt steps. Elsewhere CG is the method.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
@@ -64,12 +64,17 @@ class DirectResult:
             non-symmetric system (:func:`solve_in_sample_space`) by an LU factorization, or by
             the pseudo-inverse where that failed. ``"non_finite"``: ``G`` or the solution has
             non-finite entries; ``x`` is zero (a breakdown).
+        again: ``b -> -A^{-1} b``, the same system solved for another right-hand side with
+            the factorization already made (the geodesic acceleration's second solve). For
+            :func:`solve_in_sample_space` ``b`` is given in output space, as ``e`` with
+            right-hand side ``J^T e``. ``None`` after a breakdown.
     """
 
     x: Tensor
     residual: Tensor
     iterations: int
     reason: str
+    again: Optional[Callable[[Tensor], Tensor]] = field(default=None, repr=False, compare=False)
 
     @property
     def breakdown(self) -> bool:
@@ -106,23 +111,31 @@ def solve_damped(matrix: Tensor, rhs: Tensor, damping: float) -> DirectResult:
     damped.diagonal().add_(damping)
     factor, info = torch.linalg.cholesky_ex(damped)
     if int(info) == 0:
-        x = torch.cholesky_solve(rhs.unsqueeze(1), factor).squeeze(1).neg_()
-        del factor
+
+        def by_cholesky(b: Tensor) -> Tensor:
+            return torch.cholesky_solve(b.unsqueeze(1), factor).squeeze(1).neg_()
+
+        x = by_cholesky(rhs)
         if _all_finite(x):
-            return DirectResult(x, torch.addmv(rhs, damped, x), 0, "cholesky")
-    del factor, damped
+            return DirectResult(x, torch.addmv(rhs, damped, x), 0, "cholesky", by_cholesky)
+    factor = damped = None  # freed before the fallback's own matrices
     try:
         values, vectors = torch.linalg.eigh(sym)
     except RuntimeError:  # torch.linalg.LinAlgError: the iteration did not converge
         scale = damping + float(torch.linalg.matrix_norm(sym))
-        x = rhs / -scale
-        return DirectResult(x, torch.zeros_like(rhs), 0, "scaled_gradient")
+        return DirectResult(
+            rhs / -scale, torch.zeros_like(rhs), 0, "scaled_gradient", lambda b: b / -scale
+        )
     values = values.clamp_min(0.0).add_(damping)
-    x = vectors @ ((vectors.mT @ rhs) / values).neg_()
+
+    def by_eigh(b: Tensor) -> Tensor:
+        return vectors @ ((vectors.mT @ b) / values).neg_()
+
+    x = by_eigh(rhs)
     if not _all_finite(x):
         return DirectResult(torch.zeros_like(rhs), rhs.clone(), 0, "non_finite")
     residual = vectors @ (values * (vectors.mT @ x)) + rhs  # A d + rhs for the clipped A
-    return DirectResult(x, residual, 0, "eigh")
+    return DirectResult(x, residual, 0, "eigh", by_eigh)
 
 
 def _all_finite(*tensors: Tensor) -> bool:
@@ -168,22 +181,45 @@ def solve_in_sample_space(
     hk = _hessian_rows(space.hessian, kernel, outputs)  # row j: H K e_j, so H K = hk^T
     matrix = hk.mT
     if torch.equal(matrix, hk):
-        w = solve_damped(matrix, -e, damping)
-        w, reason = w.x, w.reason
+        system = solve_damped(matrix, -e, damping)  # its x solves (H K + rho I) w = e
+        w, reason = system.x, system.reason
+        minus = system.again
+
+        def solve_outputs(b: Tensor) -> Tensor:
+            return minus(b).neg_()
+
     else:
         damped = matrix.clone()
         damped.diagonal().add_(damping)
-        w, info = torch.linalg.solve_ex(damped, e)
+        factor, pivots, info = torch.linalg.lu_factor_ex(damped)
         reason = "lu"
+        if int(info) == 0:
+
+            def solve_outputs(b: Tensor) -> Tensor:
+                return torch.linalg.lu_solve(factor, pivots, b.unsqueeze(1)).squeeze(1)
+
+            w = solve_outputs(e)
         if int(info) != 0 or not _all_finite(w):
-            w, reason = torch.linalg.pinv(damped) @ e, "pinv"
-    if not _all_finite(w):
+            inverse = torch.linalg.pinv(damped)
+
+            def solve_outputs(b: Tensor) -> Tensor:
+                return inverse @ b
+
+            w, reason = solve_outputs(e), "pinv"
+    if reason == "non_finite" or not _all_finite(w):
         return DirectResult(torch.zeros_like(grad), grad.clone(), 0, "non_finite")
-    d = space.vjp(w.to(outputs.dtype).view(outputs.shape)).neg_()
+
+    def to_parameters(w: Tensor) -> Tensor:  # d = -J^T w
+        return space.vjp(w.to(outputs.dtype).view(outputs.shape)).neg_()
+
+    def again(b: Tensor) -> Tensor:  # (G + rho I) x = -J^T b
+        return to_parameters(solve_outputs(b.reshape(-1).double()))
+
+    d = to_parameters(w)
     if not _all_finite(d):
         return DirectResult(torch.zeros_like(grad), grad.clone(), 0, "non_finite")
     residual = ggn_vp(d).add_(d, alpha=damping).add_(grad)
-    return DirectResult(d, residual, 0, reason)
+    return DirectResult(d, residual, 0, reason, again)
 
 
 def _hessian_rows(hessian: Callable[[Tensor], Tensor], kernel: Tensor, outputs: Tensor) -> Tensor:

@@ -1,0 +1,239 @@
+"""Geodesic acceleration of exact steps: against dense float64 references built by autograd."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.autograd.functional import hessian, jacobian
+from torch.func import functional_call
+
+from cases import loss_fn
+from torch_sgn import SGN, geodesic, optimizer
+from torch_sgn.line_search import LineSearchResult
+from torch_sgn.solvers import solve_damped
+
+EXACT = dict(line_search=False, trust_region=False, lr=1.0, momentum=0.0)
+
+
+def _near_fit(n: int, width: int = 6, classes: int = 0, seed: int = 0):
+    """A tanh MLP and targets from a nearby MLP: a small residual and a small step, where the
+    acceleration is small against the step (used); ``classes``: class probabilities."""
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    out = classes or 2
+    model = nn.Sequential(nn.Linear(3, width), nn.Tanh(), nn.Linear(width, out)).double()
+    x = torch.randn(n, 3, generator=g, dtype=torch.float64)
+    teacher = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=torch.float64))
+        y = teacher(x)
+    if classes:  # class probabilities, which a nearby model fits closely
+        y = torch.softmax(y, dim=1)
+    return model, x, y
+
+
+def _dense(model: nn.Module, loss, x: Tensor, y: Tensor):
+    """``f``, the Jacobian ``J``, the output-space Hessian ``H`` and the gradient, by autograd
+    over the trainable parameters (independent of torch_sgn)."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = [p.detach() for n, p in model.named_parameters() if p.requires_grad]
+    theta = torch.cat([p.reshape(-1) for p in params])
+    sizes = [p.numel() for p in params]
+
+    def f(flat: Tensor) -> Tensor:
+        chunks = [c.view(p.shape) for c, p in zip(flat.split(sizes), params)]
+        return functional_call(model, dict(zip(names, chunks)), (x,))
+
+    out = f(theta)
+    fn = loss_fn(loss)
+    J = jacobian(f, theta).reshape(out.numel(), -1)
+    H = hessian(lambda z: fn(z.view(out.shape), y), out.detach().reshape(-1))
+    g = J.T @ torch.func.grad(lambda z: fn(z, y))(out).reshape(-1)
+    return f, J, H, g, theta
+
+
+def _reference_step(model, loss, x, y, rho: float, predicted: list | None = None):
+    """The plain step ``d`` and the acceleration ``a`` (or ``None`` where it is dropped);
+    ``predicted`` receives the slope ``g^T d`` and the damped model's change at ``d``."""
+    f, J, H, g, theta = _dense(model, loss, x, y)
+    A = J.T @ H @ J + rho * torch.eye(len(theta), dtype=theta.dtype)
+    d = -torch.linalg.solve(A, g)
+    h = geodesic.STEP
+    fvv = (f(theta + h * d) - 2 * f(theta) + f(theta - h * d)).reshape(-1) / h**2
+    a = -torch.linalg.solve(A, J.T @ H @ fvv)
+    used = 2 * float(a.norm()) <= geodesic.RATIO * float(d.norm())
+    if predicted is not None:
+        predicted += [float(g @ d), float(g @ d + 0.5 * d @ A @ d)]
+    return theta, d, a if used else None
+
+
+def _flat(model: nn.Module) -> Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters() if p.requires_grad])
+
+
+# --- the second difference ------------------------------------------------------------------------
+def test_second_difference_matches_the_exact_second_directional_derivative():
+    model, x, _ = _near_fit(8)
+    f, _, _, _, theta = _dense(model, "mse", x, torch.zeros(8, 2, dtype=torch.float64))
+    v = 0.3 * torch.randn(theta.shape, generator=torch.Generator().manual_seed(1)).double()
+
+    def along(s: Tensor) -> Tensor:
+        return f(theta + s * v)
+
+    def slope(s: Tensor) -> Tensor:
+        return torch.func.jvp(along, (s,), (torch.ones_like(s),))[1]
+
+    zero = torch.zeros((), dtype=torch.float64)
+    exact = torch.func.jvp(slope, (zero,), (torch.ones_like(zero),))[1]
+    errors = []
+    for h in (geodesic.STEP, geodesic.STEP / 2):
+        fvv = geodesic.second_difference(f, theta, v, f(theta), h)
+        assert fvv is not None
+        errors.append(float((fvv - exact).norm() / exact.norm()))
+    assert errors[0] < 0.05
+    assert errors[1] < 0.3 * errors[0]  # a central difference: second order in h
+
+
+def test_second_difference_within_rounding_is_none():
+    # Outputs linear in the parameters: the difference is rounding only, and says nothing.
+    model = nn.Linear(3, 2).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    f, _, _, _, theta = _dense(model, "mse", x, torch.zeros(5, 2, dtype=torch.float64))
+    v = torch.randn(theta.shape, dtype=torch.float64)
+    assert geodesic.second_difference(f, theta, v, f(theta)) is None
+    bent = lambda flat: f(flat) + 0.1 * flat.square().sum()  # noqa: E731
+    assert geodesic.second_difference(bent, theta, v, bent(theta)) is not None
+
+
+def test_acceleration_larger_than_the_ratio_allows_is_dropped():
+    v = torch.ones(4, dtype=torch.float64)
+    fvv = torch.ones(3, dtype=torch.float64)
+    big = geodesic.acceleration(v, fvv, lambda u: u, lambda u: torch.full((4,), 0.4).double())
+    small = geodesic.acceleration(v, fvv, lambda u: u, lambda u: torch.full((4,), 0.3).double())
+    assert big is None  # 2 * 0.8 > 0.75 * 2
+    assert small is not None and torch.equal(small, torch.full((4,), 0.3).double())
+    nan = geodesic.acceleration(v, fvv, lambda u: u, lambda u: torch.full((4,), float("nan")))
+    assert nan is None and geodesic.acceleration(v, None, lambda u: u, lambda u: u) is None
+
+
+# --- the solvers' second solve --------------------------------------------------------------------
+@pytest.mark.parametrize("indefinite", [False, True], ids=["cholesky", "eigh"])
+def test_a_direct_solution_solves_again_with_its_factorization(indefinite):
+    g = torch.Generator().manual_seed(0)
+    q, _ = torch.linalg.qr(torch.randn(7, 7, generator=g, dtype=torch.float64))
+    eigs = torch.tensor([3.0, 1.0, 0.5, 0.2, 0.1, 0.0, -1.0 if indefinite else 0.0])
+    G = q @ torch.diag(eigs.double()) @ q.T
+    rho = 1e-2
+    result = solve_damped(G, torch.randn(7, generator=g, dtype=torch.float64), rho)
+    assert result.reason == ("eigh" if indefinite else "cholesky")
+    A = q @ torch.diag(eigs.double().clamp_min(0) + rho) @ q.T
+    b = torch.randn(7, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(result.again(b), -torch.linalg.solve(A, b), rtol=1e-10, atol=1e-12)
+
+
+def test_a_breakdown_has_no_second_solve():
+    G = torch.full((3, 3), float("nan"), dtype=torch.float64)
+    assert solve_damped(G, torch.ones(3, dtype=torch.float64), 1e-3).again is None
+
+
+# --- SGN steps ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "engine,n,loss,route",
+    [
+        ("fast", 40, "mse", "matrix"),  # 80 outputs > 32 parameters: through G
+        ("fast", 6, "mse", "samples"),  # 12 outputs < 32 parameters: through the outputs
+        ("fast", 8, "cross_entropy", "samples"),  # a non-symmetric H K: LU
+        ("functional", 40, "mse", "matrix"),  # J^T u from the engine's recorded pass
+        ("traced", 40, "mse", "matrix"),  # J^T u from a pass of the optimizer's own
+    ],
+)
+def test_accelerated_step_matches_the_dense_reference(engine, n, loss, route, monkeypatch):
+    classes = 3 if loss == "cross_entropy" else 0
+    model, x, y = _near_fit(n, classes=classes)
+    rho = 1e-3
+    predicted = []
+    theta, d, a = _reference_step(model, loss, x, y, rho, predicted)
+    assert a is not None  # near a fit the acceleration is small against the step
+    routes = []
+    original = optimizer.SGN._route
+    monkeypatch.setattr(
+        optimizer.SGN,
+        "_route",
+        lambda self, *args: routes.append(original(self, *args)) or routes[-1],
+    )
+    opt = SGN(model, loss, damping=rho, engine=engine, solver="direct", **EXACT)
+    info = opt.step(x, y)
+    assert routes == [route] and info.solver == "direct" and info.accelerated
+    torch.testing.assert_close(_flat(model), theta + d + 0.5 * a, rtol=1e-8, atol=1e-10)
+    # The trust region judges the plain step: its prediction is that of d.
+    assert info.predicted_change == pytest.approx(predicted[1], rel=1e-8)
+
+
+def test_the_acceleration_is_dropped_where_it_is_large_against_the_step(monkeypatch):
+    model, x, y = _near_fit(40)
+    plain = copy.deepcopy(model)
+    rho = 1e-3
+    theta, d, _ = _reference_step(model, "mse", x, y, rho)
+    monkeypatch.setattr(geodesic, "RATIO", 0.0)  # every acceleration is too large
+    info = SGN(model, "mse", damping=rho, **EXACT).step(x, y)
+    assert not info.accelerated
+    torch.testing.assert_close(_flat(model), theta + d, rtol=1e-9, atol=1e-11)
+    SGN(plain, "mse", damping=rho, geodesic_acceleration=False, **EXACT).step(x, y)
+    assert torch.equal(_flat(model), _flat(plain))
+
+
+def test_the_line_search_backtracks_along_the_parabola(monkeypatch):
+    model, x, y = _near_fit(40)
+    rho = 1e-3
+    predicted = []
+    theta, d, a = _reference_step(model, "mse", x, y, rho, predicted)
+    slopes = []
+
+    def half(loss_along, loss0, slope, **kwargs):
+        slopes.append(slope)
+        return LineSearchResult(0.5, loss_along(0.5), 1, True)
+
+    monkeypatch.setattr(optimizer, "backtracking", half)
+    opt = SGN(model, "mse", damping=rho, trust_region=False, lr=1.0)
+    info = opt.step(x, y)
+    assert info.accelerated and info.step_size == 0.5
+    torch.testing.assert_close(_flat(model), theta + 0.5 * d + 0.125 * a, rtol=1e-8, atol=1e-10)
+    assert slopes == [pytest.approx(predicted[0], rel=1e-8)]  # the Armijo slope is d's
+
+
+def test_a_frozen_parameter_stays_frozen_under_the_acceleration():
+    model, x, y = _near_fit(40)
+    opt = SGN(model, "mse", damping=1e-3, **EXACT)
+    first = next(model.parameters())
+    first.requires_grad_(False)  # frozen after construction: G and J^T u restricted
+    theta, d, a = _reference_step(model, "mse", x, y, 1e-3)
+    frozen = first.detach().clone()
+    info = opt.step(x, y)
+    assert info.accelerated and torch.equal(first, frozen)
+    torch.testing.assert_close(_flat(model), theta + d + 0.5 * a, rtol=1e-8, atol=1e-10)
+
+
+def test_cg_steps_and_the_paper_take_no_acceleration(monkeypatch):
+    model, x, y = _near_fit(40)
+    calls = []
+    monkeypatch.setattr(geodesic, "second_difference", lambda *a: calls.append(1))
+    assert not SGN(copy.deepcopy(model), "mse", solver="cg").step(x, y).accelerated
+    assert not SGN.paper(copy.deepcopy(model), "mse").step(x, y).accelerated
+    assert not calls
+
+
+def test_geodesic_option_is_checked_and_old_state_dicts_load_without_it():
+    model, x, y = _near_fit(40)
+    with pytest.raises(ValueError, match="geodesic_acceleration"):
+        SGN(model, "mse", geodesic_acceleration="yes")
+    opt = SGN(model, "mse")
+    opt.step(x, y)
+    state = opt.state_dict()
+    del state["param_groups"][0]["geodesic_acceleration"]  # saved before the option existed
+    fresh = SGN(model, "mse")
+    fresh.load_state_dict(state)
+    assert fresh.param_groups[0]["geodesic_acceleration"] is False
