@@ -23,10 +23,7 @@ from torch_sgn import SGN
 from torch_sgn.distributed import shard
 
 STEPS = 5
-# Geodesic acceleration is single-process only: off in the one-process reference too.
-SETTINGS = dict(
-    cg_iters=6, cg_tol=0.0, line_search=True, trust_region=True, geodesic_acceleration=False
-)
+SETTINGS = dict(cg_iters=6, cg_tol=0.0, line_search=True, trust_region=True)
 
 
 @dataclass(frozen=True)

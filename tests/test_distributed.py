@@ -79,6 +79,7 @@ def test_two_ranks_match_one_process_on_the_full_batch(equivalence, case):
         for a, b in zip(got["infos"], reference["infos"]):
             assert a.loss_evals == b.loss_evals and a.cg_iters == b.cg_iters
             assert a.solver == b.solver == case.solver
+            assert a.accelerated == b.accelerated
             assert a.next_damping == pytest.approx(b.next_damping, rel=1e-10)
             assert a.loss == pytest.approx(b.loss, rel=1e-10)
     # Bit-identical ranks: same parameters and the same decisions, to the last bit.
@@ -91,6 +92,7 @@ def test_the_cases_exercise_trust_region_and_line_search(equivalence):
     assert any(i.loss_evals > 1 for i in infos)  # the line search backtracked
     assert any(i.next_damping > i.damping for i in infos)  # the trust region shrank
     assert any(i.next_damping < i.damping for i in infos)  # and expanded
+    assert any(i.accelerated for i in infos)  # direct steps with a geodesic acceleration
 
 
 def test_construction_broadcasts_rank_0s_model(equivalence):

@@ -91,33 +91,37 @@ def test_second_difference_matches_the_exact_second_directional_derivative():
     exact = torch.func.jvp(slope, (zero,), (torch.ones_like(zero),))[1]
     errors = []
     for h in (geodesic.STEP, geodesic.STEP / 2):
-        fvv = geodesic.second_difference(f, theta, v, f(theta), h)
-        assert fvv is not None
+        fvv, norms = geodesic.second_difference(f, theta, v, f(theta), h)
+        assert geodesic.above_rounding(norms, torch.float64)
         errors.append(float((fvv - exact).norm() / exact.norm()))
     assert errors[0] < 0.05
     assert errors[1] < 0.3 * errors[0]  # a central difference: second order in h
 
 
-def test_second_difference_within_rounding_is_none():
+def test_second_difference_within_rounding_is_refused():
     # Outputs linear in the parameters: the difference is rounding only, and says nothing.
     model = nn.Linear(3, 2).double()
     x = torch.randn(5, 3, dtype=torch.float64)
     f, _, _, _, theta = _dense(model, "mse", x, torch.zeros(5, 2, dtype=torch.float64))
     v = torch.randn(theta.shape, dtype=torch.float64)
-    assert geodesic.second_difference(f, theta, v, f(theta)) is None
+    _, norms = geodesic.second_difference(f, theta, v, f(theta))
+    assert not geodesic.above_rounding(norms, torch.float64)
     bent = lambda flat: f(flat) + 0.1 * flat.square().sum()  # noqa: E731
-    assert geodesic.second_difference(bent, theta, v, bent(theta)) is not None
+    _, norms = geodesic.second_difference(bent, theta, v, bent(theta))
+    assert geodesic.above_rounding(norms, torch.float64)
+    # The same relative size passes in float64 and not in float32.
+    small = torch.tensor([1e-12, 1.0, 1.0, 1.0], dtype=torch.float64)  # squared: 1e-6 x 4
+    assert geodesic.above_rounding(small, torch.float64)
+    assert not geodesic.above_rounding(small, torch.float32)
+    assert not geodesic.above_rounding(torch.tensor([float("nan"), 1, 1, 1]), torch.float64)
 
 
-def test_acceleration_larger_than_the_ratio_allows_is_dropped():
+def test_an_acceleration_larger_than_the_ratio_allows_is_dropped():
     v = torch.ones(4, dtype=torch.float64)
-    fvv = torch.ones(3, dtype=torch.float64)
-    big = geodesic.acceleration(v, fvv, lambda u: u, lambda u: torch.full((4,), 0.4).double())
-    small = geodesic.acceleration(v, fvv, lambda u: u, lambda u: torch.full((4,), 0.3).double())
-    assert big is None  # 2 * 0.8 > 0.75 * 2
-    assert small is not None and torch.equal(small, torch.full((4,), 0.3).double())
-    nan = geodesic.acceleration(v, fvv, lambda u: u, lambda u: torch.full((4,), float("nan")))
-    assert nan is None and geodesic.acceleration(v, None, lambda u: u, lambda u: u) is None
+    assert geodesic.accepted(v, torch.full((4,), 0.4).double()) is None  # 2 * 0.8 > 0.75 * 2
+    small = torch.full((4,), 0.3).double()
+    assert geodesic.accepted(v, small) is small
+    assert geodesic.accepted(v, torch.full((4,), float("nan")).double()) is None
 
 
 # --- the solvers' second solve --------------------------------------------------------------------

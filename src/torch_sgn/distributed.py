@@ -144,6 +144,11 @@ class SingleProcess:
     def agree(self, values: list) -> list:
         return values
 
+    def shares(
+        self, compute: Callable[[], tuple[Tensor, Tensor]], sizes: tuple[int, int], what: str
+    ) -> tuple[Tensor, Tensor]:
+        return compute()
+
 
 def communicator(
     fmodel: FunctionalModel, loss: OutputLoss, process_group: ProcessGroup
@@ -319,6 +324,28 @@ class DataParallel:
             lambda: dist.all_reduce(payload, group=self.group), "the solver's costs", self._step
         )
         return payload.tolist()
+
+    def shares(
+        self, compute: Callable[[], tuple[Tensor, Tensor]], sizes: tuple[int, int], what: str
+    ) -> tuple[Tensor, Tensor]:
+        """The full batch's ``(mean, sum)`` from this shard's ``compute() -> (mean, sum)``, two
+        flat tensors of ``sizes``: the first a quantity of the shard's mean loss (weighted by
+        the shard's share, as the gradient is), the second summed as it is. One all-reduce;
+        an empty shard adds nothing, a failure on one rank raises on every rank."""
+        assert self._scale is not None, "shares before linearize"
+        n, m = sizes
+        error = None
+        payload = self._scale.new_zeros(n + m + 1)
+        try:
+            if bool(self._scale):  # an empty shard's mean is NaN: it counts for nothing
+                mean, total = compute()
+                payload[:n] = mean.reshape(-1) * self._scale
+                payload[n : n + m] = total.reshape(-1)
+        except Exception as e:
+            error, payload[n + m] = e, 1.0
+        self._collective(lambda: dist.all_reduce(payload, group=self.group), what, self._step)
+        self._raise_if_failed(payload[n + m], error, self._step)
+        return payload[:n] / self._total, payload[n : n + m]
 
     def loss_value(self, compute: Callable[[], Tensor]) -> float:
         """The full batch's loss at a trial point from this shard's ``compute()``: 1 all-reduce."""

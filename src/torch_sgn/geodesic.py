@@ -32,7 +32,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["RATIO", "STEP", "NOISE", "acceleration", "second_difference"]
+__all__ = ["NOISE", "RATIO", "STEP", "above_rounding", "accepted", "second_difference"]
 
 #: The largest ``2 |a| / |v|`` for which the acceleration is used (Transtrum and Sethna's
 #: :math:`\alpha`).
@@ -52,8 +52,9 @@ def second_difference(
     v: Tensor,
     centre: Tensor,
     h: float = STEP,
-) -> Optional[Tensor]:
-    r""":math:`f_{vv} \approx (f(\theta + h v) - 2 f(\theta) + f(\theta - h v)) / h^2`.
+) -> tuple[Tensor, Tensor]:
+    r""":math:`f_{vv} \approx (f(\theta + h v) - 2 f(\theta) + f(\theta - h v)) / h^2`, and what
+    :func:`above_rounding` judges it by.
 
     Args:
         outputs_at: ``flat -> f(flat)``, the outputs on the step's batch.
@@ -63,44 +64,30 @@ def second_difference(
             cancels exactly where ``f`` is linear along ``v``).
         h: the step of the difference.
 
-    Returns ``None`` where the difference is not finite, or is within :data:`NOISE` units of
-    the outputs' rounding (it would then say nothing about the curvature).
+    Returns:
+        ``f_vv`` and the squared norms of the difference and of the three outputs (in float64;
+        a sum over the samples, so shards of a batch add theirs up).
     """
     plus, minus = outputs_at(theta + h * v), outputs_at(theta - h * v)
     difference = plus - 2 * centre + minus
-    size, scale = torch.stack([
-        torch.linalg.vector_norm(difference),
-        torch.linalg.vector_norm(plus) + 2 * torch.linalg.vector_norm(centre)
-        + torch.linalg.vector_norm(minus),
-    ]).tolist()  # fmt: skip
-    eps = torch.finfo(difference.dtype).eps
-    if not (size == size and scale < float("inf")) or size <= NOISE * eps * scale:
-        return None
-    return difference / (h * h)
+    norms = torch.stack([t.double().square().sum() for t in (difference, plus, centre, minus)])
+    return difference / (h * h), norms
 
 
-def acceleration(
-    v: Tensor,
-    fvv: Optional[Tensor],
-    hessian: Callable[[Tensor], Tensor],
-    solve: Callable[[Tensor], Tensor],
-) -> Optional[Tensor]:
-    r"""The acceleration ``a`` of the step ``v``, or ``None`` where it is not to be used.
+def above_rounding(norms: Tensor, dtype: torch.dtype) -> bool:
+    """Whether the second difference (squared norms from :func:`second_difference`) is finite
+    and above :data:`NOISE` units of the outputs' rounding in ``dtype``: else it says nothing
+    about the curvature (outputs linear along the step, or float32 near a precise fit)."""
+    size, plus, centre, minus = norms.sqrt().tolist()
+    scale = plus + 2 * centre + minus
+    if not (size == size and scale < float("inf")):  # NaN or overflow
+        return False
+    return size > NOISE * torch.finfo(dtype).eps * scale
 
-    Args:
-        v: the Levenberg-Marquardt step (the direction, before ``lr``).
-        fvv: :func:`second_difference` along ``v`` (``None``: no acceleration).
-        hessian: ``u -> H u`` in output space at the step's point.
-        solve: ``u -> -(G + \rho I)^{-1} J^\top u`` for output-shaped ``u``, with the step's
-            factorization.
 
-    Returns:
-        ``a``, where it is finite and :math:`2\lVert a \rVert \le` :data:`RATIO`
-        :math:`\lVert v \rVert`; else ``None``.
-    """
-    if fvv is None:
-        return None
-    a = solve(hessian(fvv))
+def accepted(v: Tensor, a: Tensor) -> Optional[Tensor]:
+    r"""``a`` where it is finite and :math:`2\lVert a \rVert \le` :data:`RATIO`
+    :math:`\lVert v \rVert`, else ``None``."""
     size, step = torch.stack([torch.linalg.vector_norm(a), torch.linalg.vector_norm(v)]).tolist()
     if not size == size or not 2 * size <= RATIO * step:  # NaN fails both
         return None

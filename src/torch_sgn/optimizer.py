@@ -219,8 +219,8 @@ class SGN(torch.optim.Optimizer):
             ``d`` (three forward passes) and the step's own factorization. Used only while
             ``2 |a| <= 0.75 |d|`` and above the outputs' rounding; the trust region and the
             line search judge ``d``. It keeps exact steps moving along the curved valleys of
-            precise fits (``docs/SOLVERS.md``). Ignored by CG steps and in data-parallel
-            groups of several processes. Default on.
+            precise fits (``docs/SOLVERS.md``). Ignored by CG steps. Default on;
+            :meth:`SGN.paper` turns it off.
         engine: how ``G v`` products are computed. ``"fast"``: the layer-wise engine of
             :mod:`torch_sgn.layerwise` for ``nn.Sequential`` chains of the layers listed by
             ``torch_sgn.layer_rules.supported_layers()`` (one forward pass per step, about one
@@ -740,37 +740,44 @@ class SGN(torch.optim.Optimizer):
         mask: Optional[Tensor],
     ) -> Optional[Callable[[DirectResult], Optional[Tensor]]]:
         r"""``solution -> (lr^2 / 2) a``, the geodesic acceleration's term of an exact step
-        (:mod:`torch_sgn.geodesic`; ``None`` where it does not apply), or ``None`` where the
-        step has no acceleration: CG steps, the option off, several processes."""
+        (:mod:`torch_sgn.geodesic`; ``None`` where it is not used), or ``None`` where no step
+        takes one: CG steps, or the option off.
+
+        In a data-parallel group each rank differences its shard's outputs and the shards'
+        ``J^T H f_vv`` are reduced as the gradient is, so every rank takes the same step."""
         group = self.param_groups[0]
         if route is None or not group["geodesic_acceleration"]:
             return None
-        if not isinstance(self._comm, SingleProcess):
-            return None  # J^T u and the outputs would need all-reduces of their own
         outputs_at = lin.outputs_at
         if outputs_at is None:
             outputs_at = lambda flat: self._fmodel(flat, batch.inputs)  # noqa: E731
-        lr = group["lr"]
+        vjp = lin.vjp
+        scale = 0.5 * group["lr"] ** 2
+        # Through the outputs the system takes its right-hand side in output space.
+        size = lin.sample_space.size if route == "samples" else theta.numel()
 
         def curve(result: DirectResult) -> Optional[Tensor]:
             if result.again is None or result.breakdown:
                 return None
             v = result.x
-            centre = outputs_at(theta)
-            fvv = geodesic.second_difference(outputs_at, theta, v, centre)
-            if fvv is None:
+
+            def local() -> tuple[Tensor, Tensor]:  # (J^T) H f_vv and the rounding's norms
+                nonlocal vjp
+                centre = outputs_at(theta)
+                fvv, norms = geodesic.second_difference(outputs_at, theta, v, centre)
+                hf = self._loss.hessian(centre, batch.targets)(fvv)
+                if route == "samples":
+                    return hf, norms
+                if vjp is None:
+                    vjp = self._vjp_at(theta, batch)
+                b = vjp(hf)
+                return (b if mask is None else b * mask), norms
+
+            b, norms = self._comm.shares(local, (size, 4), "the geodesic acceleration")
+            if not geodesic.above_rounding(norms, theta.dtype):
                 return None
-            hessian = self._loss.hessian(centre, batch.targets)
-            if route == "samples":  # the system is solved in output space
-                solve = result.again
-            else:
-                vjp = lin.vjp if lin.vjp is not None else self._vjp_at(theta, batch)
-                if mask is None:
-                    solve = lambda u: result.again(vjp(u))  # noqa: E731
-                else:
-                    solve = lambda u: result.again(vjp(u) * mask)  # noqa: E731
-            a = geodesic.acceleration(v, fvv, hessian, solve)
-            return None if a is None else a.mul_(0.5 * lr * lr)
+            a = geodesic.accepted(v, result.again(b))
+            return None if a is None else a.mul_(scale)
 
         return curve
 
