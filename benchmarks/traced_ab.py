@@ -6,7 +6,9 @@ Command (from the repository root)::
 
 ``before`` records the products with PyTorch's own forward-mode rules and runs the recorded
 graphs as traced (``torch_sgn.traced.TANGENT_RULES = GRAPH_PASSES = False``); ``after`` with
-the rules of ``torch_sgn.tangent_rules`` and the rewrites (the defaults). Both compute the same
+the rules of ``torch_sgn.tangent_rules`` and the rewrites (the defaults). ``--flags`` names the
+switches of ``torch_sgn.traced`` to compare instead, e.g. ``--flags GRAPH_PASSES`` (the rewrites
+alone): off in ``before``, on in ``after``, the others at their defaults. Both compute the same
 matrix (the largest relative difference of their products is printed). In every round each
 quantity is measured once, in turn: a gradient, each variant's set-up (``lin``), one product
 (``Gv``) and a whole SGN step with k CG iterations (``cg_tol=0``, no line search, from the same
@@ -38,7 +40,18 @@ from ggn_cost import _batch, _environment  # noqa: E402
 VARIANTS = {"before": False, "after": True}
 
 
-def measure(name: str, rounds: int, k: int) -> Dict[str, object]:
+FLAGS = ["TANGENT_RULES", "GRAPH_PASSES"]
+
+
+def _set(flags: List[str], on: bool) -> None:
+    """Sets ``flags`` of ``torch_sgn.traced`` (read when a model is traced) to ``on``."""
+    for flag in flags:
+        if not hasattr(traced, flag):
+            raise SystemExit(f"torch_sgn.traced has no switch {flag}")
+        setattr(traced, flag, on)
+
+
+def measure(name: str, rounds: int, k: int, flags: List[str] = FLAGS) -> Dict[str, object]:
     device = torch.device("cpu")
     model, x, y, loss_name = _batch(name, device)
     loss = resolve_loss(loss_name)
@@ -47,7 +60,7 @@ def measure(name: str, rounds: int, k: int) -> Dict[str, object]:
     v = torch.randn(flat.shape, generator=torch.Generator().manual_seed(1))
     engines, lins, opts = {}, {}, {}
     for variant, on in VARIANTS.items():
-        traced.TANGENT_RULES = traced.GRAPH_PASSES = on  # read when a model is traced
+        _set(flags, on)
         engines[variant] = traced.TracedEngine(FunctionalModel(model), loss, strict=True)
         lins[variant] = engines[variant](flat, Batch(x, y))
         opt = SGN(
@@ -56,7 +69,7 @@ def measure(name: str, rounds: int, k: int) -> Dict[str, object]:
         )  # fmt: skip
         opt.step(x, y)  # traces, with this variant's settings
         opts[variant] = (opt, copy.deepcopy(opt.state_dict()))
-    traced.TANGENT_RULES = traced.GRAPH_PASSES = True
+    _set(flags, True)
     a, b = (lins[variant].ggn_vp(v) for variant in VARIANTS)
     difference = ((a - b).norm() / a.norm()).item()
 
@@ -118,6 +131,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--k", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--flags", nargs="+", default=FLAGS)
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     if args.threads:
@@ -127,7 +141,7 @@ def main() -> None:
     print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
     results = []
     for name in args.models:
-        results.append(measure(name, args.rounds, args.k))
+        results.append(measure(name, args.rounds, args.k, args.flags))
         print(f"  {name}: relative difference of the products "
               f"{results[-1]['relative_difference']:.1e}", flush=True)  # fmt: skip
     print(table(results))
