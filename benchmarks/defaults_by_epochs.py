@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import platform
 import subprocess
@@ -33,7 +34,11 @@ from torch_sgn.experiments.models import PRESETS
 from torch_sgn.experiments.runner import RunConfig, evaluate, load_data
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = {"paper": SGN.paper, "defaults": SGN}
+CONFIGS = {
+    "paper": SGN.paper,
+    "defaults": SGN,
+    "no_geodesic": functools.partial(SGN, geodesic_acceleration=False),
+}
 
 
 def train(preset: str, config: str, epochs: int, seed: int) -> dict:
@@ -100,7 +105,7 @@ def main(argv=None) -> None:
                 r = train(preset, config, epochs, seed)
                 runs.append({"preset": preset, "config": config, "seed": seed, **r})
                 print(
-                    f"{preset} seed {seed} {config:8s} solver {'/'.join(r['solvers'])}: train "
+                    f"{preset} seed {seed} {config:11s} solver {'/'.join(r['solvers'])}: train "
                     f"{r['train'][-1]:.4g} test {r['test'][-1]:.4g} ({r['cpu_seconds']:.1f} s)",
                     flush=True,
                 )
