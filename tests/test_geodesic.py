@@ -241,3 +241,13 @@ def test_geodesic_option_is_checked_and_old_state_dicts_load_without_it():
     fresh = SGN(model, "mse")
     fresh.load_state_dict(state)
     assert fresh.param_groups[0]["geodesic_acceleration"] is False
+
+
+def test_the_default_accelerates_float64_models_only():
+    model, x, y = _near_fit(40)
+    options = dict(damping=1e-3, **EXACT)
+    assert SGN(copy.deepcopy(model), "mse", **options).step(x, y).accelerated
+    x32, y32 = x.float(), y.float()
+    assert not SGN(copy.deepcopy(model).float(), "mse", **options).step(x32, y32).accelerated
+    forced = SGN(copy.deepcopy(model).float(), "mse", geodesic_acceleration=True, **options)
+    assert forced.step(x32, y32).accelerated

@@ -103,7 +103,11 @@ def check_options(group: Mapping, in_step: bool = False) -> None:
     need(lambda v: 0 < v < 1, "ls_c", "must be in (0, 1)")
     need(lambda v: 0 < v < 1, "ls_shrink", "must be in (0, 1)")
     need(lambda v: _is_int(v) and v >= 1, "ls_max_evals", "must be an int >= 1")
-    need(lambda v: isinstance(v, bool), "geodesic_acceleration", "must be True or False")
+    need(
+        lambda v: v is None or isinstance(v, bool),
+        "geodesic_acceleration",
+        "must be None (on for float64 models), True or False",
+    )
 
 
 def check_loaded_state(state_dict: Mapping) -> dict:
