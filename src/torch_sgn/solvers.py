@@ -44,9 +44,6 @@ SOLVERS = ("auto", "cg", "direct")
 #: copy and its factor take ``3 P^2`` numbers (about 190 MB at 4000 in float32).
 DEFAULT_DIRECT_MAX_PARAMS = 4000
 
-#: Why :func:`solve_damped` returned what it returned.
-DIRECT_METHODS = ("cholesky", "eigh", "scaled_gradient", "lu", "pinv", "non_finite")
-
 
 @dataclass(frozen=True)
 class DirectResult:
