@@ -58,7 +58,7 @@ def _dense(model: nn.Module, loss, x: Tensor, y: Tensor):
 
 def _reference_step(model, loss, x, y, rho: float, predicted: list | None = None):
     """The plain step ``d`` and the acceleration ``a`` (or ``None`` where it is dropped);
-    ``predicted`` receives the slope ``g^T d`` and the damped model's change at ``d``."""
+    ``predicted`` receives ``g^T d`` and ``d^T (G + rho I) d``."""
     f, J, H, g, theta = _dense(model, loss, x, y)
     A = J.T @ H @ J + rho * torch.eye(len(theta), dtype=theta.dtype)
     d = -torch.linalg.solve(A, g)
@@ -67,7 +67,7 @@ def _reference_step(model, loss, x, y, rho: float, predicted: list | None = None
     a = -torch.linalg.solve(A, J.T @ H @ fvv)
     used = 2 * float(a.norm()) <= geodesic.RATIO * float(d.norm())
     if predicted is not None:
-        predicted += [float(g @ d), float(g @ d + 0.5 * d @ A @ d)]
+        predicted += [float(g @ d), float(d @ A @ d)]
     return theta, d, a if used else None
 
 
@@ -146,16 +146,18 @@ def test_a_breakdown_has_no_second_solve():
 
 # --- SGN steps ------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "engine,n,loss,route",
+    "engine,n,loss,route,lr",
     [
-        ("fast", 40, "mse", "matrix"),  # 80 outputs > 32 parameters: through G
-        ("fast", 6, "mse", "samples"),  # 12 outputs < 32 parameters: through the outputs
-        ("fast", 8, "cross_entropy", "samples"),  # a non-symmetric H K: LU
-        ("functional", 40, "mse", "matrix"),  # J^T u from the engine's recorded pass
-        ("traced", 40, "mse", "matrix"),  # J^T u from a pass of the optimizer's own
+        ("fast", 40, "mse", "matrix", 1.0),  # 80 outputs > 32 parameters: through G
+        ("fast", 40, "mse", "matrix", 0.5),  # the term scales as lr^2
+        ("fast", 6, "mse", "samples", 1.0),  # 12 outputs < 32 parameters: through the outputs
+        ("fast", 6, "mse", "samples", 0.5),
+        ("fast", 8, "cross_entropy", "samples", 1.0),  # a non-symmetric H K: LU
+        ("functional", 40, "mse", "matrix", 1.0),  # J^T u from the engine's recorded pass
+        ("traced", 40, "mse", "matrix", 1.0),  # J^T u from a pass of the optimizer's own
     ],
 )
-def test_accelerated_step_matches_the_dense_reference(engine, n, loss, route, monkeypatch):
+def test_accelerated_step_matches_the_dense_reference(engine, n, loss, route, lr, monkeypatch):
     classes = 3 if loss == "cross_entropy" else 0
     model, x, y = _near_fit(n, classes=classes)
     rho = 1e-3
@@ -169,12 +171,16 @@ def test_accelerated_step_matches_the_dense_reference(engine, n, loss, route, mo
         "_route",
         lambda self, *args: routes.append(original(self, *args)) or routes[-1],
     )
-    opt = SGN(model, loss, damping=rho, engine=engine, solver="direct", **EXACT)
+    options = {**EXACT, "lr": lr}
+    opt = SGN(model, loss, damping=rho, engine=engine, solver="direct", **options)
     info = opt.step(x, y)
     assert routes == [route] and info.solver == "direct" and info.accelerated
-    torch.testing.assert_close(_flat(model), theta + d + 0.5 * a, rtol=1e-8, atol=1e-10)
-    # The trust region judges the plain step: its prediction is that of d.
-    assert info.predicted_change == pytest.approx(predicted[1], rel=1e-8)
+    expected = theta + lr * d + 0.5 * lr**2 * a
+    torch.testing.assert_close(_flat(model), expected, rtol=1e-8, atol=1e-10)
+    # The trust region judges the plain step: its prediction is that of lr d.
+    slope, curvature = predicted
+    change = lr * slope + 0.5 * lr**2 * curvature
+    assert info.predicted_change == pytest.approx(change, rel=1e-8)
 
 
 def test_the_acceleration_is_dropped_where_it_is_large_against_the_step(monkeypatch):

@@ -335,17 +335,20 @@ class DataParallel:
         assert self._scale is not None, "shares before linearize"
         n, m = sizes
         error = None
-        payload = self._scale.new_zeros(n + m + 1)
+        # In float64, so that sums (of squares, say) agree with one process's, which takes
+        # them in float64, and do not overflow in a lower precision.
+        payload = self._scale.new_zeros(n + m + 1, dtype=torch.float64)
         try:
             if bool(self._scale):  # an empty shard's mean is NaN: it counts for nothing
                 mean, total = compute()
-                payload[:n] = mean.reshape(-1) * self._scale
+                payload[:n] = mean.reshape(-1).double() * float(self._scale)
                 payload[n : n + m] = total.reshape(-1)
         except Exception as e:
             error, payload[n + m] = e, 1.0
         self._collective(lambda: dist.all_reduce(payload, group=self.group), what, self._step)
         self._raise_if_failed(payload[n + m], error, self._step)
-        return payload[:n] / self._total, payload[n : n + m]
+        mean = (payload[:n] / float(self._total)).to(self._scale.dtype)
+        return mean, payload[n : n + m]
 
     def loss_value(self, compute: Callable[[], Tensor]) -> float:
         """The full batch's loss at a trial point from this shard's ``compute()``: 1 all-reduce."""

@@ -531,6 +531,7 @@ class SGN(torch.optim.Optimizer):
                     "  attempt %d rejected: damping %.3g, loss %.6g", attempts, damping, trial.loss
                 )
                 damping, growth = self._rejected(damping, growth, trial.ratio, floor)
+                result = curve = trial = None  # its factorization, freed before the next one
             ratio, next_damping, growth = self._next_damping(damping, growth, trial, loss0, floor)
             search = LineSearchResult(1.0, trial.loss, 1, math.isfinite(trial.loss))
             if group["line_search"] and trial.moved:
@@ -757,6 +758,7 @@ class SGN(torch.optim.Optimizer):
         if outputs_at is None:
             outputs_at = lambda flat: self._fmodel(flat, batch.inputs)  # noqa: E731
         vjp = lin.vjp
+        centre = None  # the outputs at theta, shared by the step's attempts
         scale = 0.5 * group["lr"] ** 2
         # Through the outputs the system takes its right-hand side in output space.
         size = lin.sample_space.size if route == "samples" else theta.numel()
@@ -767,8 +769,9 @@ class SGN(torch.optim.Optimizer):
             v = result.x
 
             def local() -> tuple[Tensor, Tensor]:  # (J^T) H f_vv and the rounding's norms
-                nonlocal vjp
-                centre = outputs_at(theta)
+                nonlocal vjp, centre
+                if centre is None:
+                    centre = outputs_at(theta)
                 fvv, norms = geodesic.second_difference(outputs_at, theta, v, centre)
                 hf = self._loss.hessian(centre, batch.targets)(fvv)
                 if route == "samples":
