@@ -125,6 +125,14 @@ def loss_fn(loss) -> Callable[[Tensor, Tensor], Tensor]:
 
 def dense_ggn(model: nn.Module, loss, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(G, g, theta) built from full Jacobians and the output-space Hessian by autograd."""
+    _, J, H, g, theta = dense_parts(model, loss, x, y)
+    return J.T @ H @ J, g, theta
+
+
+def dense_parts(model: nn.Module, loss, x: Tensor, y: Tensor):
+    """(f, J, H, g, theta) by autograd over the trainable parameters: the outputs as a function
+    ``f`` of the flat parameters, its Jacobian, the loss's output-space Hessian, the gradient
+    and the point."""
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     params = [p.detach() for n, p in model.named_parameters() if p.requires_grad]
     theta = torch.cat([p.reshape(-1) for p in params])
@@ -139,7 +147,7 @@ def dense_ggn(model: nn.Module, loss, x: Tensor, y: Tensor) -> tuple[Tensor, Ten
     J = jacobian(f, theta).reshape(out.numel(), -1)
     H = hessian(lambda z: fn(z.view(out.shape), y), out.detach().reshape(-1))
     g = torch.func.grad(lambda t: fn(f(t), y))(theta)
-    return J.T @ H @ J, g, theta
+    return f, J, H, g, theta
 
 
 def dense_ggn_of_module(model: nn.Module, loss, x, y: Tensor) -> tuple[Tensor, Tensor]:

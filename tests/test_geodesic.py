@@ -7,10 +7,8 @@ import copy
 import pytest
 import torch
 from torch import Tensor, nn
-from torch.autograd.functional import hessian, jacobian
-from torch.func import functional_call
 
-from cases import loss_fn
+from cases import dense_parts
 from torch_sgn import SGN, geodesic, optimizer
 from torch_sgn.line_search import LineSearchResult
 from torch_sgn.solvers import solve_damped
@@ -36,30 +34,10 @@ def _near_fit(n: int, width: int = 6, classes: int = 0, seed: int = 0):
     return model, x, y
 
 
-def _dense(model: nn.Module, loss, x: Tensor, y: Tensor):
-    """``f``, the Jacobian ``J``, the output-space Hessian ``H`` and the gradient, by autograd
-    over the trainable parameters (independent of torch_sgn)."""
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    params = [p.detach() for n, p in model.named_parameters() if p.requires_grad]
-    theta = torch.cat([p.reshape(-1) for p in params])
-    sizes = [p.numel() for p in params]
-
-    def f(flat: Tensor) -> Tensor:
-        chunks = [c.view(p.shape) for c, p in zip(flat.split(sizes), params)]
-        return functional_call(model, dict(zip(names, chunks)), (x,))
-
-    out = f(theta)
-    fn = loss_fn(loss)
-    J = jacobian(f, theta).reshape(out.numel(), -1)
-    H = hessian(lambda z: fn(z.view(out.shape), y), out.detach().reshape(-1))
-    g = J.T @ torch.func.grad(lambda z: fn(z, y))(out).reshape(-1)
-    return f, J, H, g, theta
-
-
 def _reference_step(model, loss, x, y, rho: float, predicted: list | None = None):
     """The plain step ``d`` and the acceleration ``a`` (or ``None`` where it is dropped);
     ``predicted`` receives ``g^T d`` and ``d^T (G + rho I) d``."""
-    f, J, H, g, theta = _dense(model, loss, x, y)
+    f, J, H, g, theta = dense_parts(model, loss, x, y)
     A = J.T @ H @ J + rho * torch.eye(len(theta), dtype=theta.dtype)
     d = -torch.linalg.solve(A, g)
     h = geodesic.STEP
@@ -78,7 +56,7 @@ def _flat(model: nn.Module) -> Tensor:
 # --- the second difference ------------------------------------------------------------------------
 def test_second_difference_matches_the_exact_second_directional_derivative():
     model, x, _ = _near_fit(8)
-    f, _, _, _, theta = _dense(model, "mse", x, torch.zeros(8, 2, dtype=torch.float64))
+    f, _, _, _, theta = dense_parts(model, "mse", x, torch.zeros(8, 2, dtype=torch.float64))
     v = 0.3 * torch.randn(theta.shape, generator=torch.Generator().manual_seed(1)).double()
 
     def along(s: Tensor) -> Tensor:
@@ -102,7 +80,7 @@ def test_second_difference_within_rounding_is_refused():
     # Outputs linear in the parameters: the difference is rounding only, and says nothing.
     model = nn.Linear(3, 2).double()
     x = torch.randn(5, 3, dtype=torch.float64)
-    f, _, _, _, theta = _dense(model, "mse", x, torch.zeros(5, 2, dtype=torch.float64))
+    f, _, _, _, theta = dense_parts(model, "mse", x, torch.zeros(5, 2, dtype=torch.float64))
     v = torch.randn(theta.shape, dtype=torch.float64)
     _, norms = geodesic.second_difference(f, theta, v, f(theta))
     assert not geodesic.above_rounding(norms, torch.float64)
