@@ -8,7 +8,10 @@ Part of ``benchmarks/gpu_checks.sh``; alone, from the repository root on a CUDA 
 1. Exactness: one undamped-trust-region step of ``SGN(solver="direct")`` in float64 on CUDA,
    through the batch's outputs (``J J^T``; squared error and cross-entropy) and through ``G``
    (with a gradient average), against ``theta - (G + rho I)^{-1} g`` formed on the CPU from
-   dense Jacobians (``torch.func.jacrev``) and ``torch.linalg.solve``.
+   dense Jacobians (``torch.func.jacrev``) and ``torch.linalg.solve``; then the same with the
+   geodesic acceleration on targets a nearby network fits (where it is used), against
+   ``theta + d + a / 2``, ``a = -(G + rho I)^{-1} J^T H f_dd`` with ``f_dd`` the same central
+   difference on the CPU.
 2. ``mlp133k`` (3-256-256-256-1 tanh, 50,000 points, batches of 1000, float32): ``SGN`` with its
    defaults and Adam over a few learning rates, each for ``--seconds`` of wall-clock time
    (synchronised), the full-data MSE at the end.
@@ -39,11 +42,18 @@ def _regression():
     return module
 
 
-def _case(device: torch.device, loss: str, n_out: int, momentum: float) -> dict:
+def _case(device: torch.device, loss: str, n_out: int, momentum: float, geodesic: bool) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, n_out)).double()
     x = torch.randn(8, 5, dtype=torch.float64)
     y = torch.randn(8, n_out).double() if loss == "mse" else torch.randint(0, n_out, (8,))
+    if geodesic:  # targets of a nearby network: a small step, whose acceleration is used
+        with torch.no_grad():
+            teacher = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, n_out)).double()
+            teacher.load_state_dict(model.state_dict())
+            for p in teacher.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+            y = teacher(x) if loss == "mse" else torch.softmax(teacher(x), dim=1)
     params = {k: v.detach() for k, v in model.named_parameters()}
     theta = torch.cat([p.reshape(-1) for p in params.values()])
     fn = nn.functional.mse_loss if loss == "mse" else nn.functional.cross_entropy
@@ -59,22 +69,41 @@ def _case(device: torch.device, loss: str, n_out: int, momentum: float) -> dict:
     g = torch.func.grad(lambda t: fn(f(t), y))(theta)
     rho = 1e-3
     G = J.T @ H @ J
-    expected = theta - torch.linalg.solve(G + rho * torch.eye(len(theta)).double(), g)
+    A = G + rho * torch.eye(len(theta)).double()
+    d = -torch.linalg.solve(A, g)  # the first gradient average is the gradient itself
+    expected, used = theta + d, False
+    if geodesic:
+        h = 0.1  # torch_sgn.geodesic.STEP
+        fdd = (f(theta + h * d) - 2 * z + f(theta - h * d)).reshape(-1) / h**2
+        a = -torch.linalg.solve(A, J.T @ H @ fdd)
+        used = 2 * float(a.norm()) <= 0.75 * float(d.norm())  # torch_sgn.geodesic.RATIO
+        if used:
+            expected = theta + d + 0.5 * a
     model = model.to(device)
     opt = SGN(
         model, loss, damping=rho, solver="direct", momentum=momentum, line_search=False,
-        trust_region=False,
+        trust_region=False, geodesic_acceleration=geodesic,
     )  # fmt: skip
     info = opt.step(x.to(device), y.to(device))
     got = nn.utils.parameters_to_vector(model.parameters()).detach().cpu()
     error = float((got - expected).norm() / (expected - theta).norm())
-    print(f"exactness {loss} momentum {momentum}: relative error {error:.2e} ({info.cg_stop})")
-    return {"relative_error": error, "stop": info.cg_stop, "solver": info.solver}
+    print(
+        f"exactness {loss} momentum {momentum} geodesic {geodesic}: relative error {error:.2e} "
+        f"({info.cg_stop}; accelerated {info.accelerated}, reference {used})"
+    )
+    return {
+        "relative_error": error, "stop": info.cg_stop, "solver": info.solver,
+        "accelerated": info.accelerated, "reference_accelerated": used,
+    }  # fmt: skip
 
 
 def exactness(device: torch.device) -> dict:
-    cases = (("mse", 3, 0.0), ("cross_entropy", 4, 0.0), ("mse", 3, 0.5))
-    return {f"{loss} momentum {m}": _case(device, loss, n, m) for loss, n, m in cases}
+    cases = [("mse", 3, 0.0), ("cross_entropy", 4, 0.0), ("mse", 3, 0.5)]
+    return {
+        f"{loss} momentum {m} geodesic {geo}": _case(device, loss, n, m, geo)
+        for geo in (False, True)
+        for loss, n, m in cases
+    }
 
 
 def timed_fit(device: torch.device, seconds: float, methods) -> dict:
