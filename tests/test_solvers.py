@@ -138,14 +138,19 @@ def test_the_layerwise_engine_forms_G_from_the_jacobian_only_for_per_sample_chai
     assert select_engine(fm, mse, "fast")(fm.flat(), Batch(x, y)).dense_ggn is None
 
 
-def test_tied_weights_add_up_in_the_jacobian_route():
+def _tied(samples: int, outputs: int):
+    """A chain using one linear layer twice, a batch for it and its layer-wise linearization."""
     torch.manual_seed(3)
     shared = nn.Linear(4, 4)
-    model = nn.Sequential(shared, nn.Tanh(), shared, nn.Sigmoid(), nn.Linear(4, 2)).double()
-    x = torch.randn(7, 4, dtype=torch.float64)
-    y = torch.randn(7, 2, dtype=torch.float64)
+    model = nn.Sequential(shared, nn.Tanh(), shared, nn.Sigmoid(), nn.Linear(4, outputs)).double()
+    x = torch.randn(samples, 4, dtype=torch.float64)
+    y = torch.randn(samples, outputs, dtype=torch.float64)
     fm = FunctionalModel(model)
-    lin = select_engine(fm, resolve_loss("mse"), "fast")(fm.flat(), Batch(x, y))
+    return model, x, y, select_engine(fm, resolve_loss("mse"), "fast")(fm.flat(), Batch(x, y))
+
+
+def test_tied_weights_add_up_in_the_jacobian_route():
+    model, x, y, lin = _tied(samples=7, outputs=2)
     assert lin.dense_ggn is not None
     G_ref, _, _ = dense_ggn(model, "mse", x, y)
     torch.testing.assert_close(lin.ggn_matrix(), G_ref, rtol=1e-9, atol=1e-12)
@@ -335,13 +340,7 @@ def test_a_gradient_average_goes_through_G_not_through_the_outputs(monkeypatch):
 
 
 def test_the_outputs_kernel_is_J_J_transposed_for_tied_weights_and_several_outputs():
-    torch.manual_seed(3)
-    shared = nn.Linear(4, 4)
-    model = nn.Sequential(shared, nn.Tanh(), shared, nn.Sigmoid(), nn.Linear(4, 3)).double()
-    x = torch.randn(5, 4, dtype=torch.float64)
-    y = torch.randn(5, 3, dtype=torch.float64)
-    fm = FunctionalModel(model)
-    lin = select_engine(fm, resolve_loss("mse"), "fast")(fm.flat(), Batch(x, y))
+    model, x, y, lin = _tied(samples=5, outputs=3)
     assert lin.sample_space is not None and lin.sample_space.size == 15
     params = list(model.parameters())
     out = model(x).reshape(-1)

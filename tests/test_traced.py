@@ -165,6 +165,14 @@ FAMILIES = ["resnet-bn", "attention", "mha-mask", "lstm", "gru", "two-inputs", "
 _LOSS_FN = {"mse": F.mse_loss, "cross_entropy": F.cross_entropy}
 
 
+def _count_jvp_calls(monkeypatch, rule) -> list:
+    """Patches ``rule.jvp`` to record each call; the list it appends to."""
+    calls = []
+    jvp = rule.jvp
+    monkeypatch.setattr(rule, "jvp", staticmethod(lambda *a: calls.append(1) or jvp(*a)))
+    return calls
+
+
 def _traced(model, loss):
     return TracedEngine(FunctionalModel(model), resolve_loss(loss), strict=True)
 
@@ -378,9 +386,7 @@ def test_batch_norm_rule_matches_the_dense_reference(variant, train, monkeypatch
     model.train(train)
     G_ref, g_ref = dense_reference(model, F.mse_loss, x, y)
     twin = copy.deepcopy(model)
-    calls = []
-    jvp = BatchNorm.jvp
-    monkeypatch.setattr(BatchNorm, "jvp", staticmethod(lambda *a: calls.append(1) or jvp(*a)))
+    calls = _count_jvp_calls(monkeypatch, BatchNorm)
     engine = _traced(model, "mse")
     out: dict = {}
     lin = engine(engine.fmodel.flat(), Batch(x, y), out)
@@ -481,9 +487,7 @@ def test_lstm_rule_matches_the_dense_reference(variant, train, monkeypatch):
     model = _LSTMVariant(**LSTMS[variant]).to(D).train(train)
     g = torch.Generator().manual_seed(2)
     x, y = torch.randn(3, 5, 3, generator=g).to(D), torch.randn(3, 2, generator=g).to(D)
-    calls = []
-    jvp = LSTMLayer.jvp
-    monkeypatch.setattr(LSTMLayer, "jvp", staticmethod(lambda *a: calls.append(1) or jvp(*a)))
+    calls = _count_jvp_calls(monkeypatch, LSTMLayer)
     if variant == "two-layers-dropout" and train:
         # Dropout between layers: the rule declines, PyTorch's kernels and rules take it (a
         # random function: no dense reference; its product is symmetric positive semi-definite)
@@ -523,9 +527,7 @@ def test_a_failing_tangent_rule_falls_back_to_pytorchs_rules_with_the_reason(mon
 def test_rules_with_frozen_parameters_and_projections(train, monkeypatch):
     # Frozen parameters have no tangent and no gradient; an LSTM with projections
     # (proj_size > 0) is declined by the rule and recorded with PyTorch's own rules.
-    calls = []
-    jvp = LSTMLayer.jvp
-    monkeypatch.setattr(LSTMLayer, "jvp", staticmethod(lambda *a: calls.append(1) or jvp(*a)))
+    calls = _count_jvp_calls(monkeypatch, LSTMLayer)
     torch.manual_seed(3)
     g = torch.Generator().manual_seed(3)
     norm_model, x, y = _norms("1d-flat")
@@ -579,9 +581,7 @@ class _Norms(nn.Module):
 
 
 def test_layer_norm_rule_matches_the_dense_reference(monkeypatch):
-    calls = []
-    jvp = LayerNorm.jvp
-    monkeypatch.setattr(LayerNorm, "jvp", staticmethod(lambda *a: calls.append(1) or jvp(*a)))
+    calls = _count_jvp_calls(monkeypatch, LayerNorm)
     torch.manual_seed(4)
     g = torch.Generator().manual_seed(4)
     model = _Norms().to(D)
@@ -627,9 +627,7 @@ class _Attend(nn.Module):
 
 @pytest.mark.parametrize("kind", ["causal", "scale", "mask"])
 def test_attention_rule_matches_the_dense_reference(kind, monkeypatch):
-    calls = []
-    jvp = Softmax.jvp
-    monkeypatch.setattr(Softmax, "jvp", staticmethod(lambda *a: calls.append(1) or jvp(*a)))
+    calls = _count_jvp_calls(monkeypatch, Softmax)
     torch.manual_seed(5)
     g = torch.Generator().manual_seed(5)
     model = _Attend(kind).to(D)
