@@ -248,12 +248,9 @@ class FunctionalEngine:
                     "; ".join(changes)
                     + ". Products stay exact; this is decided once for this model"
                 )
-            hjv = point.hessian(jv)  # -> H J v
-            with torch.enable_grad():
-                (jthjv,) = torch.autograd.grad(point.outputs, point.leaf, hjv, retain_graph=True)
-            return jthjv  # -> J^T H J v
+            return vjp(point.hessian(jv))  # -> H J v -> J^T H J v
 
-        def vjp(u: Tensor) -> Tensor:
+        def vjp(u: Tensor) -> Tensor:  # J^T u through the recorded pass of this step
             with torch.enable_grad():
                 (jtu,) = torch.autograd.grad(point.outputs, point.leaf, u, retain_graph=True)
             return jtu

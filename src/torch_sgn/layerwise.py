@@ -248,8 +248,13 @@ def _through_autograd(steps, fmodel, loss, flat, inputs, targets) -> Linearizati
     leaf = flat.detach().requires_grad_(True)
     outputs, chain = _record(steps, fmodel, leaf, inputs, grad_mode=True)
     value, dz = loss_and_output_gradient(loss, outputs, targets)
-    with torch.enable_grad():
-        (grad,) = torch.autograd.grad(outputs, leaf, dz, retain_graph=True)
+
+    def vjp(u: Tensor) -> Tensor:  # J^T u through the recorded graph, kept for the next one
+        with torch.enable_grad():
+            (jtu,) = torch.autograd.grad(outputs, leaf, u, retain_graph=True)
+        return jtu
+
+    grad = vjp(dz)
     z = outputs.detach()
     with torch.no_grad():
         hessian = loss.hessian(z, targets)
@@ -257,14 +262,7 @@ def _through_autograd(steps, fmodel, loss, flat, inputs, targets) -> Linearizati
     def ggn_vp(v: Tensor) -> Tensor:
         with torch.no_grad():
             hjv = hessian(_jvp(chain, fmodel, v, z))  # v -> J v -> H J v
-        with torch.enable_grad():
-            (jthjv,) = torch.autograd.grad(outputs, leaf, hjv, retain_graph=True)
-        return jthjv
-
-    def vjp(u: Tensor) -> Tensor:
-        with torch.enable_grad():
-            (jtu,) = torch.autograd.grad(outputs, leaf, u, retain_graph=True)
-        return jtu
+        return vjp(hjv)
 
     outputs_at = _outputs_at(chain, fmodel, inputs)
     value_at = _value_at(outputs_at, loss, targets)
