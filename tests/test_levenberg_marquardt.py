@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("each_engine")  # every test, once per engi
 #: is the dense reference's.
 # The plain Levenberg-Marquardt steps of the references (the acceleration: test_geodesic.py).
 EXACT_LM = dict(
-    cg_tol=0.0, cg_rtol=1e-13, line_search=False, lr=1.0, momentum=0.0,
+    solver="cg", cg_tol=0.0, cg_rtol=1e-13, line_search=False, lr=1.0, momentum=0.0,
     geodesic_acceleration=False,
 )  # fmt: skip
 
@@ -108,11 +108,14 @@ def test_attempts_count_the_solves_and_one_attempt_is_the_paper_step():
 
     SGN._step_solver = counting
     try:
-        info = SGN(model, "mse", damping=1e-8, damping_min=1e-12, attempts=3).step(x, y)
+        info = SGN(model, "mse", damping=1e-8, damping_min=1e-12, attempts=3, solver="direct").step(
+            x, y
+        )
         assert info.attempts == len(solves) == 3  # every attempt failed here: all were used
         assert solves == sorted(solves) and solves[0] < solves[1] < solves[2]
         solves.clear()
-        info = SGN(copy.deepcopy(model), "mse", damping=1e-8, damping_min=1e-12).step(x, y)
+        one = SGN(copy.deepcopy(model), "mse", damping=1e-8, damping_min=1e-12, solver="direct")
+        info = one.step(x, y)
         assert info.attempts == len(solves) == 1
     finally:
         SGN._step_solver = original

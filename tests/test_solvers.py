@@ -280,26 +280,6 @@ def test_the_memory_check_compares_with_the_free_memory(monkeypatch):
     assert SGN(model, "mse", solver="auto").step(x, y).solver == "cg"
 
 
-def test_auto_picks_direct_within_the_limit_and_cg_above_it():
-    model, x, y = make_batch(MODELS[0], LOSS["mse"])  # 43 parameters, 6 x 3 outputs
-    info = SGN(copy.deepcopy(model), "mse").step(x, y)  # solver="auto" is the default
-    assert info.solver == "direct" and info.cg_iters == 0
-    info = SGN(model, "mse", direct_max_params=17).step(x, y)  # 18 outputs, 43 parameters
-    assert info.solver == "cg" and info.cg_iters > 0
-
-
-def test_auto_forms_G_by_products_only_where_they_cost_at_most_cg():
-    # Without the layer-wise engine's Jacobian route G costs P products: auto takes CG there,
-    # unless P is within CG's budget of products.
-    model, x, y = make_batch(MODELS[0], LOSS["mse"])  # 43 parameters
-    info = SGN(copy.deepcopy(model), "mse", engine="functional").step(x, y)
-    assert info.solver == "cg"
-    info = SGN(copy.deepcopy(model), "mse", engine="functional", cg_iters=43).step(x, y)
-    assert info.solver == "direct"
-    cnn, x, y = make_batch(MODELS[1], LOSS["cross_entropy"])  # products on every engine
-    assert SGN(cnn, "cross_entropy").step(x, y).solver == "cg"
-
-
 def _count_calls(monkeypatch, name: str) -> list:
     calls = []
     original = getattr(solvers, name)
@@ -312,7 +292,34 @@ def _count_calls(monkeypatch, name: str) -> list:
     return calls
 
 
-def test_auto_solves_through_the_outputs_where_they_are_fewer_than_the_parameters(monkeypatch):
+def test_auto_probes_direct_within_the_limit_and_only_cg_above_it(monkeypatch):
+    # solver="auto" (the default) steps by CG and probes the exact step beside it (through the
+    # outputs here), where the direct solver is within the limit; above it, CG alone.
+    model, x, y = make_batch(MODELS[0], LOSS["mse"])  # 43 parameters, 6 x 3 outputs
+    samples = _count_calls(monkeypatch, "solve_in_sample_space")
+    info = SGN(copy.deepcopy(model), "mse").step(x, y)
+    assert info.solver == "cg" and samples
+    samples.clear()
+    info = SGN(model, "mse", direct_max_params=17).step(x, y)  # 18 outputs, 43 parameters
+    assert info.solver == "cg" and info.cg_iters > 0 and not samples
+
+
+def test_auto_forms_G_by_products_only_where_they_cost_at_most_cg(monkeypatch):
+    # Without the layer-wise engine's Jacobian route G costs P products: auto never takes the
+    # direct solver there (not even to probe it), unless P is within CG's budget of products.
+    model, x, y = make_batch(MODELS[0], LOSS["mse"])  # 43 parameters
+    matrix = _count_calls(monkeypatch, "solve_damped")
+    SGN(copy.deepcopy(model), "mse", engine="functional").step(x, y)
+    assert not matrix
+    SGN(copy.deepcopy(model), "mse", engine="functional", cg_iters=43).step(x, y)
+    assert matrix
+    matrix.clear()
+    cnn, x, y = make_batch(MODELS[1], LOSS["cross_entropy"])  # products on every engine
+    SGN(cnn, "cross_entropy").step(x, y)
+    assert not matrix
+
+
+def test_direct_solves_through_the_outputs_where_they_are_fewer_than_the_parameters(monkeypatch):
     # 43 parameters: within the limit either way; 18 outputs: the smaller system is taken,
     # and the step is the dense solution all the same.
     model, x, y = make_batch(MODELS[0], LOSS["mse"])
@@ -320,7 +327,7 @@ def test_auto_solves_through_the_outputs_where_they_are_fewer_than_the_parameter
     rho = 1e-3
     expected = theta - torch.linalg.solve(G + rho * torch.eye(len(theta)).double(), g)
     samples = _count_calls(monkeypatch, "solve_in_sample_space")
-    info = SGN(model, "mse", damping=rho, **EXACT).step(x, y)
+    info = SGN(model, "mse", damping=rho, solver="direct", **EXACT).step(x, y)
     assert samples and info.solver == "direct"
     torch.testing.assert_close(_flat(model), expected, rtol=1e-9, atol=1e-11)
 
@@ -330,11 +337,11 @@ def test_a_gradient_average_goes_through_G_not_through_the_outputs(monkeypatch):
     model, x, y = make_batch(MODELS[0], LOSS["mse"])
     samples = _count_calls(monkeypatch, "solve_in_sample_space")
     matrix = _count_calls(monkeypatch, "solve_damped")
-    SGN(copy.deepcopy(model), "mse").step(x, y)
+    SGN(copy.deepcopy(model), "mse", solver="direct").step(x, y)
     assert samples  # (whose symmetric R x R system goes through solve_damped too)
     samples.clear()
     matrix.clear()
-    opt = SGN(model, "mse", momentum=0.5)
+    opt = SGN(model, "mse", momentum=0.5, solver="direct")
     assert opt.step(x, y).solver == "direct"
     assert matrix and not samples
 
@@ -376,7 +383,7 @@ def test_the_outputs_kernel_of_a_sequence_model_forms_the_rows():
 
 def test_a_frozen_parameter_restricts_the_direct_step():
     model, x, y = make_batch(MODELS[0], LOSS["mse"])
-    opt = SGN(model, "mse", damping=1e-2, **EXACT)
+    opt = SGN(model, "mse", damping=1e-2, solver="direct", **EXACT)
     first = next(model.parameters())
     first.requires_grad_(False)  # frozen after construction
     G, g, theta = dense_ggn(model, "mse", x, y)  # over the trainable parameters only

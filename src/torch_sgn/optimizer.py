@@ -12,7 +12,7 @@ from typing import Callable, Mapping, Optional
 import torch
 from torch import Tensor, nn
 
-from . import geodesic, solvers
+from . import geodesic, solvers, switching
 from .cg import CGResult, conjugate_gradient
 from .damping import (
     CG_DAMPING_MIN,
@@ -422,8 +422,16 @@ class SGN(torch.optim.Optimizer):
     # --- state -------------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads SGN's state; another optimizer's ``state_dict`` raises ``ValueError`` here.
-        The ``"solver_choice"`` that earlier versions saved (a measured choice) is ignored."""
+        The ``"solver_choice"`` that earlier versions saved (a measured choice) is ignored; a
+        state saved after steps by a version whose ``solver="auto"`` took exact steps from the
+        first (without :mod:`~torch_sgn.switching`'s keys) goes on with exact steps."""
         loaded = {k: v for k, v in check_loaded_state(state_dict).items() if k != "solver_choice"}
+        key = loaded["param_groups"][0]["params"][0] if loaded["param_groups"][0]["params"] else 0
+        first = loaded.get("state", {}).get(key)
+        if first and first.get("step", 0) > 0 and not set(switching.KEYS) & set(first):
+            state = dict(loaded["state"])
+            state[key] = {**first, "exact": True}
+            loaded["state"] = state
         super().load_state_dict(loaded)
 
     def __getstate__(self) -> dict:
@@ -506,45 +514,36 @@ class SGN(torch.optim.Optimizer):
             loss0, grad_norm = _finite_loss(lin, batch, self._loss)
             rhs, momentum_buffer = self._momentum(lin.grad, work, t)
             route = self._route(lin, rhs)
-            solve = self._step_solver(lin, rhs, work, t, route)
-            accelerate = self._accelerator(lin, batch, theta, route, trainable)
-            floor = self._floor(route is not None)
 
             def loss_at(displacement: Tensor, a: float = 1.0) -> float:
                 value = self._loss_at(lin, theta + displacement, batch)
                 logger.debug("  line search: a=%.4g loss=%.6g", a, value)
                 return value
 
-            # Levenberg-Marquardt: a step that fails the sufficient-decrease test is solved
-            # again on the same linearization with a larger damping, up to `attempts` times.
-            damping = self._damping(state, t, floor)
-            growth = state.get("damping_growth", GROWTH_START)
-            evals = 0
-            for attempts in range(1, group["attempts"] + 1):
-                result = solve(damping)
-                curve = None if accelerate is None else accelerate(result)
-                trial = _Trial.of(result, curve, lin.grad, rhs, group, loss0, loss_at)
-                if trial.settled or attempts == group["attempts"]:
-                    break
-                evals += trial.evals
-                logger.debug(
-                    "  attempt %d rejected: damping %.3g, loss %.6g", attempts, damping, trial.loss
+            phase = switching.Phase(route)
+            if self._solver == "auto":
+                at = lambda point: self._loss_at(lin, point, batch)  # noqa: E731
+                phase = switching.plan(state, t, route, loss0, at)
+
+            def attempt(route: Optional[str]) -> _Attempt:
+                solve = self._step_solver(lin, rhs, work, t, route)
+                accelerate = self._accelerator(lin, batch, theta, route, trainable)
+                return self._attempt(
+                    solve, accelerate, lin.grad, rhs, state, t, route, loss0, loss_at
                 )
-                damping, growth = self._rejected(damping, growth, trial.ratio, floor)
-                result = curve = trial = None  # its factorization, freed before the next one
-            ratio, next_damping, growth = self._next_damping(damping, growth, trial, loss0, floor)
-            search = LineSearchResult(1.0, trial.loss, 1, math.isfinite(trial.loss))
-            if group["line_search"] and trial.moved:
-                search = backtracking(
-                    lambda a: loss_at(trial.displacement(a), a), loss0, trial.solution.slope,
-                    c=group["ls_c"], shrink=group["ls_shrink"], max_evals=group["ls_max_evals"],
-                    first=trial.loss,
-                )  # fmt: skip
-                evals += search.evaluations
-            else:
-                evals += trial.evals
+
+            run = attempt(phase.route)
+            candidate, evals = None, run.evals
+            if phase.probe is not None:  # the exact step too, judged on the next batch
+                exact = attempt(phase.probe)
+                evals += exact.evals
+                if exact.moved:
+                    candidate = theta + exact.trial.displacement(exact.search.step)
+                exact = None
+        trial, search, damping = run.trial, run.search, run.damping
+        ratio, next_damping, growth = run.ratio, run.next_damping, run.growth
         cg, solution = trial.cg, trial.solution
-        take = trial.moved and math.isfinite(search.loss)
+        take = run.moved
         a = search.step if take else 0.0
 
         # Commit: nothing above has touched the model or the optimizer's state.
@@ -555,6 +554,10 @@ class SGN(torch.optim.Optimizer):
             self._write_grad(lin.grad)
         state["step"] = t + 1
         state["damping"] = next_damping
+        if self._solver == "auto" and route is not None:
+            switched = switching.advance(state, t, phase, loss0, candidate)
+            if switched is not None:
+                logger.info("step %d: solver='auto' switches to exact steps (%s)", t, switched)
         if group["damping_update"] == "nielsen":
             state["damping_growth"] = growth
         if momentum_buffer is not None:
@@ -576,7 +579,7 @@ class SGN(torch.optim.Optimizer):
             predicted_change=solution.predicted,
             loss_evals=evals,
             line_search_ok=search.success,
-            attempts=attempts,
+            attempts=run.attempts,
             solver="direct" if isinstance(cg, DirectResult) else "cg",
             accelerated=take and trial.curve is not None,
         )
@@ -584,6 +587,52 @@ class SGN(torch.optim.Optimizer):
         return info
 
     # --- the step's parts --------------------------------------------------------------------
+    def _attempt(
+        self,
+        solve: Callable[[float], CGResult | DirectResult],
+        accelerate: Optional[Callable[[DirectResult], Optional[Tensor]]],
+        grad: Tensor,
+        rhs: Tensor,
+        state: dict,
+        t: int,
+        route: Optional[str],
+        loss0: float,
+        loss_at: Callable[..., float],
+    ) -> _Attempt:
+        """One step's solution by one route, its damping attempts and its line search; nothing
+        is written."""
+        group = self.param_groups[0]
+        floor = self._floor(route is not None)
+        # Levenberg-Marquardt: a step that fails the sufficient-decrease test is solved
+        # again on the same linearization with a larger damping, up to `attempts` times.
+        damping = self._damping(state, t, floor)
+        growth = state.get("damping_growth", GROWTH_START)
+        evals = 0
+        for attempts in range(1, group["attempts"] + 1):
+            result = solve(damping)
+            curve = None if accelerate is None else accelerate(result)
+            trial = _Trial.of(result, curve, grad, rhs, group, loss0, loss_at)
+            if trial.settled or attempts == group["attempts"]:
+                break
+            evals += trial.evals
+            logger.debug(
+                "  attempt %d rejected: damping %.3g, loss %.6g", attempts, damping, trial.loss
+            )
+            damping, growth = self._rejected(damping, growth, trial.ratio, floor)
+            result = curve = trial = None  # its factorization, freed before the next one
+        ratio, next_damping, growth = self._next_damping(damping, growth, trial, loss0, floor)
+        search = LineSearchResult(1.0, trial.loss, 1, math.isfinite(trial.loss))
+        if group["line_search"] and trial.moved:
+            search = backtracking(
+                lambda a: loss_at(trial.displacement(a), a), loss0, trial.solution.slope,
+                c=group["ls_c"], shrink=group["ls_shrink"], max_evals=group["ls_max_evals"],
+                first=trial.loss,
+            )  # fmt: skip
+            evals += search.evaluations
+        else:
+            evals += trial.evals
+        return _Attempt(trial, search, damping, attempts, ratio, next_damping, growth, evals)
+
     def _trainable_mask(self) -> Optional[Tensor]:
         """1 at the parameters still trainable, 0 at those frozen since construction; ``None``
         when none is frozen."""
@@ -941,6 +990,27 @@ class _Trial:
         # The line search's first test, at a = 1.
         accepted = moved and math.isfinite(loss) and loss <= loss0 + group["ls_c"] * solution.slope
         return _Trial(cg, solution, step, curve, loss, int(moved), ratio, accepted, within_noise)
+
+
+@dataclass(frozen=True)
+class _Attempt:
+    """A step's outcome by one route: the last attempt's trial, its line search, the damping it
+    was solved at, the attempts made, the trust-region ratio, the next damping and growth factor,
+    and the loss evaluations made."""
+
+    trial: _Trial
+    search: LineSearchResult
+    damping: float
+    attempts: int
+    ratio: Optional[float]
+    next_damping: float
+    growth: float
+    evals: int
+
+    @property
+    def moved(self) -> bool:
+        """Whether the step changes the parameters (a finite loss where it ends)."""
+        return self.trial.moved and math.isfinite(self.search.loss)
 
 
 def _finite_loss(lin: Linearization, batch: Batch, loss_fn: OutputLoss) -> tuple[float, float]:

@@ -1,0 +1,117 @@
+"""When ``solver="auto"`` turns from the paper's CG steps to exact (direct) steps.
+
+Exact Gauss-Newton steps fit a precise target orders of magnitude sooner than the paper's few CG
+iterations, whose inexact steps stall (``docs/SOLVERS.md``). Early in training on a noisy
+mini-batch, though, the truncated CG step is the better step: it moves along the few directions
+of largest curvature, where an exact step with a small damping also fits the batch's noise and
+the directions the data barely determine (Boston's 101-sample batches for 11,601 parameters, the
+sine fit's plateau). So ``"auto"`` starts with CG and switches for good to exact steps when
+either test says they do better:
+
+- **probe**: every :data:`PROBE_EVERY` steps (from the first) the step's exact solution is
+  computed as well (its own damping attempts and line search on the batch), and the point it
+  reaches is kept as a candidate. The next step evaluates the candidate on its own batch, which
+  neither step was fitted to, and compares it with the loss at the point the CG step reached:
+  the exact step wins when its loss is lower by at least the share :data:`MARGIN`, and that
+  step already runs exact.
+- **stall**: the mean batch loss of the last :data:`WINDOW` steps falls by less than the share
+  :data:`STALL` below that of the :data:`WINDOW` steps before (CG's plateau).
+
+The state lives in the optimizer's state dict (keys :data:`KEYS`), so a resumed run takes the
+same steps. A data-parallel group decides alike on every rank: the losses compared are reduced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from torch import Tensor
+
+__all__ = ["KEYS", "MARGIN", "PROBE_EVERY", "STALL", "WINDOW", "Phase", "advance", "plan"]
+
+#: Steps from one probe to the next (the first step probes).
+PROBE_EVERY = 10
+#: The share by which the exact candidate's loss must be below CG's for the switch.
+MARGIN = 0.01
+#: Steps in each of the stall test's two windows.
+WINDOW = 20
+#: The relative fall of the windows' mean loss above which it is not a stall.
+STALL = 0.1
+
+#: The keys of the optimizer's state this module keeps: ``"exact"`` (switched), ``"next_probe"``
+#: (the step of the next probe), ``"candidate"`` (the last probe's point, judged at the next
+#: step) and ``"recent"`` (the last ``2 * WINDOW`` batch losses).
+KEYS = ("exact", "next_probe", "candidate", "recent")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """What one step of ``solver="auto"`` does.
+
+    ``route``: the route it takes (``None``: CG); ``probe``: the exact route solved besides, whose
+    point is the next step's candidate (``None``: no probe); ``verdict``: whether the last
+    probe's candidate won on this step's batch (``None``: none was judged).
+    """
+
+    route: Optional[str]
+    probe: Optional[str] = None
+    verdict: Optional[bool] = None
+
+
+def exact_wins(exact_loss: float, cg_loss: float) -> bool:
+    """Whether the exact candidate's loss is below CG's by the share :data:`MARGIN`."""
+    return exact_loss < cg_loss - MARGIN * abs(cg_loss)
+
+
+def stalled(losses: list) -> bool:
+    """Whether the last :data:`WINDOW` losses' mean fell by less than :data:`STALL` (as a share)
+    below the mean of the :data:`WINDOW` before; ``False`` until both windows are full."""
+    if len(losses) < 2 * WINDOW:
+        return False
+    before, last = sum(losses[-2 * WINDOW : -WINDOW]), sum(losses[-WINDOW:])
+    return before - last <= STALL * abs(before)
+
+
+def plan(
+    state: dict, t: int, route: Optional[str], loss0: float, loss_at: Callable[[Tensor], float]
+) -> Phase:
+    """The phase of step ``t``. ``route``: the exact route the step could take (``None`` where
+    only CG can run); ``loss0``: the batch loss at the current point; ``loss_at``: the batch loss
+    at a point (the candidate's)."""
+    if route is None or state.get("exact", False):
+        return Phase(route)
+    candidate = state.get("candidate")
+    if candidate is not None:
+        verdict = exact_wins(loss_at(candidate), loss0)
+        return Phase(route if verdict else None, verdict=verdict)
+    return Phase(None, probe=route if t >= state.get("next_probe", 0) else None)
+
+
+def advance(
+    state: dict, t: int, phase: Phase, loss0: float, candidate: Optional[Tensor]
+) -> Optional[str]:
+    """Updates ``state`` after the committed step ``t`` of ``solver="auto"`` whose exact route
+    existed (``phase`` from :func:`plan`, ``candidate`` the probe's point, ``None`` where its
+    exact step did not move). Returns the reason of a switch made here (``"probe"``,
+    ``"stall"``) or ``None``."""
+    if state.get("exact", False):
+        return None
+    reason = None
+    if phase.verdict is not None:
+        del state["candidate"]
+        reason = "probe" if phase.verdict else None
+    elif phase.probe is not None:
+        state["next_probe"] = t + PROBE_EVERY
+        if candidate is not None:
+            state["candidate"] = candidate
+    recent = state.setdefault("recent", [])
+    recent.append(loss0)
+    del recent[: -2 * WINDOW]
+    if reason is None and stalled(recent):
+        reason = "stall"
+    if reason is not None:
+        state["exact"] = True
+        for key in ("next_probe", "candidate", "recent"):
+            state.pop(key, None)
+    return reason

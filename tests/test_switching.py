@@ -1,0 +1,138 @@
+"""solver="auto": the paper's CG steps until exact steps prove better (torch_sgn.switching)."""
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from torch_sgn import SGN, switching
+
+
+def _flat(model):
+    return nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+
+
+def _linear(seed=0, batches=16):
+    """A linear least-squares fit in mini-batches: the exact step solves it, one CG iteration
+    does not."""
+    torch.manual_seed(seed)
+    model = nn.Linear(4, 1).double()
+    w = torch.tensor([[1.0], [-2.0], [0.5], [3.0]], dtype=torch.float64)
+    data = []
+    for _ in range(batches):
+        x = torch.randn(32, 4, dtype=torch.float64)
+        data.append((x, x @ w + 0.01 * torch.randn(32, 1, dtype=torch.float64)))
+    return model, data
+
+
+def _regression(seed=0, batches=30):
+    """A small tanh network and mini-batches of a smooth target, in float64."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    data = []
+    for _ in range(batches):
+        x = torch.randn(64, 2, dtype=torch.float64)
+        data.append((x, torch.sin(x[:, :1]) * torch.cos(x[:, 1:])))
+    return model, data
+
+
+def test_exact_wins_needs_the_margin_and_stalled_needs_two_full_windows():
+    assert switching.exact_wins(0.98, 1.0) and not switching.exact_wins(0.995, 1.0)
+    assert switching.exact_wins(-1.02, -1.0) and not switching.exact_wins(-1.005, -1.0)
+    w = switching.WINDOW
+    falling = [0.5**k for k in range(2 * w)]
+    flat = [1.0] * (2 * w)
+    assert not switching.stalled(falling) and switching.stalled(flat)
+    assert not switching.stalled(flat[1:])  # one window not full yet
+    slow = [1.0] * w + [1.0 - 0.5 * switching.STALL] * w  # falls by half the share
+    assert switching.stalled(slow)
+
+
+def test_auto_steps_by_cg_until_the_probe_wins_then_exactly(caplog):
+    # cg_iters=1 makes CG's step poor: the first probe's exact step wins on the next batch, and
+    # that step already runs exact.
+    model, data = _linear()
+    opt = SGN(model, "mse", cg_iters=1)
+    with caplog.at_level(logging.INFO, logger="torch_sgn"):
+        solvers = [opt.step(x, y).solver for x, y in data[:4]]
+    assert solvers == ["cg", "direct", "direct", "direct"]
+    assert "step 1: solver='auto' switches to exact steps (probe)" in caplog.text
+    state = opt.state[next(model.parameters())]
+    assert state["exact"] is True and "candidate" not in state and "next_probe" not in state
+
+
+def test_the_cg_phase_is_the_cg_solver_step_for_step(monkeypatch):
+    # Probes compute and judge, never write: until it switches, auto's steps are
+    # solver="cg"'s, bit for bit; probes come every PROBE_EVERY steps.
+    monkeypatch.setattr(switching, "exact_wins", lambda exact, cg: False)
+    probes = []
+    original = switching.plan
+
+    def plan(state, t, *args):
+        phase = original(state, t, *args)
+        if phase.probe is not None:
+            probes.append(t)
+        return phase
+
+    monkeypatch.setattr(switching, "plan", plan)
+    model, data = _regression(batches=25)
+    auto, cg = copy.deepcopy(model), copy.deepcopy(model)
+    opt_auto, opt_cg = SGN(auto, "mse"), SGN(cg, "mse", solver="cg")
+    for x, y in data:
+        a, c = opt_auto.step(x, y), opt_cg.step(x, y)
+        assert a.solver == "cg" and a.loss == c.loss and a.damping == c.damping
+        assert torch.equal(_flat(auto), _flat(cg))
+    every = switching.PROBE_EVERY
+    assert probes == list(range(0, len(data), every))
+
+
+def test_a_stall_switches_without_a_probe(monkeypatch):
+    # The same noisy batch again and again: CG reaches its minimum, and the loss stops falling.
+    monkeypatch.setattr(switching, "exact_wins", lambda exact, cg: False)
+    model, data = _linear()
+    opt = SGN(model, "mse")
+    solvers = [opt.step(*data[0]).solver for _ in range(3 * switching.WINDOW)]
+    first = solvers.index("direct")  # both windows full first, then direct for good
+    assert first >= 2 * switching.WINDOW and set(solvers[first:]) == {"direct"}
+
+
+def test_a_resumed_run_takes_the_same_steps_through_the_switch():
+    model, data = _linear()
+    whole = copy.deepcopy(model)
+    opt = SGN(whole, "mse", cg_iters=2)
+    expected = [opt.step(x, y).solver for x, y in data]
+    assert expected[0] == "cg" and "direct" in expected  # the run crosses the switch
+    first = copy.deepcopy(model)
+    opt = SGN(first, "mse", cg_iters=2)
+    solvers = [opt.step(x, y).solver for x, y in data[:1]]  # a candidate is pending now
+    saved, weights = copy.deepcopy(opt.state_dict()), copy.deepcopy(first.state_dict())
+    assert "candidate" in saved["state"][0]
+    resumed = copy.deepcopy(model)
+    resumed.load_state_dict(weights)
+    opt = SGN(resumed, "mse", cg_iters=2)
+    opt.load_state_dict(saved)
+    solvers += [opt.step(x, y).solver for x, y in data[1:]]
+    assert solvers == expected
+    torch.testing.assert_close(_flat(resumed), _flat(whole), rtol=0, atol=0)
+
+
+def test_a_state_saved_before_the_switching_goes_on_with_exact_steps():
+    model, data = _regression()
+    opt = SGN(model, "mse", solver="direct")
+    opt.step(*data[0])
+    saved = opt.state_dict()
+    for key in switching.KEYS:  # as saved when "auto" took exact steps from the first
+        saved["state"][0].pop(key, None)
+    fresh = SGN(model, "mse")
+    fresh.load_state_dict(saved)
+    assert fresh.step(*data[1]).solver == "direct"
+
+
+@pytest.mark.parametrize("solver", ["cg", "direct"])
+def test_explicit_solvers_never_switch(solver):
+    model, data = _regression()
+    opt = SGN(model, "mse", solver=solver, cg_iters=1)
+    assert {opt.step(x, y).solver for x, y in data[:12]} == {solver}
+    assert not set(switching.KEYS) & set(opt.state[next(model.parameters())])
