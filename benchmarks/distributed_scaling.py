@@ -64,7 +64,7 @@ def worker(args: argparse.Namespace) -> None:
     else:
         y = torch.randint(0, 10, (work.batch,), generator=g)
     model = preset.build()
-    opt = SGN(model, preset.loss, cg_iters=work.cg_iters, cg_tol=0.0)
+    opt = SGN(model, preset.loss, cg_iters=work.cg_iters, cg_tol=0.0, solver="cg")
     xs, ys = shard(x, y)
     times, evals = [], []
     for i in range(3 + args.steps):

@@ -54,7 +54,8 @@ def _problem(name: str, dtype: torch.dtype) -> tuple[nn.Module, torch.Tensor, to
 def measure(name: str, dtype: torch.dtype, rounds: int, steps: int) -> dict:
     model, x, y = _problem(name, dtype)
     opts = {
-        flag: SGN(copy.deepcopy(model), "mse", geodesic_acceleration=flag) for flag in (False, True)
+        flag: SGN(copy.deepcopy(model), "mse", solver="direct", geodesic_acceleration=flag)
+        for flag in (False, True)
     }
     seconds: dict = {flag: [] for flag in opts}
     accelerated = 0

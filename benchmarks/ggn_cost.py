@@ -207,6 +207,7 @@ def measure(name: str, device: torch.device, cfg: Config) -> Dict[str, object]:
             cg_iters=k,
             cg_tol=0.0,
             line_search=False,
+            solver="cg",
             **options[e],
         )  # fmt: skip
         for e in engines
@@ -270,7 +271,7 @@ def measure(name: str, device: torch.device, cfg: Config) -> Dict[str, object]:
         for e in engines:
             calls[f"{e}/step10"] = lambda e=e: SGN(
                 copy.deepcopy(model), loss_name, cg_iters=10, cg_tol=0.0,
-                line_search=False, **options[e],
+                line_search=False, solver="cg", **options[e],
             ).step(x, y)  # fmt: skip
         mem: Dict[str, float] = {}
         for t, fn in calls.items():

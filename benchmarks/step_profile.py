@@ -68,7 +68,13 @@ def measure(name: str, engine: str, k: int, rounds: int) -> Dict[str, object]:
     loss = resolve_loss(loss_name)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = SGN(
-        copy.deepcopy(model), loss_name, cg_iters=k, cg_tol=0.0, line_search=False, engine=engine
+        copy.deepcopy(model),
+        loss_name,
+        cg_iters=k,
+        cg_tol=0.0,
+        line_search=False,
+        engine=engine,
+        solver="cg",
     )
     flat = FunctionalModel(model).flat()
     meter = _Meter()

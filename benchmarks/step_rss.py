@@ -28,7 +28,15 @@ def main() -> None:
     with torch.no_grad():
         out = model(x)
     y = torch.randn(out.shape) if p.loss == "mse" else torch.randint(0, 10, (p.batch_size,))
-    opt = SGN(model, p.loss, cg_iters=10, cg_tol=0.0, line_search=False, engine=engine)
+    opt = SGN(
+        model,
+        p.loss,
+        cg_iters=10,
+        cg_tol=0.0,
+        line_search=False,
+        engine=engine,
+        solver="cg",
+    )
     loss = opt._loss.value(model(x), y)
     torch.autograd.grad(loss, list(model.parameters()))
 

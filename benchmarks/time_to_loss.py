@@ -42,7 +42,7 @@ class Config:
 
 
 def _runs() -> List[tuple]:
-    sgn = dict(cg_iters=10, warmup_cg_iters=10, warmup_steps=10)
+    sgn = dict(cg_iters=10, warmup_cg_iters=10, warmup_steps=10, solver="cg")
     return [
         ("SGN(10) fast", "sgn", dict(sgn, engine="fast")),
         ("SGN(10) functional", "sgn", dict(sgn, engine="functional")),

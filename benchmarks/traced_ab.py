@@ -65,7 +65,7 @@ def measure(name: str, rounds: int, k: int, flags: List[str] = FLAGS) -> Dict[st
         lins[variant] = engines[variant](flat, Batch(x, y))
         opt = SGN(
             copy.deepcopy(model), loss_name, cg_iters=k, cg_tol=0.0, line_search=False,
-            engine="traced",
+            engine="traced", solver="cg",
         )  # fmt: skip
         opt.step(x, y)  # traces, with this variant's settings
         opts[variant] = (opt, copy.deepcopy(opt.state_dict()))

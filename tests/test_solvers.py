@@ -32,6 +32,45 @@ def _spd(n: int, seed: int = 0) -> torch.Tensor:
 
 
 # --- the pure solve ------------------------------------------------------------------------------
+def test_a_float32_step_is_solved_in_float64_where_float32_cholesky_fails():
+    # G = J^T J (summed in float64, as the engines do) with singular values of J from 1 down
+    # to 1e-6, and a float32 gradient: in float32 G + 1e-10 I is indefinite to rounding; the
+    # solve runs in float64 and returns float32.
+    g = torch.Generator().manual_seed(0)
+    q1, _ = torch.linalg.qr(torch.randn(36, 12, generator=g, dtype=torch.float64))
+    q2, _ = torch.linalg.qr(torch.randn(12, 12, generator=g, dtype=torch.float64))
+    J = q1 @ torch.diag(torch.logspace(0, -6, 12, dtype=torch.float64)) @ q2.T
+    G, rhs = J.T @ J, torch.randn(12, generator=g)
+    _, info = torch.linalg.cholesky_ex(G.float() + 1e-10 * torch.eye(12))
+    assert int(info) != 0  # float32's own factorization fails: the test means something
+    result = solve_damped(G, rhs, 1e-10)
+    assert result.reason == "cholesky" and result.x.dtype == torch.float32
+    A = G + 1e-10 * torch.eye(12, dtype=torch.float64)
+
+    def relative_error(x, b):  # against the float64 solve (condition number 1e10)
+        expected = -torch.linalg.solve(A, b.double())
+        return float(torch.linalg.vector_norm(x.double() - expected) / expected.norm())
+
+    assert relative_error(result.x, rhs) < 1e-6
+    b = torch.randn(12, generator=g)
+    again = result.again(b)
+    assert again.dtype == torch.float32 and relative_error(again, b) < 1e-6
+
+
+def test_a_float32_chain_sums_its_G_in_float64():
+    # The layer-wise engine's G of a float32 model, against the float64 model's dense G: the
+    # float32 Jacobian's rounding alone (about 1e-7), not that of float32 sums over samples.
+    model, x, y = make_batch(MODELS[0], LOSS["mse"])
+    G64, _, _ = dense_ggn(model, "mse", x, y)
+    model32 = copy.deepcopy(model).float()
+    fm = FunctionalModel(model32)
+    engine = select_engine(fm, resolve_loss("mse"), "fast")
+    lin = engine(fm.flat(), Batch(x.float(), y.float()))
+    G = lin.ggn_matrix()
+    assert G.dtype == torch.float64
+    torch.testing.assert_close(G, G64, rtol=0, atol=1e-6 * float(G64.abs().max()))
+
+
 def test_cholesky_solution_matches_linalg_solve_and_its_residual_is_the_true_one():
     G = _spd(9)
     rhs = torch.randn(9, dtype=torch.float64)
@@ -257,9 +296,9 @@ def test_float32_direct_training_fits_a_small_regression_at_least_as_well_as_cg(
 # --- memory limit and solver="auto" ---------------------------------------------------------------
 def test_direct_on_a_model_too_large_raises_at_construction_naming_count_and_bytes():
     torch.manual_seed(0)
-    model = nn.Linear(1000, 1000)  # 1,001,000 parameters: 3 x n^2 x 4 bytes = 12 TB
+    model = nn.Linear(1000, 1000)  # 1,001,000 parameters: 3 x n^2 x 8 bytes (float64) = 24 TB
     before = _flat(model)
-    need = 3 * 1_001_000**2 * 4
+    need = 3 * 1_001_000**2 * 8
     with pytest.raises(ValueError) as err:
         SGN(model, "mse", solver="direct")
     message = str(err.value)

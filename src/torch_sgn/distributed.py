@@ -301,12 +301,12 @@ class DataParallel:
             error = None
             try:  # a local failure takes part in the all-reduce, so that every rank raises
                 if local.ggn_vp is None:  # an empty shard
-                    g = flat.new_zeros((n, n))
+                    g = flat.new_zeros((n, n), dtype=torch.float64)
                 else:
-                    g = local.ggn_matrix() * scale
+                    g = local.ggn_matrix() * scale  # float64
                 payload = torch.cat([g.reshape(-1), g.new_zeros(1)])
             except Exception as e:
-                error, payload = e, flat.new_zeros(n * n + 1)
+                error, payload = e, flat.new_zeros(n * n + 1, dtype=torch.float64)
                 payload[n * n] = 1.0
             self._collective(
                 lambda: dist.all_reduce(payload, group=self.group), "the Gauss-Newton matrix", step

@@ -412,7 +412,7 @@ def _mixed_gram(left1, right1, left2, right2) -> Tensor:
 
 
 def _dense_ggn(chain, first: int, fmodel: FunctionalModel, hessian, z: Tensor) -> Tensor:
-    r"""``G = \sum_n J_n^\top H_n J_n`` from the per-sample output Jacobians ``J_n``.
+    r"""``G = \sum_n J_n^\top H_n J_n`` (float64) from the per-sample output Jacobians ``J_n``.
 
     One backward pass per output unit (``z[n, o]`` for every sample ``n`` at once) yields,
     at each linear layer, every sample's own cotangent ``u_n`` and input ``a_n``: the rows of
@@ -434,5 +434,7 @@ def _dense_ggn(chain, first: int, fmodel: FunctionalModel, hessian, z: Tensor) -
         step.sample_jacobian(ctx, u, lambda slot, rows, o=o: put(slot, o, rows))
     # H J column by column (as outputs-shaped tangents), then G = J^T (H J).
     hj = torch.func.vmap(hessian, in_dims=-1, out_dims=-1)(jac.view(*z.shape, -1))
-    jac = jac.view(-1, fmodel.numel)
-    return jac.T @ hj.reshape(-1, fmodel.numel)
+    # Summed in float64 whatever the model's dtype: in float32 the rounding of the sums over
+    # samples would bury every eigenvalue of G below about 1e-7 of its largest.
+    jac = jac.view(-1, fmodel.numel).double()
+    return jac.T @ hj.reshape(-1, fmodel.numel).double()

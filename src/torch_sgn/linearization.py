@@ -98,8 +98,9 @@ class Linearization:
             optimizer evaluate the model functionally.
         vjp: output-shaped ``u -> J^T u`` (flat) at the point, where the engine has it without
             another forward pass; ``None`` lets the optimizer run one.
-        dense_ggn: ``() -> G``, the ``P x P`` matrix, where the engine has a faster route to it
-            than products (see :meth:`ggn_matrix`); ``None`` otherwise.
+        dense_ggn: ``() -> G``, the ``P x P`` matrix (float64 where the engine can sum it so),
+            where the engine has a faster route to it than products (see :meth:`ggn_matrix`);
+            ``None`` otherwise.
         sample_space: ``G`` as seen from the batch's outputs, where the engine forms ``J J^T``
             (chains of linear layers and activations); ``None`` otherwise. Anything that
             changes ``G`` or the gradient (a subset, a mask, an all-reduce) must drop it.
@@ -117,18 +118,20 @@ class Linearization:
     _matrix: Optional[Tensor] = field(default=None, init=False, repr=False, compare=False)
 
     def ggn_matrix(self) -> Tensor:
-        """``G`` as a dense ``P x P`` matrix (undamped), for the direct solver.
+        """``G`` as a dense ``P x P`` float64 matrix (undamped), for the direct solver.
 
         From the engine's own route where it has one (the layer-wise engine forms the output
-        Jacobian of a chain of linear layers and activations), else from products with the
-        identity's columns (:func:`torch_sgn.solvers.ggn_matrix`). Formed once: a step's
+        Jacobian of a chain of linear layers and activations and sums ``J^T H J`` in
+        float64), else from products with the identity's columns
+        (:func:`torch_sgn.solvers.ggn_matrix`, in the model's dtype). Formed once: a step's
         re-solves with another damping reuse it.
         """
         if self._matrix is None:
             if self.dense_ggn is not None:
-                self._matrix = self.dense_ggn()
+                matrix = self.dense_ggn()
             else:
-                self._matrix = solvers.ggn_matrix(self.ggn_vp, self.grad.numel(), self.grad)
+                matrix = solvers.ggn_matrix(self.ggn_vp, self.grad.numel(), self.grad)
+            self._matrix = matrix.to(torch.float64)
         return self._matrix
 
 

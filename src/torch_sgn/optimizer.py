@@ -261,14 +261,17 @@ class SGN(torch.optim.Optimizer):
             without ``momentum``, single process). For small models, and for fits to high
             precision, where CG's inexact steps stall (see ``docs/SOLVERS.md``). A model whose
             matrices (``3 P^2`` numbers) do not fit in the free memory of its device raises
-            ``ValueError`` here. ``"auto"`` (default): direct if its matrix has at most
-            ``direct_max_params`` rows (``R`` through the outputs; ``P`` where ``G`` comes from
-            the per-sample Jacobian, or ``P <= cg_iters``), else CG; a rule, so every machine
-            takes the same steps. :attr:`StepInfo.solver` says which ran. :meth:`SGN.paper`
-            sets ``"cg"``.
+            ``ValueError`` here. ``"auto"`` (default): CG where the direct solver's matrix
+            would have more than ``direct_max_params`` rows (``R`` through the outputs; ``P``
+            where ``G`` comes from the per-sample Jacobian, or ``P <= cg_iters``); elsewhere
+            CG's steps first, then exact steps for good once they prove better: every 10th
+            step also computes the exact step, which wins if its point has a lower loss on the
+            next batch, or the batch loss stalls (:mod:`torch_sgn.switching`). Rules, not
+            timings, so every machine takes the same steps. :attr:`StepInfo.solver` says which
+            ran. :meth:`SGN.paper` sets ``"cg"``.
         direct_max_params: the largest matrix ``solver="auto"`` takes the direct solver for
             (its rows: parameters, or the batch's outputs). Default 4000 (the matrix and its
-            factor take about 190 MB in float32).
+            factor take about 384 MB: they are float64).
 
     :meth:`SGN.paper` builds the paper's configuration (:data:`PAPER_OPTIONS`) whatever the
     defaults here.
@@ -371,7 +374,7 @@ class SGN(torch.optim.Optimizer):
         self._fmodel = FunctionalModel(model)
         if solver == "direct":  # before anything of the matrix's size is allocated
             fm = self._fmodel
-            solvers.check_direct_fits(fm.numel, fm.dtype, fm.device)
+            solvers.check_direct_fits(fm.numel, torch.float64, fm.device)
         self._solver = solver
         self._direct_max_params = direct_max_params
         self._loss = resolve_loss(loss)
@@ -882,7 +885,7 @@ class SGN(torch.optim.Optimizer):
 
     def _matrix_fits(self) -> bool:
         fm = self._fmodel
-        return fm.numel <= self._direct_max_params and _fits(fm.numel, fm.dtype, fm.device)
+        return fm.numel <= self._direct_max_params and _fits(fm.numel, torch.float64, fm.device)
 
     def _logged(self, result: DirectResult, damping: float) -> DirectResult:
         if result.reason not in ("cholesky", "lu"):  # routine in float32 at a tiny damping

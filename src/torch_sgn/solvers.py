@@ -16,10 +16,13 @@ model has parameters, the same exact step is solved through the ``R x R`` matrix
 Levenberg-Marquardt steps. Elsewhere CG is the method.
 
 * :func:`ggn_matrix` forms ``G`` from products with identity columns, in chunks.
-* :func:`solve_damped` solves the damped system robustly: Cholesky, and where that fails in
-  floating point (an indefinite ``G`` from a non-convex custom loss, or rounding) an
-  eigendecomposition with the eigenvalues of ``G`` clipped to ``>= 0``, so the solve never
-  returns NaN from a finite matrix.
+* :func:`solve_damped` solves the damped system robustly, in float64 whatever the model's
+  dtype (as :func:`solve_in_sample_space` does): Cholesky, and where that fails in floating
+  point (an indefinite ``G`` from a non-convex custom loss, or rounding) an eigendecomposition
+  with the eigenvalues of ``G`` clipped to ``>= 0``, so the solve never returns NaN from a
+  finite matrix. In float32 the factorization of ``G + rho I`` fails once the damping falls
+  below about 1e-7 of ``G``'s scale, which stopped float32 fits near an MSE of 1e-8; in float64
+  the damping can fall as far as the fit needs.
 * :func:`check_direct_fits` refuses, before anything is allocated, a model whose matrix does
   not fit in the device's memory.
 """
@@ -41,7 +44,7 @@ __all__ = ["DirectResult", "solve_damped", "solve_in_sample_space"]
 SOLVERS = ("auto", "cg", "direct")
 
 #: How ``solver="auto"`` picks at most this many parameters by default: ``G``, its symmetric
-#: copy and its factor take ``3 P^2`` numbers (about 190 MB at 4000 in float32).
+#: copy and its factor take ``3 P^2`` float64 numbers (about 384 MB at 4000).
 DEFAULT_DIRECT_MAX_PARAMS = 4000
 
 
@@ -79,7 +82,7 @@ class DirectResult:
 
 
 def solve_damped(matrix: Tensor, rhs: Tensor, damping: float) -> DirectResult:
-    r"""Solves :math:`(G + \rho I)\, d = -\mathrm{rhs}` exactly.
+    r"""Solves :math:`(G + \rho I)\, d = -\mathrm{rhs}` exactly, in float64.
 
     Args:
         matrix: ``G`` (``P x P``), symmetric positive semi-definite up to rounding; only its
@@ -88,7 +91,8 @@ def solve_damped(matrix: Tensor, rhs: Tensor, damping: float) -> DirectResult:
         damping: :math:`\rho > 0`.
 
     Returns:
-        A :class:`DirectResult`. Its ``x`` is finite whenever ``matrix`` and ``rhs`` are.
+        A :class:`DirectResult` in ``rhs``'s dtype (``again`` takes and returns that dtype
+        too). Its ``x`` is finite whenever ``matrix`` and ``rhs`` are.
 
     .. note::
         ``G`` formed in floating point may be slightly indefinite (rounding in ``J^T H J``
@@ -100,6 +104,8 @@ def solve_damped(matrix: Tensor, rhs: Tensor, damping: float) -> DirectResult:
     n = rhs.shape[0]
     if matrix.shape != (n, n):
         raise ValueError(f"matrix of shape {tuple(matrix.shape)} does not match rhs of length {n}")
+    if rhs.dtype != torch.float64 or matrix.dtype != torch.float64:
+        return _in_dtype(solve_damped(matrix.double(), rhs.double(), damping), rhs.dtype)
     if not _all_finite(matrix, rhs):
         zero = torch.zeros_like(rhs)
         return DirectResult(zero, rhs.clone(), 0, "non_finite")
@@ -133,6 +139,16 @@ def solve_damped(matrix: Tensor, rhs: Tensor, damping: float) -> DirectResult:
         return DirectResult(torch.zeros_like(rhs), rhs.clone(), 0, "non_finite")
     residual = vectors @ (values * (vectors.mT @ x)) + rhs  # A d + rhs for the clipped A
     return DirectResult(x, residual, 0, "eigh", by_eigh)
+
+
+def _in_dtype(result: DirectResult, dtype: torch.dtype) -> DirectResult:
+    """``result`` (float64) with its vectors, and the results of its ``again``, in ``dtype``."""
+    again = result.again
+    if again is not None:
+        again = lambda b, solve=again: solve(b.double()).to(dtype)  # noqa: E731
+    return DirectResult(
+        result.x.to(dtype), result.residual.to(dtype), result.iterations, result.reason, again
+    )
 
 
 def _all_finite(*tensors: Tensor) -> bool:
