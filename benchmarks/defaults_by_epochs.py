@@ -13,7 +13,10 @@ Command of the recorded run (from the repository root)::
 
     PYTHONPATH=src python benchmarks/defaults_by_epochs.py --name defaults_by_epochs
 
-Output: a table and ``record.json`` under ``benchmarks/results/<YYYY-MM-DD>_<name>/``.
+Output: ``record.json`` and ``README.md`` (:func:`report`: the losses at chosen epochs, their
+geometric mean over the seeds, and the mean loss over windows of epochs, each against
+``SGN.paper``'s) under ``benchmarks/results/<YYYY-MM-DD>_<name>/``. ``--report RECORD`` writes
+the report of an existing ``record.json`` beside it, without training.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import argparse
 import datetime
 import functools
 import json
+import math
 import platform
 import subprocess
 import sys
@@ -88,6 +92,66 @@ def fashion_identical(steps: int) -> dict:
     }
 
 
+EPOCHS = (1, 2, 3, 5, 10, 20, 30, 50)
+WINDOWS = ((1, 5), (6, 10), (11, 20), (21, 30), (31, 40), (41, 50))
+
+
+def report(record: dict) -> str:
+    """Markdown tables of a record: per preset and loss (train, test), each configuration's
+    loss after the epochs of :data:`EPOCHS` for each seed and their geometric mean over the
+    seeds, then the mean loss over the epoch windows of :data:`WINDOWS` per seed with its ratio
+    to ``SGN.paper``'s on the same seed (below 1: lower than the paper's)."""
+    lines = [f"# {record['command']}", ""]
+    lines.append(
+        f"commit {record['git_commit'][:7]} (dirty: {record['git_dirty']}), torch "
+        f"{record['torch']}, {record['threads']} thread(s), {record['platform']}"
+    )
+    for preset in dict.fromkeys(r["preset"] for r in record["runs"]):
+        runs = [r for r in record["runs"] if r["preset"] == preset]
+        n = len(runs[0]["train"]) - 1
+        epochs = [e for e in EPOCHS if e <= n]
+        windows = [(a, b) for a, b in WINDOWS if b <= n]
+        for kind in ("train", "test"):
+            lines += ["", f"## {preset}, {kind} loss after each epoch", ""]
+            lines.append(
+                "| configuration | seed | " + " | ".join(f"epoch {e}" for e in epochs) + " |"
+            )
+            lines.append("|---|---|" + "---|" * len(epochs))
+            for config in dict.fromkeys(r["config"] for r in runs):
+                mine = [r for r in runs if r["config"] == config]
+                for r in mine:
+                    cells = " | ".join(f"{r[kind][e]:.3g}" for e in epochs)
+                    lines.append(f"| {config} | {r['seed']} | {cells} |")
+                gmean = [
+                    math.exp(sum(math.log(r[kind][e]) for r in mine) / len(mine)) for e in epochs
+                ]
+                lines.append(
+                    f"| {config} | geometric mean | " + " | ".join(f"{v:.3g}" for v in gmean) + " |"
+                )
+            lines += [
+                "",
+                f"## {preset}, mean {kind} loss over epochs (ratio to SGN.paper's, same seed)",
+                "",
+            ]
+            lines.append(
+                "| configuration | seed | " + " | ".join(f"{a}-{b}" for a, b in windows) + " |"
+            )
+            lines.append("|---|---|" + "---|" * len(windows))
+            paper = {r["seed"]: r for r in runs if r["config"] == "paper"}
+            for r in runs:
+                cells = []
+                for a, b in windows:
+                    mean = sum(r[kind][a : b + 1]) / (b - a + 1)
+                    ref = sum(paper[r["seed"]][kind][a : b + 1]) / (b - a + 1)
+                    cells.append(
+                        f"{mean:.3g}" + ("" if r["config"] == "paper" else f" ({mean / ref:.2f})")
+                    )
+                lines.append(f"| {r['config']} | {r['seed']} | " + " | ".join(cells) + " |")
+    fashion = record.get("fashion_mnist", {})
+    lines += ["", f"Fashion-MNIST, the defaults' first steps against SGN.paper's: {fashion}"]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sine-epochs", type=int, default=50)
@@ -97,7 +161,12 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--name", default="defaults_by_epochs")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--report", metavar="RECORD", help="only write the report of a record")
     args = parser.parse_args(argv)
+    if args.report:
+        path = Path(args.report)
+        (path.parent / "README.md").write_text(report(json.loads(path.read_text())))
+        return
     torch.set_num_threads(args.threads)
     runs = []
     for preset, epochs in (("sine", args.sine_epochs), ("boston", args.boston_epochs)):
@@ -135,6 +204,7 @@ def main(argv=None) -> None:
         "fashion_mnist": fashion,
     }
     (out / "record.json").write_text(json.dumps(record, indent=1))
+    (out / "README.md").write_text(report(record))
     print("record:", out / "record.json")
 
 

@@ -888,7 +888,7 @@ class SGN(torch.optim.Optimizer):
         return fm.numel <= self._direct_max_params and _fits(fm.numel, torch.float64, fm.device)
 
     def _logged(self, result: DirectResult, damping: float) -> DirectResult:
-        if result.reason not in ("cholesky", "lu"):  # routine in float32 at a tiny damping
+        if result.reason not in ("cholesky", "lu"):  # an indefinite G, or rounding
             logger.debug(
                 "  the direct solve's factorization failed at damping %.3g; solved by the %s "
                 "fallback",
