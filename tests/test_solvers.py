@@ -295,28 +295,53 @@ def test_float32_direct_training_fits_a_small_regression_at_least_as_well_as_cg(
 
 # --- memory limit and solver="auto" ---------------------------------------------------------------
 def test_direct_on_a_model_too_large_raises_at_construction_naming_count_and_bytes():
+    # Where no step can go through the batch's outputs (here: the functional engine), the
+    # P x P matrices must fit: refused when SGN is built.
     torch.manual_seed(0)
     model = nn.Linear(1000, 1000)  # 1,001,000 parameters: 3 x n^2 x 8 bytes (float64) = 24 TB
     before = _flat(model)
     need = 3 * 1_001_000**2 * 8
     with pytest.raises(ValueError) as err:
-        SGN(model, "mse", solver="direct")
+        SGN(model, "mse", solver="direct", engine="functional")
     message = str(err.value)
     assert "1,001,000 parameters" in message and f"{need:,} bytes" in message
     assert "solver='cg'" in message
     assert torch.equal(_flat(model), before)
+    # The layer-wise engine's chain may go through the outputs instead: built, and a batch of
+    # one sample (300 outputs) takes an exact step, where G would need 196 GB.
+    model = nn.Linear(300, 300)
+    before = _flat(model)
+    opt = SGN(model, "mse", solver="direct")
+    x, y = torch.randn(1, 300), torch.randn(1, 300)
+    assert opt.step(x, y).solver == "direct" and not torch.equal(_flat(model), before)
 
 
 def test_the_memory_check_compares_with_the_free_memory(monkeypatch):
     model, x, y = make_batch(MODELS[0], LOSS["mse"])  # 43 parameters: 44,376 bytes in float64
     monkeypatch.setattr(solvers, "available_memory", lambda device: 44_375)
     with pytest.raises(ValueError, match="43 parameters"):
-        SGN(model, "mse", solver="direct")
+        SGN(model, "mse", solver="direct", engine="functional")
     monkeypatch.setattr(solvers, "available_memory", lambda device: 44_376)
-    SGN(model, "mse", solver="direct")
+    SGN(model, "mse", solver="direct", engine="functional")
     # auto does not raise: it takes CG where the matrix does not fit
     monkeypatch.setattr(solvers, "available_memory", lambda device: 100)
     assert SGN(model, "mse", solver="auto").step(x, y).solver == "cg"
+
+
+def test_direct_checks_the_matrix_at_a_step_that_cannot_go_through_the_outputs(monkeypatch):
+    # A chain on the layer-wise engine: built without the P x P check; its batch of 6 x 3
+    # outputs (fewer than the 43 parameters) goes through the outputs; a batch of 20 x 3 would
+    # need G, which does not fit: that step raises and changes nothing.
+    model, x, y = make_batch(MODELS[0], LOSS["mse"])
+    monkeypatch.setattr(solvers, "available_memory", lambda device: 44_375)
+    opt = SGN(model, "mse", solver="direct")
+    assert opt.step(x, y).solver == "direct"
+    big_x, big_y = torch.cat([x, x, x, x[:2]]), torch.cat([y, y, y, y[:2]])
+    before_model, before_opt = _flat(model), copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match="43 parameters.*through the batch's outputs"):
+        opt.step(big_x, big_y)
+    assert torch.equal(_flat(model), before_model)
+    assert str(opt.state_dict()) == str(before_opt)
 
 
 def _count_calls(monkeypatch, name: str) -> list:

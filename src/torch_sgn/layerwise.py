@@ -154,6 +154,14 @@ class LayerwiseEngine:
                 self._warn(f"the fast curvature engine does not apply ({why})")
         return self._steps
 
+    @property
+    def may_solve_through_outputs(self) -> bool:
+        """Whether this engine's linearizations can offer the route through the batch's outputs
+        (:class:`~torch_sgn.linearization.SampleSpace`): a planned chain, not captured in CUDA
+        graphs. Each batch decides for itself (its chain must be of linear layers and
+        activations, each sample's outputs its own)."""
+        return self._steps is not None and self._graphs is None
+
     def _warn(self, why: str) -> None:
         if not self._warned and not self._quiet:
             self._warned = True

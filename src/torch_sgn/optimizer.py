@@ -253,15 +253,18 @@ class SGN(torch.optim.Optimizer):
             iterations, as the paper. ``"direct"``: exactly, by forming the ``P x P`` matrix
             ``G`` (from the per-sample output Jacobian for chains of linear layers and
             activations, else from ``P`` products) and a Cholesky factorization of
-            ``G + damping I`` (:math:`P^3/3` flops); where Cholesky fails in floating point, the
-            eigenvalues of ``G`` are clipped to ``>= 0``. On a chain of linear layers and
+            ``G + damping I`` (:math:`P^3/3` flops), both in float64 whatever the model's
+            dtype; where Cholesky fails in floating point, the eigenvalues of ``G`` are clipped
+            to ``>= 0``. On a chain of linear layers and
             activations whose batch has fewer outputs ``R`` (samples times outputs per sample)
             than the model has parameters, the same step is solved through the ``R x R``
             matrix ``J J^T`` instead (:func:`~torch_sgn.solvers.solve_in_sample_space`;
             without ``momentum``, single process). For small models, and for fits to high
             precision, where CG's inexact steps stall (see ``docs/SOLVERS.md``). A model whose
-            matrices (``3 P^2`` numbers) do not fit in the free memory of its device raises
-            ``ValueError`` here. ``"auto"`` (default): CG where the direct solver's matrix
+            matrices (``3 P^2`` float64 numbers) do not fit in the free memory of its device
+            raises ``ValueError`` here, or, where its steps may go through the outputs (the
+            layer-wise engine's chains, one process, no ``momentum``), at a step that cannot
+            (nothing changes). ``"auto"`` (default): CG where the direct solver's matrix
             would have more than ``direct_max_params`` rows (``R`` through the outputs; ``P``
             where ``G`` comes from the per-sample Jacobian, or ``P <= cg_iters``); elsewhere
             CG's steps first, then exact steps for good once they prove better: every 10th
@@ -372,9 +375,6 @@ class SGN(torch.optim.Optimizer):
         )
 
         self._fmodel = FunctionalModel(model)
-        if solver == "direct":  # before anything of the matrix's size is allocated
-            fm = self._fmodel
-            solvers.check_direct_fits(fm.numel, torch.float64, fm.device)
         self._solver = solver
         self._direct_max_params = direct_max_params
         self._loss = resolve_loss(loss)
@@ -390,6 +390,10 @@ class SGN(torch.optim.Optimizer):
         self._engine = select_engine(self._fmodel, self._loss, engine, cuda_graphs)
         self._engine_options = (engine, cuda_graphs)  # a copy builds its own engine
         self._curvature_fraction = curvature_fraction
+        if solver == "direct" and not self._may_solve_through_outputs():
+            # before anything of the matrix's size is allocated
+            fm = self._fmodel
+            solvers.check_direct_fits(fm.numel, torch.float64, fm.device)
         self._global_state()  # created now, so that a failed first step changes nothing
 
     @classmethod
@@ -868,9 +872,30 @@ class SGN(torch.optim.Optimizer):
         if self._samples_fit(lin, rhs):
             return "samples"
         if self._solver == "direct":
+            fm = self._fmodel
+            try:  # raised here, before the step changes anything
+                solvers.check_direct_fits(fm.numel, torch.float64, fm.device)
+            except ValueError as e:
+                raise ValueError(
+                    f"{e}. This step could not go through the batch's outputs either (that "
+                    "route needs fewer outputs than parameters, no momentum, one process and "
+                    "a chain of linear layers and activations); the step was not taken"
+                ) from None
             return "matrix"
         cheap = lin.dense_ggn is not None or self._fmodel.numel <= self.param_groups[0]["cg_iters"]
         return "matrix" if cheap and self._matrix_fits() else None
+
+    def _may_solve_through_outputs(self) -> bool:
+        """Whether steps may go through the batch's outputs (the engine and the options allow
+        it; each batch decides): ``solver="direct"`` then checks the ``P x P`` matrix's memory
+        at the steps that cannot, not at construction."""
+        engine = self._engine
+        return (
+            getattr(engine, "may_solve_through_outputs", False)
+            and isinstance(self._comm, SingleProcess)
+            and self.param_groups[0]["gradient_averaging"] == 0
+            and self._curvature_fraction == 1
+        )
 
     def _samples_fit(self, lin: Linearization, rhs: Tensor) -> bool:
         """Whether the step can be solved through the batch's outputs, more cheaply than

@@ -105,9 +105,7 @@ def advance(
         state["next_probe"] = t + PROBE_EVERY
         if candidate is not None:
             state["candidate"] = candidate
-    recent = state.setdefault("recent", [])
-    recent.append(loss0)
-    del recent[: -2 * WINDOW]
+    recent = state["recent"] = [*state.get("recent", ()), loss0][-2 * WINDOW :]
     if reason is None and stalled(recent):
         reason = "stall"
     if reason is not None:
