@@ -21,8 +21,9 @@ Levenberg-Marquardt steps. Elsewhere CG is the method.
   point (an indefinite ``G`` from a non-convex custom loss, or rounding) an eigendecomposition
   with the eigenvalues of ``G`` clipped to ``>= 0``, so the solve never returns NaN from a
   finite matrix. In float32 the factorization of ``G + rho I`` fails once the damping falls
-  below about 1e-7 of ``G``'s scale, which stopped float32 fits near an MSE of 1e-8; in float64
-  the damping can fall as far as the fit needs.
+  below about 1e-7 of ``G``'s scale, which would hold a float32 fit near an MSE of 1e-8 (the
+  sinc benchmark of ``docs/SOLVERS.md``); in float64 the damping can fall as far as the fit
+  needs.
 * :func:`check_direct_fits` refuses, before anything is allocated, a model whose matrix does
   not fit in the device's memory.
 """
