@@ -14,13 +14,24 @@ quantity is measured once, in turn: a gradient, each variant's set-up (``lin``),
 (``Gv``) and a whole SGN step with k CG iterations (``cg_tol=0``, no line search, from the same
 point and state each time). Printed: medians in ms and in gradients, and the median and
 quartiles over rounds of after / before.
+
+``--before-tree DIR`` compares two versions of the code instead: ``before`` is the package
+under ``DIR/src/torch_sgn`` (for example a ``git worktree`` of an earlier commit), loaded
+under another name into the same process, ``after`` this tree's; both with their switches
+at their defaults::
+
+    git worktree add /tmp/before HEAD~1
+    PYTHONPATH=src python benchmarks/traced_ab.py --threads 1 --before-tree /tmp/before
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import importlib
+import importlib.util
 import json
+import os
 import statistics
 import sys
 import time
@@ -29,9 +40,7 @@ from typing import Dict, List
 import torch
 
 import torch_sgn.traced as traced
-from torch_sgn import SGN
 from torch_sgn.functional import FunctionalModel
-from torch_sgn.linearization import Batch
 from torch_sgn.losses import resolve_loss
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -51,19 +60,48 @@ def _set(flags: List[str], on: bool) -> None:
         setattr(traced, flag, on)
 
 
-def measure(name: str, rounds: int, k: int, flags: List[str] = FLAGS) -> Dict[str, object]:
+def _package(tree: str) -> Dict[str, object]:
+    """The modules ``measure`` uses, from this process's ``torch_sgn`` where ``tree`` is empty,
+    else from the ``torch_sgn`` package under ``tree/src``, loaded as ``torch_sgn_before``."""
+    name = "torch_sgn"
+    if tree:
+        root = os.path.join(tree, "src", "torch_sgn")
+        if not os.path.isfile(os.path.join(root, "__init__.py")):
+            raise SystemExit(f"--before-tree: no package at {root}")
+        name = "torch_sgn_before"
+        if name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(
+                name, os.path.join(root, "__init__.py"), submodule_search_locations=[root]
+            )
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+    modules = ("traced", "optimizer", "functional", "linearization", "losses")
+    return {m: importlib.import_module(f"{name}.{m}") for m in modules}
+
+
+def measure(
+    name: str, rounds: int, k: int, flags: List[str] = FLAGS, before_tree: str = ""
+) -> Dict[str, object]:
     device = torch.device("cpu")
     model, x, y, loss_name = _batch(name, device)
     loss = resolve_loss(loss_name)
     params = [p for p in model.parameters() if p.requires_grad]
     flat = FunctionalModel(model).flat()
     v = torch.randn(flat.shape, generator=torch.Generator().manual_seed(1))
-    engines, lins, opts = {}, {}, {}
+    engines, lins, opts, batches = {}, {}, {}, {}
     for variant, on in VARIANTS.items():
-        _set(flags, on)
-        engines[variant] = traced.TracedEngine(FunctionalModel(model), loss, strict=True)
-        lins[variant] = engines[variant](flat, Batch(x, y))
-        opt = SGN(
+        pkg = _package(before_tree if variant == "before" else "")
+        if not before_tree:
+            _set(flags, on)
+        engines[variant] = pkg["traced"].TracedEngine(
+            pkg["functional"].FunctionalModel(model),
+            pkg["losses"].resolve_loss(loss_name),
+            strict=True,
+        )
+        batches[variant] = pkg["linearization"].Batch(x, y)
+        lins[variant] = engines[variant](flat, batches[variant])
+        opt = pkg["optimizer"].SGN(
             copy.deepcopy(model), loss_name, cg_iters=k, cg_tol=0.0, line_search=False,
             engine="traced", solver="cg",
         )  # fmt: skip
@@ -88,7 +126,9 @@ def measure(name: str, rounds: int, k: int, flags: List[str] = FLAGS) -> Dict[st
 
     tasks = {"grad": lambda: timed(lambda: torch.autograd.grad(loss.value(model(x), y), params))}
     for variant in VARIANTS:
-        tasks[f"{variant}/lin"] = lambda e=engines[variant]: timed(lambda: e(flat, Batch(x, y)))
+        tasks[f"{variant}/lin"] = lambda e=engines[variant], b=batches[variant]: timed(
+            lambda: e(flat, b)
+        )
         tasks[f"{variant}/Gv"] = lambda lin=lins[variant]: timed(lambda: lin.ggn_vp(v))
         tasks[f"{variant}/step{k}"] = lambda variant=variant: step(variant)
     times: Dict[str, List[float]] = {t: [] for t in tasks}
@@ -132,6 +172,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--flags", nargs="+", default=FLAGS)
+    parser.add_argument("--before-tree", default="", help="a checkout to compare with")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     if args.threads:
@@ -141,7 +182,7 @@ def main() -> None:
     print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
     results = []
     for name in args.models:
-        results.append(measure(name, args.rounds, args.k, args.flags))
+        results.append(measure(name, args.rounds, args.k, args.flags, args.before_tree))
         print(f"  {name}: relative difference of the products "
               f"{results[-1]['relative_difference']:.1e}", flush=True)  # fmt: skip
     print(table(results))

@@ -449,6 +449,76 @@ def test_graph_passes_fuse_matrix_products_and_merge_repeats():
     assert len(gm.graph.nodes) == before
 
 
+class _Activations(nn.Module):
+    """The activations whose derivatives the engine takes once per step as factors."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(3, 5), nn.Linear(5, 5), nn.Linear(5, 2)
+
+    def forward(self, x):
+        h = F.gelu(self.a(x)) + F.gelu(self.a(x), approximate="tanh") + F.silu(self.a(x))
+        h = self.b(F.elu(h, alpha=0.7) + F.softplus(h, beta=2.0) + F.mish(h))
+        return self.head(F.gelu(h) * h)  # the same activation twice, one input used twice
+
+
+@pytest.mark.parametrize("hoist", [True, False], ids=["hoisted", "as-traced"])
+def test_activation_derivatives_taken_once_per_step_match_the_dense_reference(hoist, monkeypatch):
+    import torch_sgn.traced as traced
+
+    monkeypatch.setattr(traced, "HOIST_DERIVATIVES", hoist)
+    torch.manual_seed(4)
+    g = torch.Generator().manual_seed(4)
+    model = _Activations().to(D)
+    x, y = torch.randn(6, 3, generator=g).to(D), torch.randn(6, 2, generator=g).to(D)
+    G_ref, g_ref = dense_reference(model, F.mse_loss, x, y)
+    engine = _traced(model, "mse")
+    lin = engine(engine.fmodel.flat(), Batch(x, y))
+    G = torch.stack([lin.ggn_vp(e) for e in torch.eye(engine.fmodel.numel, dtype=D)], 1)
+    torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(G, G_ref, rtol=1e-9, atol=1e-11)
+    (trace,) = engine._cache.values()
+    in_product = [n.target for n in trace.product.graph.nodes if n.target in traced.DERIVATIVES]
+    in_setup = [n.target for n in trace.setup.graph.nodes if n.target in traced.DERIVATIVES]
+    if hoist:  # one factor per activation and input, in the set-up; none in a product
+        assert not in_product
+        assert sorted(map(str, in_setup)) == sorted(
+            map(str, [traced.DERIVATIVES[i] for i in (0, 0, 1, 3, 4, 2, 0)])
+        )
+    else:  # evaluated in every product: in the reverse pass, and (but SiLU's and Mish's
+        # forward-mode rules) in the tangent
+        assert len(in_product) == 12 and set(in_product) == set(traced.DERIVATIVES)
+
+
+def test_matrix_products_accumulate_in_place_into_temporaries_only():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from torch_sgn.traced import _accumulate_in_place
+
+    def f(a, b, c, bias):
+        t = a @ b  # a temporary read once: the sum accumulates into it
+        u = a @ b.T  # read twice: copied first
+        s = torch.addmm(torch.addmm(bias, a, b), c, b)  # broadcast bias, then a temporary
+        return torch.addmm(t, c, b), torch.addmm(u, c, b.T) + u, torch.addmm(c, a, b), s
+
+    args = (torch.randn(3, 3), torch.randn(3, 3), torch.randn(3, 3), torch.randn(3))
+    gm = make_fx(f)(*args)
+    expected = f(*args)
+    _accumulate_in_place(gm.graph)
+    gm.recompile()
+    aten = torch.ops.aten
+    targets = [n.target for n in gm.graph.nodes]
+    # the first sum and the second addmm of s; not u's (read twice), not c (an input), not
+    # the bias (broadcast)
+    assert targets.count(aten.addmm_.default) == 2
+    assert targets.count(aten.addmm.default) == 3
+    saved = [a.clone() for a in args]
+    for got, want in zip(gm(*args), expected):
+        torch.testing.assert_close(got, want)
+    for a, b in zip(args, saved):  # no input written
+        assert torch.equal(a, b)
+
+
 class _LSTMVariant(nn.Module):
     """nn.LSTM as the rule must take it: layers, biases, batch layout, initial states."""
 
@@ -534,7 +604,8 @@ def test_rules_with_frozen_parameters_and_projections(train, monkeypatch):
     norm_model[1].weight.requires_grad_(False)
     norm_model[1].bias.requires_grad_(False)
     lstm = _LSTMVariant(layers=2).to(D)
-    lstm.rnn.weight_ih_l0.requires_grad_(False)
+    lstm.rnn.weight_ih_l0.requires_grad_(False)  # layer 0: W_hh's tangent alone
+    lstm.rnn.weight_hh_l1.requires_grad_(False)  # layer 1: W_ih's alone, one bias
     lstm.rnn.bias_hh_l1.requires_grad_(False)
     projected = _Recurrent(lambda i, h, **kw: nn.LSTM(i, 5, proj_size=h, **kw)).to(D)
     xs = torch.randn(3, 5, 3, generator=g).to(D)

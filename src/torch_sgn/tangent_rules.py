@@ -227,7 +227,16 @@ def _addmm_terms(bias: Optional[Tensor], terms, rows: int, cols: int, like: Tens
 
 class LSTMLayer(torch.autograd.Function):
     """One unidirectional LSTM layer over ``x`` of shape ``(T, N, I)``: ``(out, h_T, c_T)``,
-    gates in PyTorch's order ``i, f, g, o``."""
+    gates in PyTorch's order ``i, f, g, o``.
+
+    With ``d = slope * dpre`` the gates' tangents (``slope`` the derivatives of the gates'
+    sigmoids and tanh at the point), the tangent of one time step is
+    ``dc_t = d_i g + d_f c_{t-1} + d_g i + f dc_{t-1}`` and
+    ``dh_t = d_o tanh(c_t) + o (1 - tanh(c_t)^2) dc_t``. The forward pass keeps, per step,
+    ``factor = [g, c_{t-1}, i, tanh(c_t)] * slope`` (one tensor of the gates' width), the forget
+    gate ``f`` and ``o (1 - tanh(c_t)^2)``: every other quantity of both recurrences is
+    computed once per step of SGN, and each time step of a tangent or reverse pass is one
+    small matrix product and four elementwise operations."""
 
     @staticmethod
     def forward(ctx, x, h0, c0, w_ih, w_hh, b_ih, b_hh):
@@ -237,93 +246,102 @@ class LSTMLayer(torch.autograd.Function):
         if b_ih is not None:
             bias = b_ih + b_hh
         pre = _addmm_terms(bias, [(x.reshape(steps * batch, -1), w_ih.t())], 0, 0, x)
-        pre = pre.view(steps, batch, 4 * width)
+        pre = pre.view(steps, batch, 4 * width).unbind(0)
+        w_hh_t = w_hh.t()
         h, c = h0, c0
-        hs, cs, acts, tanh_cs = [h0], [c0], [], []
+        hs, cs, acts, gs, tanh_cs = [h0], [c0], [], [], []
         for t in range(steps):
-            gates = torch.addmm(pre[t], h, w_hh.t())
-            act = torch.sigmoid(gates)
-            act[:, 2 * width : 3 * width] = torch.tanh(gates[:, 2 * width : 3 * width])
-            i, f, g, o = act.chunk(4, 1)
+            gates = torch.addmm(pre[t], h, w_hh_t)
+            act = torch.sigmoid(gates)  # i, f and o (g's slot is not read)
+            i, f, _, o = act.chunk(4, 1)
+            g = torch.tanh(gates[:, 2 * width : 3 * width])
             c = torch.addcmul(f * c, i, g)
             tanh_c = torch.tanh(c)
             h = o * tanh_c
             hs.append(h)
             cs.append(c)
             acts.append(act)
+            gs.append(g)
             tanh_cs.append(tanh_c)
         hs, cs = torch.stack(hs), torch.stack(cs)  # (T + 1, N, H): h_0 .. h_T
-        acts, tanh_c = torch.stack(acts), torch.stack(tanh_cs)  # (T, N, 4H), (T, N, H)
-        i, f, g, o = acts.chunk(4, 2)
-        # Every factor of the tangent and reverse recurrences that depends on the point only:
-        # the gates' derivatives, the factors of c_t = f c_{t-1} + i g, of h_t = o tanh(c_t).
-        # With d = slope * dpre the gates' tangents: dc_t = d_i g + d_f c_{t-1} + d_g i +
-        # f dc_{t-1} and dh_t = d_o tanh(c_t) + o (1 - tanh(c_t)^2) dc_t.
-        slope = acts * (1 - acts)
-        slope[..., 2 * width : 3 * width] = 1 - g * g
-        ctx.cell_factor = torch.cat([g, cs[:-1], i], 2) * slope[..., : 3 * width]
-        ctx.out_gate_factor = tanh_c * slope[..., 3 * width :]
-        ctx.forget = f.contiguous()
-        ctx.out_factor = o * (1 - tanh_c * tanh_c)
-        ctx.has_bias = b_ih is not None
-        ctx.save_for_backward(x, hs, w_ih, w_hh)
-        ctx.save_for_forward(x, hs, w_ih, w_hh)
+        acts, g, tanh_c = torch.stack(acts), torch.stack(gs), torch.stack(tanh_cs)
+        i, f, _, o = acts.chunk(4, 2)
+        # [g, c_{t-1}, i, tanh(c_t)] times the gates' derivatives: act (1 - act) for the
+        # sigmoids (sigmoid_backward), 1 - g^2 for g (tanh_backward)
+        factor = torch.ops.aten.sigmoid_backward(torch.cat([g, cs[:-1], i, tanh_c], 2), acts)
+        factor[..., 2 * width : 3 * width] = torch.ops.aten.tanh_backward(i, g)
+        ctx.factor = factor
+        ctx.forget = f.contiguous()  # not a view: the products keep no more than they read
+        ctx.out_factor = torch.ops.aten.tanh_backward(o, tanh_c)  # o (1 - tanh(c)^2)
+        ctx.has_bias, ctx.steps = b_ih is not None, steps
+        # x_t and h_{t-1} side by side: the products' terms x dW_ih^T + h dW_hh^T and the
+        # weights' gradients dpre^T [x, h] are one matrix product each
+        inputs = torch.cat([x, hs[:-1]], 2).view(steps * batch, -1)
+        ctx.save_for_backward(inputs, w_ih, w_hh)
+        ctx.save_for_forward(inputs, w_ih, w_hh)
         out = hs[1:].clone()  # not a view of a saved tensor (forward AD needs its own)
         return out, hs[-1].clone(), cs[-1].clone()
 
     @staticmethod
     def jvp(ctx, dx, dh0, dc0, dw_ih, dw_hh, db_ih, db_hh):
-        x, hs, w_ih, w_hh = ctx.saved_tensors
-        steps, batch, _ = x.shape
-        width = w_hh.shape[1]
+        inputs, w_ih, w_hh = ctx.saved_tensors
+        width, size = w_hh.shape[1], w_ih.shape[1]
+        steps, batch = ctx.steps, inputs.shape[0] // ctx.steps
         terms = []
+        if dw_ih is not None and dw_hh is not None:
+            terms.append((inputs, torch.cat([dw_ih, dw_hh], 1).t()))
+        elif dw_ih is not None:
+            terms.append((inputs[:, :size], dw_ih.t()))
+        elif dw_hh is not None:
+            terms.append((inputs[:, size:], dw_hh.t()))
         if dx is not None:
             terms.append((dx.reshape(steps * batch, -1), w_ih.t()))
-        if dw_ih is not None:
-            terms.append((x.reshape(steps * batch, -1), dw_ih.t()))
-        if dw_hh is not None:
-            terms.append((hs[:-1].reshape(steps * batch, width), dw_hh.t()))
         dbias = None
         if ctx.has_bias and (db_ih is not None or db_hh is not None):
             dbias = db_ih if db_hh is None else (db_hh if db_ih is None else db_ih + db_hh)
-        dpre = _addmm_terms(dbias, terms, steps * batch, 4 * width, x)
-        dpre = dpre.view(steps, batch, 4 * width)
-        cell_factor, out_gate_factor = ctx.cell_factor, ctx.out_gate_factor
-        forget, out_factor = ctx.forget, ctx.out_factor
+        dpre = _addmm_terms(dbias, terms, steps * batch, 4 * width, inputs)
+        dpre = dpre.view(steps, batch, 4 * width).unbind(0)
+        factor, forget = ctx.factor.unbind(0), ctx.forget.unbind(0)
+        out_factor = ctx.out_factor.unbind(0)
+        w_hh_t = w_hh.t()
         dh, dc = dh0, dc0
         dhs = []
         for t in range(steps):
-            gates = dpre[t] if dh is None else torch.addmm(dpre[t], dh, w_hh.t())
-            cell = (gates[:, : 3 * width] * cell_factor[t]).view(batch, 3, width).sum(1)
+            gates = dpre[t] if dh is None else torch.addmm(dpre[t], dh, w_hh_t)
+            d = (gates * factor[t]).view(batch, 4, width)
+            cell = d[:, :3].sum(1)
             dc = cell if dc is None else torch.addcmul(cell, forget[t], dc)
-            dh = torch.addcmul(gates[:, 3 * width :] * out_gate_factor[t], out_factor[t], dc)
+            dh = torch.addcmul(d[:, 3], out_factor[t], dc)
             dhs.append(dh)
         return torch.stack(dhs), dh.clone(), dc.clone()
 
     @staticmethod
     def backward(ctx, grad_out, grad_h, grad_c):
-        x, hs, w_ih, w_hh = ctx.saved_tensors
-        steps, batch, _ = x.shape
-        width = w_hh.shape[1]
-        cell_factor, out_gate_factor = ctx.cell_factor, ctx.out_gate_factor
-        forget, out_factor = ctx.forget, ctx.out_factor
-        dh_next, dc = grad_h, grad_c
-        dpres = []
+        inputs, w_ih, w_hh = ctx.saved_tensors
+        steps, batch, _ = grad_out.shape
+        width, size = w_hh.shape[1], w_ih.shape[1]
+        factor, forget = ctx.factor.unbind(0), ctx.forget.unbind(0)
+        out_factor, grad_out = ctx.out_factor.unbind(0), grad_out.unbind(0)
+        dh, dc = grad_out[-1] + grad_h, grad_c
+        dpres: List[Tensor] = []
         for t in reversed(range(steps)):
-            dh = grad_out[t] + dh_next
             dc = torch.addcmul(dc, dh, out_factor[t])
-            cell = dc.unsqueeze(1) * cell_factor[t].view(batch, 3, width)
-            dpre = torch.cat([cell.view(batch, 3 * width), dh * out_gate_factor[t]], 1)
+            dpre = torch.cat([dc, dc, dc, dh], 1) * factor[t]
             dpres.append(dpre)
-            dh_next = torch.mm(dpre, w_hh)
+            dh = torch.addmm(grad_out[t - 1], dpre, w_hh) if t > 0 else torch.mm(dpre, w_hh)
             dc = dc * forget[t]
         dpre = torch.stack(dpres[::-1]).view(steps * batch, 4 * width)
         needs = ctx.needs_input_grad
-        gx = torch.mm(dpre, w_ih).view(x.shape) if needs[0] else None
-        gw_ih = torch.mm(dpre.t(), x.reshape(steps * batch, -1)) if needs[3] else None
-        gw_hh = torch.mm(dpre.t(), hs[:-1].reshape(steps * batch, width)) if needs[4] else None
+        gx = torch.mm(dpre, w_ih).view(steps, batch, size) if needs[0] else None
+        gw_ih = gw_hh = None
+        if needs[3] and needs[4]:
+            gw_ih, gw_hh = torch.mm(dpre.t(), inputs).split([size, width], 1)
+        elif needs[3]:
+            gw_ih = torch.mm(dpre.t(), inputs[:, :size])
+        elif needs[4]:
+            gw_hh = torch.mm(dpre.t(), inputs[:, size:])
         gb = dpre.sum(0) if ctx.has_bias and (needs[5] or needs[6]) else None
-        return gx, dh_next, dc, gw_ih, gw_hh, gb, gb
+        return gx, dh, dc, gw_ih, gw_hh, gb, gb
 
 
 # --- layer norm --------------------------------------------------------------------------------

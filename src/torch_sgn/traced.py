@@ -64,6 +64,16 @@ TANGENT_RULES = True
 #: one node for operations repeated on the same arguments (the results are the same)
 GRAPH_PASSES = True
 
+#: an activation's derivative (``gelu_backward(grad, x)``, :data:`DERIVATIVES`) taken once per
+#: step as a factor, ``gelu_backward(1, x)``, where ``x`` does not depend on the product's
+#: vector: a tangent and a reverse pass then multiply by it (the results agree to rounding)
+HOIST_DERIVATIVES = True
+
+#: a matrix product added to a temporary that nothing else reads (``addmm(c, a, b)``, as a
+#: linear layer's tangent ``x dW^T + dx W^T`` has it) accumulates into that temporary in place
+#: instead of copying it first (the results are the same)
+ACCUMULATE_IN_PLACE = True
+
 
 class Untraceable(Exception):
     """The model cannot be traced into one graph; the message says why."""
@@ -324,6 +334,8 @@ def _trace(
             raise Untraceable(_reason(error)) from error
     else:
         raise Untraceable(_reason(errors[-1]))
+    if HOIST_DERIVATIVES:
+        _hoist_derivatives(graph.graph)
     setup, product = _split(graph)
     return _Traced(setup, product, double_backward, declined)
 
@@ -368,6 +380,15 @@ def _flat_nodes(value: object) -> List[fx.Node]:
     return nodes
 
 
+def _depending_on(v: fx.Node, nodes: Sequence[fx.Node]) -> set:
+    """``v`` and the nodes that depend on it (``nodes`` in graph order)."""
+    depends = {v}
+    for n in nodes:
+        if n.op != "placeholder" and any(a in depends for a in n.all_input_nodes):
+            depends.add(n)
+    return depends
+
+
 def _needed(roots: Sequence[fx.Node], keep: Callable[[fx.Node], bool], nodes) -> set:
     """The nodes the ``roots`` depend on, among those ``keep`` admits, plus impure ones."""
     needed = set()
@@ -392,10 +413,7 @@ def _split(gm: fx.GraphModule) -> Tuple[fx.GraphModule, fx.GraphModule]:
     # The placeholders in order: theta, v, then the buffers, frozen parameters, inputs and
     # targets, flattened by make_fx.
     v = placeholders[1]
-    depends = {v}
-    for n in nodes:
-        if n.op != "placeholder" and any(a in depends for a in n.all_input_nodes):
-            depends.add(n)
+    depends = _depending_on(v, nodes)
     if any(n in depends for n in (value, grad, outputs)):
         raise Untraceable("the loss or the gradient depends on the product's vector")
     per_product = _needed([gv], lambda n: n in depends, nodes)
@@ -442,6 +460,9 @@ def _split(gm: fx.GraphModule) -> Tuple[fx.GraphModule, fx.GraphModule]:
         for graph in (setup, product):
             _fuse_matmul_adds(graph)
             _eliminate_common_subexpressions(graph)
+    if ACCUMULATE_IN_PLACE:  # after the elimination, which only runs on graphs without writes
+        for graph in (setup, product):
+            _accumulate_in_place(graph)
     setup_module = fx.GraphModule(gm, setup)
     product_module = fx.GraphModule(gm, product)
     meta = outputs.meta.get("val")
@@ -478,6 +499,110 @@ def _fuse_matmul_adds(graph: fx.Graph) -> None:
             graph.erase_node(node)
             graph.erase_node(mm)
             break
+
+
+_aten = torch.ops.aten
+
+#: operators ``op(grad, *rest)``, linear in ``grad`` and elementwise, whose factor
+#: ``op(1, *rest)`` costs transcendental functions (erf, exp, log): the activations' derivatives
+#: that both a forward-mode rule and a reverse pass call
+DERIVATIVES = (
+    _aten.gelu_backward.default,
+    _aten.silu_backward.default,
+    _aten.mish_backward.default,
+    _aten.elu_backward.default,
+    _aten.softplus_backward.default,
+)
+
+
+def _hoist_derivatives(graph: fx.Graph) -> None:
+    """``gelu_backward(grad, x)`` into ``grad * gelu_backward(1, x)`` (and the like,
+    :data:`DERIVATIVES`) for every ``x`` that does not depend on the product's vector and that
+    a tangent or reverse pass of the product reads: the split moves the factor to the set-up,
+    so a product multiplies where it evaluated the derivative (two per activation, one in each
+    pass); the set-up's own reverse pass multiplies by the same factor."""
+    nodes = list(graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    depends = _depending_on(placeholders[1], nodes)
+
+    def candidate(n: fx.Node) -> Optional[tuple]:
+        if n.op != "call_function" or n.target not in DERIVATIVES:
+            return None
+        grad, rest = n.args[0], (n.args[1:], n.kwargs)
+        if not isinstance(grad, fx.Node) or any(a in depends for a in _flat_nodes(rest)):
+            return None
+        mine, result = grad.meta.get("val"), n.meta.get("val")
+        if not (isinstance(mine, Tensor) and isinstance(result, Tensor)):
+            return None
+        if mine.shape != result.shape or mine.dtype != result.dtype:
+            return None  # the gradient is broadcast or converted: leave it
+        args = tuple(_unaliased(a) for a in n.args[1:])
+        return (n.target, _hashable(args), _hashable(n.kwargs))
+
+    keys = {candidate(n): n for n in nodes if candidate(n) and n.args[0] in depends}
+    factors: Dict[tuple, fx.Node] = {}
+    for n in nodes:
+        key = candidate(n)
+        if key not in keys:
+            continue
+        result = n.meta["val"]
+        if key not in factors:
+            with graph.inserting_before(n):
+                ones = graph.call_function(
+                    _aten.full.default,
+                    (list(result.shape), 1.0),
+                    {"dtype": result.dtype, "device": result.device, "pin_memory": False},
+                )
+                factor = graph.call_function(n.target, (ones, *n.args[1:]), dict(n.kwargs))
+            ones.meta = {"val": result}
+            factor.meta = {"val": result}
+            factors[key] = factor
+        with graph.inserting_before(n):
+            product = graph.call_function(_aten.mul.Tensor, (n.args[0], factors[key]))
+        product.meta = dict(n.meta)
+        n.replace_all_uses_with(product)
+        graph.erase_node(n)
+
+
+def _unaliased(value: object) -> object:
+    """The node whose tensor ``value`` is, through ``alias`` and ``detach`` nodes (a forward-mode
+    rule reads its input through such a node, the reverse pass the input itself)."""
+    while (
+        isinstance(value, fx.Node)
+        and value.op == "call_function"
+        and value.target in (_aten.alias.default, _aten.detach.default)
+    ):
+        value = value.args[0]
+    return value
+
+
+#: matrix products that add their first argument, and their in-place forms
+_ACCUMULATING = {
+    _aten.addmm.default: _aten.addmm_.default,
+    _aten.baddbmm.default: _aten.baddbmm_.default,
+}
+
+#: operators whose result is memory of its own (or, in place, memory only they read)
+_FRESH = {_aten.mm.default, _aten.bmm.default, *_ACCUMULATING, *_ACCUMULATING.values()}
+
+
+def _accumulate_in_place(graph: fx.Graph) -> None:
+    """``addmm(c, a, b)`` into ``addmm_(c, a, b)`` (``baddbmm`` likewise) where ``c`` is the
+    result of a matrix product of this graph, of the sum's shape and dtype, that nothing else
+    reads: the sum accumulates into ``c`` instead of copying it into new memory first."""
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in _ACCUMULATING or node.kwargs:
+            continue
+        c = node.args[0]
+        if not isinstance(c, fx.Node) or c.op != "call_function" or c.target not in _FRESH:
+            continue
+        if len(c.users) != 1:
+            continue
+        mine, result = c.meta.get("val"), node.meta.get("val")
+        if not (isinstance(mine, Tensor) and isinstance(result, Tensor)):
+            continue
+        if mine.shape == result.shape and mine.dtype == result.dtype:
+            node.target = _ACCUMULATING[node.target]
 
 
 def _eliminate_common_subexpressions(graph: fx.Graph) -> None:
