@@ -403,10 +403,10 @@ def _attention(
     if scale is None:
         scale = query.shape[-1] ** -0.5
     scores = torch.matmul(query * scale, key.transpose(-2, -1))
-    if is_causal:
+    if is_causal:  # an added constant: the tangent and reverse passes go through unchanged
         length, source = query.shape[-2], key.shape[-2]
-        keep = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
-        scores = scores.masked_fill(keep.logical_not(), float("-inf"))
+        mask = torch.full((length, source), float("-inf"), dtype=scores.dtype, device=scores.device)
+        scores = scores + mask.triu(1)
     return torch.matmul(Softmax.apply(scores), value)
 
 
