@@ -26,17 +26,19 @@ PyTorch's keeps the centred input beside it.
 
 Attention (:func:`torch.nn.functional.scaled_dot_product_attention` without a mask tensor,
 dropout or grouped heads) is recorded as its composite, ``softmax(q k^T * scale) v`` with the
-causal mask by ``masked_fill``, and a softmax (:class:`Softmax`) whose tangent reads only the
-attention weights, where PyTorch's keeps the exponentials beside them: one tensor of the
-weights' size less per attention layer for the products.
+causal mask added as a constant (``-inf`` above the diagonal: the reverse pass goes through it
+unchanged), and a softmax (:class:`Softmax`) whose tangent reads only the attention weights,
+where PyTorch's keeps the exponentials beside them: one tensor of the weights' size less per
+attention layer for the products.
 
 LSTM layers. PyTorch's recurrent kernels take the tangent one time step at a time, every term
 of it: ``x_t dW_ih^T`` and ``h_{t-1} dW_hh^T`` as well as the recurrent ``dh_{t-1} W_hh^T``,
 in a few dozen small operations per step. :class:`LSTMLayer` takes the terms that do not
-depend on the recurrence as one matrix product over all steps, and the recurrence in six
-operations per step with the gates' derivatives computed once per step of SGN; its reverse
-pass likewise leaves only ``dpre_t W_hh`` in the loop and takes the weights' gradients as one
-matrix product each.
+depend on the recurrence as one matrix product over all steps (``[x_t, h_{t-1}]`` side by
+side), and each time step in one small matrix product and four elementwise operations, with
+the gates' derivatives folded into one factor tensor once per step of SGN; its reverse pass
+likewise leaves one matrix product and four operations per time step in the loop and takes the
+weights' gradients as one matrix product.
 """
 
 from __future__ import annotations
@@ -403,7 +405,8 @@ def _attention(
     if scale is None:
         scale = query.shape[-1] ** -0.5
     scores = torch.matmul(query * scale, key.transpose(-2, -1))
-    if is_causal:  # an added constant: the tangent and reverse passes go through unchanged
+    if is_causal:  # an added constant: the reverse pass goes through it unchanged, the tangent
+        # with one copy (masked_fill takes a copy and a fill in each)
         length, source = query.shape[-2], key.shape[-2]
         mask = torch.full((length, source), float("-inf"), dtype=scores.dtype, device=scores.device)
         scores = scores + mask.triu(1)

@@ -15,7 +15,8 @@ normalization, embeddings, attention, recurrent layers, custom ``forward`` metho
    loss, the gradient, the loss's Hessian factors and every quantity the tangent formulas need
    that does not involve ``v``) runs **once per step**; the part that depends on ``v`` (the
    tangent pass and one reverse pass) runs at every CG iteration, reading what the first part
-   left behind.
+   left behind. An activation's derivative (GELU's, SiLU's, ...) is one such quantity: the
+   products multiply by it where they would evaluate it twice (:data:`HOIST_DERIVATIVES`).
 
 Training-mode batch normalization stays exact (its batch statistics are differentiated, so the
 samples are coupled as in the gradient), its running statistics are updated once per step into
