@@ -2,6 +2,7 @@
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -195,7 +196,7 @@ def test_custom_loss_must_return_a_scalar():
         GGN(model, lambda z, t: (z - t) ** 2, x, y)
 
 
-def test_model_returning_a_tuple_is_rejected_with_advice():
+def test_model_returning_a_tuple_is_rejected_with_advice(each_engine):
     class Two(nn.Module):
         def __init__(self):
             super().__init__()
@@ -204,8 +205,16 @@ def test_model_returning_a_tuple_is_rejected_with_advice():
         def forward(self, x):
             return self.lin(x), x
 
-    with pytest.raises(TypeError, match="forward returns one tensor"):
-        SGN(Two(), "mse").step(torch.randn(4, 3), torch.randn(4, 2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(TypeError, match="forward returns one tensor"):
+            SGN(Two(), "mse").step(torch.randn(4, 3), torch.randn(4, 2))
+    # engine="auto" tries the traced engine first, which says why it cannot take the model
+    said = [str(w.message) for w in caught]
+    if each_engine == "auto":
+        assert any("returns tuple" in m and "wrap the model" in m for m in said), said
+    else:
+        assert not said
 
 
 def test_finiteness_check_survives_an_overflowing_sum():
