@@ -540,10 +540,10 @@ def _hoist_derivatives(graph: fx.Graph) -> None:
         args = tuple(_unaliased(a) for a in n.args[1:])
         return (n.target, _hashable(args), _hashable(n.kwargs))
 
-    keys = {candidate(n): n for n in nodes if candidate(n) and n.args[0] in depends}
+    found = [(n, key) for n in nodes for key in (candidate(n),) if key is not None]
+    keys = {key for n, key in found if n.args[0] in depends}  # the products read these
     factors: Dict[tuple, fx.Node] = {}
-    for n in nodes:
-        key = candidate(n)
+    for n, key in found:
         if key not in keys:
             continue
         result = n.meta["val"]
