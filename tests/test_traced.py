@@ -519,6 +519,70 @@ def test_matrix_products_accumulate_in_place_into_temporaries_only():
         assert torch.equal(a, b)
 
 
+class _Lookups(nn.Module):
+    """Embeddings that feed matrix products: an LSTM (through a transpose and a copy), a linear
+    layer through a permute, and a table with more rows than the batch has tokens."""
+
+    def __init__(self, **options):
+        super().__init__()
+        self.embed, self.embed2 = nn.Embedding(4, 3, **options), nn.Embedding(4, 3, **options)
+        self.embed3 = nn.Embedding(40, 3, **options)
+        self.rnn = nn.LSTM(3, 3, batch_first=True)
+        self.side, self.side3, self.head = nn.Linear(3, 2), nn.Linear(3, 2), nn.Linear(3, 2)
+
+    def forward(self, idx):
+        s = self.side(self.embed2(idx).permute(1, 0, 2)).permute(1, 0, 2)
+        return self.head(self.rnn(self.embed(idx))[0]) + s + self.side3(self.embed3(idx))
+
+
+def _lookups(reorder, monkeypatch, **options):
+    import torch_sgn.traced as traced
+
+    monkeypatch.setattr(traced, "EMBEDDING_PRODUCTS", reorder)
+    torch.manual_seed(5)
+    g = torch.Generator().manual_seed(5)
+    model = _Lookups(**options).to(D)
+    idx = torch.randint(0, 4, (3, 5), generator=g)
+    y = torch.randn(3, 5, 2, generator=g).to(D)
+    engine = _traced(model, "mse")
+    return model, idx, y, engine, engine(engine.fmodel.flat(), Batch(idx, y))
+
+
+@pytest.mark.parametrize("reorder", [True, False], ids=["reordered", "as-traced"])
+def test_products_of_embedding_rows_match_the_dense_reference(reorder, monkeypatch):
+    model, idx, y, engine, lin = _lookups(reorder, monkeypatch)
+    G_ref, g_ref = dense_reference(model, F.mse_loss, idx, y)
+    G = torch.stack([lin.ggn_vp(e) for e in torch.eye(engine.fmodel.numel, dtype=D)], 1)
+    torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(G, G_ref, rtol=1e-9, atol=1e-11)
+    aten = torch.ops.aten
+    (trace,) = engine._cache.values()
+    # the two small tables' products are taken on the tables: in the set-up, each forward
+    # pass's and reverse pass's; in a product, the tangent's (both terms of the linear layer's,
+    # x dW^T and dx W^T, are lookups) and the reverse pass's. The large table's on the batch.
+    expected = (
+        {"setup": (2, 2), "product": (3, 2)} if reorder else {"setup": (0, 0), "product": (0, 0)}
+    )
+    for part in expected:
+        nodes = list(getattr(trace, part).graph.nodes)
+        lookups = [n for n in nodes if n.target is aten.embedding.default]
+        scatters = [n for n in nodes if n.target is aten.embedding_dense_backward.default]
+        of_products = [n for n in lookups if n.args[0].target is aten.mm.default]
+        into_products = [n for n in scatters if [u.target for u in n.users] == [aten.mm.default]]
+        assert (len(of_products), len(into_products)) == expected[part]
+        large = [n for n in scatters if n.args[2] == 40]
+        assert len(large) == 1 and [u.target for u in large[0].users] != [aten.mm.default]
+
+
+def test_reordered_embedding_products_keep_padding_and_frequency_scaling(monkeypatch):
+    options = {"padding_idx": 1, "scale_grad_by_freq": True}
+    *_, engine, lin = _lookups(True, monkeypatch, **options)
+    *_, before, reference = _lookups(False, monkeypatch, **options)
+    for v in torch.randn(3, engine.fmodel.numel, dtype=D):
+        torch.testing.assert_close(lin.ggn_vp(v), reference.ggn_vp(v), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(lin.grad, reference.grad, rtol=1e-12, atol=1e-14)
+
+
 class _LSTMVariant(nn.Module):
     """nn.LSTM as the rule must take it: layers, biases, batch layout, initial states."""
 

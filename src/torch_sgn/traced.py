@@ -75,6 +75,13 @@ HOIST_DERIVATIVES = True
 #: instead of copying it first (the results are the same)
 ACCUMULATE_IN_PLACE = True
 
+#: a matrix product of looked-up embedding rows, ``E[idx] @ B``, taken as ``(E @ B)[idx]``, and
+#: the reverse pass's ``embedding_backward(G @ W)`` as ``embedding_backward(G) @ W``, where the
+#: table has fewer rows than the lookup (an embedding that feeds a linear or recurrent layer
+#: directly): the product then has the table's rows, not the batch's tokens (the results agree
+#: to rounding)
+EMBEDDING_PRODUCTS = True
+
 
 class Untraceable(Exception):
     """The model cannot be traced into one graph; the message says why."""
@@ -337,6 +344,8 @@ def _trace(
         raise Untraceable(_reason(errors[-1]))
     if HOIST_DERIVATIVES:
         _hoist_derivatives(graph.graph)
+    if EMBEDDING_PRODUCTS:
+        _reorder_embedding_products(graph.graph)
     setup, product = _split(graph)
     return _Traced(setup, product, double_backward, declined)
 
@@ -563,6 +572,121 @@ def _hoist_derivatives(graph: fx.Graph) -> None:
         product.meta = dict(n.meta)
         n.replace_all_uses_with(product)
         graph.erase_node(n)
+
+
+#: operators that rearrange the rows of a tensor and keep its last dimension (checked on the
+#: shapes): a lookup's rows through them are still the lookup of rearranged indices
+_ROW_OPS = {
+    _aten.view.default,
+    _aten._unsafe_view.default,
+    _aten.reshape.default,
+    _aten.transpose.int,
+    _aten.permute.default,
+    _aten.clone.default,
+    _aten.alias.default,
+    _aten.detach.default,
+}
+
+
+def _rows_op(node: object) -> bool:
+    """Whether ``node`` is one of :data:`_ROW_OPS` that keeps the last dimension in place."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or node.target not in _ROW_OPS:
+        return False
+    source, result = node.args[0], node.meta.get("val")
+    mine = source.meta.get("val") if isinstance(source, fx.Node) else None
+    if not (isinstance(mine, Tensor) and isinstance(result, Tensor)) or mine.dim() < 1:
+        return False
+    last = mine.dim() - 1
+    if node.target is _aten.transpose.int:
+        return all(d % mine.dim() != last for d in node.args[1:3])
+    if node.target is _aten.permute.default:
+        return node.args[1][-1] % mine.dim() == last
+    return result.dim() >= 1 and result.shape[-1] == mine.shape[-1]
+
+
+def _replay_on_indices(graph: fx.Graph, chain: Sequence[fx.Node], idx: fx.Node, inverse: bool):
+    """The indices rearranged as ``chain`` (:func:`_rows_op` nodes in the order they run)
+    rearranges the rows of their lookup, or back where ``inverse``: ``chain`` without its last
+    dimension."""
+    for node in reversed(chain) if inverse else chain:
+        source, result = node.args[0].meta["val"], node.meta["val"]
+        if node.target is _aten.transpose.int:
+            dims = [d % source.dim() for d in node.args[1:3]]
+            idx = _with_meta(graph.call_function(_aten.transpose.int, (idx, *dims)))
+        elif node.target is _aten.permute.default:
+            dims = [d % source.dim() for d in node.args[1]][:-1]
+            if inverse:
+                dims = sorted(range(len(dims)), key=dims.__getitem__)
+            idx = _with_meta(graph.call_function(_aten.permute.default, (idx, dims)))
+        elif node.target in (_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default):
+            shape = (source if inverse else result).shape[:-1]
+            idx = _with_meta(graph.call_function(_aten.reshape.default, (idx, list(shape))))
+    return idx
+
+
+def _with_meta(node: fx.Node) -> fx.Node:
+    """``node`` with ``meta["val"]`` from its arguments' (fake) values."""
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
+    node.meta["val"] = node.target(*args, **kwargs)
+    return node
+
+
+def _reorder_embedding_products(graph: fx.Graph) -> None:
+    """``mm(rows(embedding(E, idx)), B)`` into ``embedding(mm(E, B), rows(idx))`` (``addmm``
+    into an addition of it), and ``embedding_dense_backward(rows(mm(G, W)), idx, ...)`` into
+    ``mm(embedding_dense_backward(G, rows^-1(idx), ...), W)``, where ``rows`` is a chain of
+    :func:`_rows_op` nodes and the table has fewer rows than the lookup. A lookup is a selection
+    of the table's rows, and a row-wise scatter-add commutes with a matrix product on the
+    right: both forms are the same products, of the table's size instead of the batch's."""
+    aten = _aten
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.kwargs:
+            continue
+        if node.target in (aten.mm.default, aten.addmm.default):
+            a, b = node.args[-2:]
+            chain = []
+            while _rows_op(a):
+                chain.append(a)
+                a = a.args[0]
+            if not (isinstance(a, fx.Node) and a.op == "call_function"):
+                continue
+            if a.target is not aten.embedding.default or a.kwargs:
+                continue
+            table, idx = a.args[:2]
+            rows = node.meta["val"].shape[0]
+            if table.meta["val"].shape[0] >= rows:
+                continue
+            with graph.inserting_before(node):
+                projected = _with_meta(graph.call_function(aten.mm.default, (table, b)))
+                order = _replay_on_indices(graph, chain[::-1], idx, inverse=False)
+                new = _with_meta(graph.call_function(aten.embedding.default, (projected, order)))
+                if node.target is aten.addmm.default:
+                    new = graph.call_function(aten.add.Tensor, (node.args[0], new))
+            new.meta = dict(node.meta)
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+        elif node.target is aten.embedding_dense_backward.default:
+            grad, idx, *rest = node.args
+            chain = []
+            while _rows_op(grad) and len(grad.users) == 1:
+                chain.append(grad)
+                grad = grad.args[0]
+            if not (isinstance(grad, fx.Node) and grad.op == "call_function"):
+                continue
+            if grad.target is not aten.mm.default or len(grad.users) != 1 or grad.kwargs:
+                continue
+            g, w = grad.args
+            if rest[0] >= grad.meta["val"].shape[0]:  # num_weights
+                continue
+            with graph.inserting_before(node):
+                order = _replay_on_indices(graph, chain[::-1], idx, inverse=True)
+                scattered = graph.call_function(node.target, (g, order, *rest))
+                new = graph.call_function(aten.mm.default, (_with_meta(scattered), w))
+            new.meta = dict(node.meta)
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            for dead in [*chain, grad]:
+                graph.erase_node(dead)
 
 
 def _unaliased(value: object) -> object:
