@@ -501,6 +501,9 @@ def test_matrix_products_accumulate_in_place_into_temporaries_only():
         s = torch.addmm(torch.addmm(bias, a, b), c, b)  # broadcast bias, then a temporary
         return torch.addmm(t, c, b), torch.addmm(u, c, b.T) + u, torch.addmm(c, a, b), s
 
+    def g(a, b, c):  # an in-place write into an input, as traced: its result is c
+        return torch.addmm(c.add_(0.0), a, b)
+
     args = (torch.randn(3, 3), torch.randn(3, 3), torch.randn(3, 3), torch.randn(3))
     gm = make_fx(f)(*args)
     expected = f(*args)
@@ -508,15 +511,22 @@ def test_matrix_products_accumulate_in_place_into_temporaries_only():
     gm.recompile()
     aten = torch.ops.aten
     targets = [n.target for n in gm.graph.nodes]
-    # the first sum and the second addmm of s; not u's (read twice), not c (an input), not
-    # the bias (broadcast)
+    # the first sum, the second addmm of s and the addition of u to a sum of its own; not u's
+    # addmm (u is read twice), not c (an input), not the bias (broadcast)
     assert targets.count(aten.addmm_.default) == 2
     assert targets.count(aten.addmm.default) == 3
+    assert targets.count(aten.add_.Tensor) == 1
     saved = [a.clone() for a in args]
     for got, want in zip(gm(*args), expected):
         torch.testing.assert_close(got, want)
     for a, b in zip(args, saved):  # no input written
         assert torch.equal(a, b)
+    gm = make_fx(g)(*args[:3])
+    _accumulate_in_place(gm.graph)
+    gm.recompile()
+    assert [n.target for n in gm.graph.nodes].count(aten.addmm.default) == 1
+    torch.testing.assert_close(gm(*args[:3]), g(*saved[:3]))
+    assert torch.equal(args[2], saved[2])
 
 
 class _Lookups(nn.Module):

@@ -701,33 +701,40 @@ def _unaliased(value: object) -> object:
     return value
 
 
-#: matrix products that add their first argument, and their in-place forms
+#: sums into their first argument (matrix products that add it, and additions), and their
+#: in-place forms
 _ACCUMULATING = {
     _aten.addmm.default: _aten.addmm_.default,
     _aten.baddbmm.default: _aten.baddbmm_.default,
+    _aten.add.Tensor: _aten.add_.Tensor,
 }
 
-#: operators whose result is memory of its own (or, in place, memory only they read)
-_FRESH = {_aten.mm.default, _aten.bmm.default, *_ACCUMULATING, *_ACCUMULATING.values()}
+#: operators whose result is memory of its own
+_FRESH = {_aten.mm.default, _aten.bmm.default, *_ACCUMULATING}
 
 
 def _accumulate_in_place(graph: fx.Graph) -> None:
-    """``addmm(c, a, b)`` into ``addmm_(c, a, b)`` (``baddbmm`` likewise) where ``c`` is the
-    result of a matrix product of this graph, of the sum's shape and dtype, that nothing else
-    reads: the sum accumulates into ``c`` instead of copying it into new memory first."""
+    """``addmm(c, a, b)`` into ``addmm_(c, a, b)`` (``baddbmm`` and ``add`` likewise) where
+    ``c`` is a result of its own memory (:data:`_FRESH`, or a sum this pass made in place into
+    such a result), of the sum's shape and dtype, that nothing else reads: the sum accumulates
+    into ``c`` instead of copying it into new memory first. An in-place operator of the graph
+    as traced (a running statistic's update) may write into an input: its result never
+    counts as fresh."""
+    in_place = set()
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in _ACCUMULATING or node.kwargs:
             continue
         c = node.args[0]
-        if not isinstance(c, fx.Node) or c.op != "call_function" or c.target not in _FRESH:
+        if not isinstance(c, fx.Node) or c.op != "call_function" or len(c.users) != 1:
             continue
-        if len(c.users) != 1:
+        if c.target not in _FRESH and c not in in_place:
             continue
         mine, result = c.meta.get("val"), node.meta.get("val")
         if not (isinstance(mine, Tensor) and isinstance(result, Tensor)):
             continue
         if mine.shape == result.shape and mine.dtype == result.dtype:
             node.target = _ACCUMULATING[node.target]
+            in_place.add(node)
 
 
 def _eliminate_common_subexpressions(graph: fx.Graph) -> None:
