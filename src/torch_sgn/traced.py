@@ -17,6 +17,8 @@ normalization, embeddings, attention, recurrent layers, custom ``forward`` metho
    tangent pass and one reverse pass) runs at every CG iteration, reading what the first part
    left behind. An activation's derivative (GELU's, SiLU's, ...) is one such quantity: the
    products multiply by it where they would evaluate it twice (:data:`HOIST_DERIVATIVES`).
+   A matrix product of embedding rows is taken on the embedding table where the table has
+   fewer rows than the batch has tokens (:data:`EMBEDDING_PRODUCTS`).
 
 Training-mode batch normalization stays exact (its batch statistics are differentiated, so the
 samples are coupled as in the gradient), its running statistics are updated once per step into
@@ -631,6 +633,14 @@ def _with_meta(node: fx.Node) -> fx.Node:
     return node
 
 
+def _rows_fewer(table: object, lookup: fx.Node) -> bool:
+    """Whether ``table`` (a node, or its number of rows) has fewer rows than ``lookup``."""
+    if isinstance(table, fx.Node):
+        table = getattr(table.meta.get("val"), "shape", (None,))[0]
+    rows = getattr(lookup.meta.get("val"), "shape", (None,))[0]
+    return isinstance(table, int) and isinstance(rows, int) and table < rows
+
+
 def _reorder_embedding_products(graph: fx.Graph) -> None:
     """``mm(rows(embedding(E, idx)), B)`` into ``embedding(mm(E, B), rows(idx))`` (``addmm``
     into an addition of it), and ``embedding_dense_backward(rows(mm(G, W)), idx, ...)`` into
@@ -653,8 +663,7 @@ def _reorder_embedding_products(graph: fx.Graph) -> None:
             if a.target is not aten.embedding.default or a.kwargs:
                 continue
             table, idx = a.args[:2]
-            rows = node.meta["val"].shape[0]
-            if table.meta["val"].shape[0] >= rows:
+            if not _rows_fewer(table, node):
                 continue
             with graph.inserting_before(node):
                 projected = _with_meta(graph.call_function(aten.mm.default, (table, b)))
@@ -676,7 +685,7 @@ def _reorder_embedding_products(graph: fx.Graph) -> None:
             if grad.target is not aten.mm.default or len(grad.users) != 1 or grad.kwargs:
                 continue
             g, w = grad.args
-            if rest[0] >= grad.meta["val"].shape[0]:  # num_weights
+            if not _rows_fewer(rest[0], grad):  # num_weights
                 continue
             with graph.inserting_before(node):
                 order = _replay_on_indices(graph, chain[::-1], idx, inverse=True)
