@@ -577,9 +577,16 @@ def test_products_of_embedding_rows_match_the_dense_reference(reorder, monkeypat
         nodes = list(getattr(trace, part).graph.nodes)
         lookups = [n for n in nodes if n.target is aten.embedding.default]
         scatters = [n for n in nodes if n.target is aten.embedding_dense_backward.default]
-        of_products = [n for n in lookups if n.args[0].target is aten.mm.default]
+        of_products = [
+            n for n in lookups if n.args[0].target in (aten.mm.default, aten.addmm.default)
+        ]
         into_products = [n for n in scatters if [u.target for u in n.users] == [aten.mm.default]]
         assert (len(of_products), len(into_products)) == expected[part]
+        # biases join the table's product, and the LSTM tangent's other term accumulates into
+        # the looked-up rows: the one full-size addition left adds the side layer's two lookups
+        adds = [n for n in nodes if n.target in (aten.add.Tensor, aten.add_.Tensor)]
+        added = [n for n in adds if any(a in lookups for a in n.args)]
+        assert len(added) == (int(part == "product") if reorder else 0)
         large = [n for n in scatters if n.args[2] == 40]
         assert len(large) == 1 and [u.target for u in large[0].users] != [aten.mm.default]
 

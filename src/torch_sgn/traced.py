@@ -641,6 +641,24 @@ def _rows_fewer(table: object, lookup: fx.Node) -> bool:
     return isinstance(table, int) and isinstance(rows, int) and table < rows
 
 
+def _is_row_vector(value: object) -> bool:
+    """Whether ``value`` is a node of one dimension (a bias, added to every row)."""
+    return isinstance(value, fx.Node) and getattr(value.meta.get("val"), "dim", lambda: 0)() == 1
+
+
+def _only_for(value: object, user: fx.Node) -> bool:
+    """Whether ``value`` is a matrix product without keywords, of ``user``'s shape, that only
+    ``user`` reads."""
+    return (
+        isinstance(value, fx.Node)
+        and value.op == "call_function"
+        and value.target in (_aten.mm.default, _aten.addmm.default)
+        and not value.kwargs
+        and list(value.users) == [user]
+        and getattr(value.meta.get("val"), "shape", None) == user.meta["val"].shape
+    )
+
+
 def _reorder_embedding_products(graph: fx.Graph) -> None:
     """``mm(rows(embedding(E, idx)), B)`` into ``embedding(mm(E, B), rows(idx))`` (``addmm``
     into an addition of it), and ``embedding_dense_backward(rows(mm(G, W)), idx, ...)`` into
@@ -665,15 +683,31 @@ def _reorder_embedding_products(graph: fx.Graph) -> None:
             table, idx = a.args[:2]
             if not _rows_fewer(table, node):
                 continue
+            addend = node.args[0] if node.target is aten.addmm.default else None
+            # the sum's other terms: a bias joins the table's product, a matrix product of
+            # this sum alone accumulates into the looked-up rows
+            bias, product = (addend, None) if _is_row_vector(addend) else (None, addend)
+            if _only_for(product, node) and product.target is aten.addmm.default:
+                if _is_row_vector(product.args[0]) and bias is None:
+                    bias, product = product.args[0], (aten.mm.default, product.args[1:])
+            elif _only_for(product, node) and product.target is aten.mm.default:
+                product = (aten.mm.default, product.args)
             with graph.inserting_before(node):
-                projected = _with_meta(graph.call_function(aten.mm.default, (table, b)))
+                projected = graph.call_function(
+                    *((aten.mm.default, (table, b)) if bias is None
+                      else (aten.addmm.default, (bias, table, b)))
+                )  # fmt: skip
                 order = _replay_on_indices(graph, chain[::-1], idx, inverse=False)
-                new = _with_meta(graph.call_function(aten.embedding.default, (projected, order)))
-                if node.target is aten.addmm.default:
-                    new = graph.call_function(aten.add.Tensor, (node.args[0], new))
+                new = graph.call_function(aten.embedding.default, (_with_meta(projected), order))
+                if isinstance(product, tuple):
+                    new = graph.call_function(aten.addmm.default, (_with_meta(new), *product[1]))
+                elif product is not None:
+                    new = graph.call_function(aten.add.Tensor, (product, _with_meta(new)))
             new.meta = dict(node.meta)
             node.replace_all_uses_with(new)
             graph.erase_node(node)
+            if isinstance(addend, fx.Node) and not addend.users:
+                graph.erase_node(addend)
         elif node.target is aten.embedding_dense_backward.default:
             grad, idx, *rest = node.args
             chain = []
@@ -719,7 +753,7 @@ _ACCUMULATING = {
 }
 
 #: operators whose result is memory of its own
-_FRESH = {_aten.mm.default, _aten.bmm.default, *_ACCUMULATING}
+_FRESH = {_aten.mm.default, _aten.bmm.default, _aten.embedding.default, *_ACCUMULATING}
 
 
 def _accumulate_in_place(graph: fx.Graph) -> None:
