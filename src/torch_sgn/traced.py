@@ -660,12 +660,17 @@ def _only_for(value: object, user: fx.Node) -> bool:
 
 
 def _reorder_embedding_products(graph: fx.Graph) -> None:
-    """``mm(rows(embedding(E, idx)), B)`` into ``embedding(mm(E, B), rows(idx))`` (``addmm``
-    into an addition of it), and ``embedding_dense_backward(rows(mm(G, W)), idx, ...)`` into
+    """``mm(rows(embedding(E, idx)), B)`` into ``embedding(mm(E, B), rows(idx))``, and
+    ``embedding_dense_backward(rows(mm(G, W)), idx, ...)`` into
     ``mm(embedding_dense_backward(G, rows^-1(idx), ...), W)``, where ``rows`` is a chain of
     :func:`_rows_op` nodes and the table has fewer rows than the lookup. A lookup is a selection
     of the table's rows, and a row-wise scatter-add commutes with a matrix product on the
-    right: both forms are the same products, of the table's size instead of the batch's."""
+    right: both forms are the same products, of the table's size instead of the batch's.
+
+    In ``addmm(c, rows(...), B)``, a bias ``c`` (one dimension) joins the table's product,
+    ``addmm(E, B)``; a matrix product ``c = mm(a, b)`` (or ``addmm`` of a bias) that only this
+    sum reads becomes ``addmm(embedding(...), a, b)``, which :func:`_accumulate_in_place` then
+    accumulates into the looked-up rows; any other ``c`` is added."""
     aten = _aten
     for node in list(graph.nodes):
         if node.op != "call_function" or node.kwargs:
