@@ -591,6 +591,45 @@ def test_products_of_embedding_rows_match_the_dense_reference(reorder, monkeypat
         assert len(large) == 1 and [u.target for u in large[0].users] != [aten.mm.default]
 
 
+class _SineWithoutJvp(torch.autograd.Function):
+    """sin with a backward and no forward-mode rule: the engine takes J v by double backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.sin()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * x.cos()
+
+
+class _LookupsWithoutJvp(_Lookups):
+    def forward(self, idx):
+        return _SineWithoutJvp.apply(super().forward(idx))
+
+
+def test_products_of_embedding_rows_on_the_double_backward_route():
+    torch.manual_seed(5)
+    g = torch.Generator().manual_seed(5)
+    model = _LookupsWithoutJvp().to(D)
+    idx, y = torch.randint(0, 4, (3, 5), generator=g), torch.randn(3, 5, 2, generator=g).to(D)
+    G_ref, g_ref = dense_reference(model, F.mse_loss, idx, y)
+    engine = _traced(model, "mse")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the route is reported; that is tested elsewhere
+        lin = engine(engine.fmodel.flat(), Batch(idx, y))
+    G = torch.stack([lin.ggn_vp(e) for e in torch.eye(engine.fmodel.numel, dtype=D)], 1)
+    torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(G, G_ref, rtol=1e-9, atol=1e-11)
+    (trace,) = engine._cache.values()
+    aten = torch.ops.aten
+    lookups = [n for n in trace.product.graph.nodes if n.target is aten.embedding.default]
+    assert trace.double_backward
+    assert any(n.args[0].target in (aten.mm.default, aten.addmm.default) for n in lookups)
+
+
 def test_reordered_embedding_products_keep_padding_and_frequency_scaling(monkeypatch):
     options = {"padding_idx": 1, "scale_grad_by_freq": True}
     *_, engine, lin = _lookups(True, monkeypatch, **options)
