@@ -172,3 +172,18 @@ def dense_ggn_of_module(model: nn.Module, loss, x, y: Tensor) -> tuple[Tensor, T
     H = hessian(lambda z: fn(z.view(out.shape), y), out.detach().reshape(-1))
     g = torch.autograd.grad(fn(model(x), y), params)
     return J.T @ H @ J, torch.cat([t.reshape(-1) for t in g])
+
+
+class SineWithoutJvp(torch.autograd.Function):
+    """sin with a backward only (old style: no setup_context, no jvp): forward-mode AD has no
+    rule for it, so an engine takes ``J v`` by double backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.sin()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * x.cos()

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cases import dense_ggn_of_module
+from cases import SineWithoutJvp, dense_ggn_of_module
 from torch_sgn import GGN, SGN
 from torch_sgn.engines import select_engine
 from torch_sgn.forward_mode import kernels, missing_rule, switch_for
@@ -334,21 +334,7 @@ def test_kernel_switches_restore_the_global_settings():
     assert torch.backends.mkldnn.enabled and torch.backends.mha.get_fastpath_enabled()
 
 
-class _NoJvp(torch.autograd.Function):
-    """sin with a backward only (old style: no setup_context, no jvp)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x.sin()
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return g * x.cos()
-
-
-class _Detached(_NoJvp):
+class _Detached(SineWithoutJvp):
     @staticmethod
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
@@ -367,7 +353,7 @@ class _CustomFunctionModel(nn.Module):
 
 def test_custom_function_without_jvp_goes_by_double_backward():
     torch.manual_seed(0)
-    model = _CustomFunctionModel(_NoJvp).double()
+    model = _CustomFunctionModel(SineWithoutJvp).double()
     x, y = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
     G_ref, _ = dense_ggn_of_module(model, "mse", x, y)
     with pytest.warns(UserWarning, match="custom autograd.Function.*double backward"):

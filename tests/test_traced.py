@@ -10,6 +10,7 @@ from torch import nn
 from torch.autograd.functional import hessian, jacobian
 from torch.func import functional_call
 
+from cases import SineWithoutJvp
 from torch_sgn import GGN, SGN
 from torch_sgn.engines import select_engine
 from torch_sgn.functional import FunctionalModel
@@ -591,23 +592,9 @@ def test_products_of_embedding_rows_match_the_dense_reference(reorder, monkeypat
         assert len(large) == 1 and [u.target for u in large[0].users] != [aten.mm.default]
 
 
-class _SineWithoutJvp(torch.autograd.Function):
-    """sin with a backward and no forward-mode rule: the engine takes J v by double backward."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x.sin()
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return g * x.cos()
-
-
 class _LookupsWithoutJvp(_Lookups):
     def forward(self, idx):
-        return _SineWithoutJvp.apply(super().forward(idx))
+        return SineWithoutJvp.apply(super().forward(idx))
 
 
 def test_products_of_embedding_rows_on_the_double_backward_route():
