@@ -617,6 +617,37 @@ def test_products_of_embedding_rows_on_the_double_backward_route():
     assert any(n.args[0].target in (aten.mm.default, aten.addmm.default) for n in lookups)
 
 
+class _WrittenLookups(nn.Module):
+    """Looked-up rows written in place after a view of them was taken: the view sees the
+    write, so a product of the view is not a product of the table's rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.embed2 = nn.Embedding(4, 3), nn.Embedding(4, 3)
+        self.position = nn.Parameter(torch.randn(5, 3))
+        self.a, self.b = nn.Linear(3, 2), nn.Linear(3, 2)
+
+    def forward(self, idx):
+        x, z = self.embed(idx), self.embed2(idx)
+        rows, zt = x.view(-1, 3), z.transpose(0, 1)
+        x.mul_(3.0)
+        z.add_(self.position)
+        return self.a(rows).view(*idx.shape, 2) + self.b(zt).transpose(0, 1)
+
+
+def test_products_of_embedding_rows_written_in_place_match_the_dense_reference():
+    torch.manual_seed(6)
+    g = torch.Generator().manual_seed(6)
+    model = _WrittenLookups().to(D)
+    idx, y = torch.randint(0, 4, (3, 5), generator=g), torch.randn(3, 5, 2, generator=g).to(D)
+    G_ref, g_ref = dense_reference(model, F.mse_loss, idx, y)
+    engine = _traced(model, "mse")
+    lin = engine(engine.fmodel.flat(), Batch(idx, y))
+    G = torch.stack([lin.ggn_vp(e) for e in torch.eye(engine.fmodel.numel, dtype=D)], 1)
+    torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(G, G_ref, rtol=1e-9, atol=1e-11)
+
+
 def test_reordered_embedding_products_keep_padding_and_frequency_scaling(monkeypatch):
     options = {"padding_idx": 1, "scale_grad_by_freq": True}
     *_, engine, lin = _lookups(True, monkeypatch, **options)
@@ -624,6 +655,60 @@ def test_reordered_embedding_products_keep_padding_and_frequency_scaling(monkeyp
     for v in torch.randn(3, engine.fmodel.numel, dtype=D):
         torch.testing.assert_close(lin.ggn_vp(v), reference.ggn_vp(v), rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(lin.grad, reference.grad, rtol=1e-12, atol=1e-14)
+
+
+class _Propagation(nn.Module):
+    """``h + adj @ h``: the reverse pass adds ``adj^T g`` to ``g``, a product that reads the
+    temporary it is added to."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x, adj):
+        h = self.a(x)
+        return self.b(h + adj @ h)
+
+
+def test_a_sum_is_not_accumulated_into_an_operand_of_its_own_product():
+    torch.manual_seed(7)
+    g = torch.Generator().manual_seed(7)
+    model = _Propagation().to(D)
+    # 16 rows: matrix-product kernels give wrong results from there on when the output is
+    # also a factor
+    x, adj = torch.randn(16, 3, generator=g).to(D), torch.rand(16, 16, generator=g).to(D) / 16
+    y = torch.randn(16, 2, generator=g).to(D)
+    G_ref, g_ref = dense_reference(model, F.mse_loss, (x, adj), y)
+    engine = _traced(model, "mse")
+    lin = engine(engine.fmodel.flat(), Batch((x, adj), y))
+    G = torch.stack([lin.ggn_vp(e) for e in torch.eye(engine.fmodel.numel, dtype=D)], 1)
+    torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(G, G_ref, rtol=1e-9, atol=1e-11)
+
+
+class _Transposed(nn.Module):
+    """A linear layer on a transposed input, transposed back: the loss's backward kernel
+    returns another memory layout than tracing saw, where a ``view`` of it failed."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.a(x.transpose(0, 1)).transpose(0, 1)
+
+
+def test_a_real_kernel_with_another_memory_layout_than_traced_is_exact():
+    torch.manual_seed(8)
+    g = torch.Generator().manual_seed(8)
+    model = _Transposed().to(D)
+    x, y = torch.randn(3, 5, 3, generator=g).to(D), torch.randn(3, 5, 2, generator=g).to(D)
+    G_ref, g_ref = dense_reference(model, F.mse_loss, x, y)
+    engine = _traced(model, "mse")
+    lin = engine(engine.fmodel.flat(), Batch(x, y))
+    G = torch.stack([lin.ggn_vp(e) for e in torch.eye(engine.fmodel.numel, dtype=D)], 1)
+    torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(G, G_ref, rtol=1e-9, atol=1e-11)
 
 
 class _LSTMVariant(nn.Module):

@@ -38,6 +38,7 @@ other than the modules' ``training`` flags and the shapes of its inputs is fixed
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -348,6 +349,7 @@ def _trace(
         _hoist_derivatives(graph.graph)
     if EMBEDDING_PRODUCTS:
         _reorder_embedding_products(graph.graph)
+    _views_as_reshapes(graph.graph)
     setup, product = _split(graph)
     return _Traced(setup, product, double_backward, declined)
 
@@ -646,9 +648,9 @@ def _is_row_vector(value: object) -> bool:
     return isinstance(value, fx.Node) and getattr(value.meta.get("val"), "dim", lambda: 0)() == 1
 
 
-def _only_for(value: object, user: fx.Node) -> bool:
-    """Whether ``value`` is a matrix product without keywords, of ``user``'s shape, that only
-    ``user`` reads."""
+def _sole_product_of(value: object, user: fx.Node) -> bool:
+    """Whether ``value`` is a matrix product (``mm``, ``addmm``) without keywords, of ``user``'s
+    shape, that only ``user`` reads."""
     return (
         isinstance(value, fx.Node)
         and value.op == "call_function"
@@ -657,6 +659,39 @@ def _only_for(value: object, user: fx.Node) -> bool:
         and list(value.users) == [user]
         and getattr(value.meta.get("val"), "shape", None) == user.meta["val"].shape
     )
+
+
+def _is_view(target: object) -> bool:
+    """Whether an operator's result shares its (first) argument's memory."""
+    if target is _aten._unsafe_view.default:  # a view, though its schema says otherwise
+        return True
+    if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
+        return False
+    return any(r.alias_info is not None for r in target._schema.returns)
+
+
+def _memory_of(node: object) -> object:
+    """The node whose memory ``node``'s tensor is, through views (and the items of an
+    operator's several results, which count as one memory)."""
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        if node.target is not operator.getitem and not _is_view(node.target):
+            break
+        node = node.args[0]
+    return node
+
+
+def _views_as_reshapes(graph: fx.Graph) -> None:
+    """``view`` (and ``_unsafe_view``) into ``reshape`` where no operator of the graph writes
+    into the memory viewed. Tracing records a ``view`` where the fake tensor's strides allow
+    one; a real kernel may return another memory layout than its fake counterpart
+    (``mse_loss_backward`` of a transposed input returns a contiguous tensor), and ``view``
+    then fails where ``reshape`` copies."""
+    written = {_memory_of(w) for n in graph.nodes for w in _written(n)}
+    views = (_aten.view.default, _aten._unsafe_view.default)
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in views and not node.kwargs:
+            if _memory_of(node) not in written:
+                node.target = _aten.reshape.default
 
 
 def _reorder_embedding_products(graph: fx.Graph) -> None:
@@ -672,6 +707,14 @@ def _reorder_embedding_products(graph: fx.Graph) -> None:
     sum reads becomes ``addmm(embedding(...), a, b)``, which :func:`_accumulate_in_place` then
     accumulates into the looked-up rows; any other ``c`` is added."""
     aten = _aten
+    # memory that an operator of the graph writes into (an in-place scaling of the looked-up
+    # rows, say): a lookup or product that reads it is left as it is, since the rewrite moves
+    # where its operands are read
+    written = {_memory_of(w) for n in graph.nodes for w in _written(n)}
+
+    def clean(*nodes: object) -> bool:
+        return all(_memory_of(n) not in written for n in nodes)
+
     for node in list(graph.nodes):
         if node.op != "call_function" or node.kwargs:
             continue
@@ -686,33 +729,39 @@ def _reorder_embedding_products(graph: fx.Graph) -> None:
             if a.target is not aten.embedding.default or a.kwargs:
                 continue
             table, idx = a.args[:2]
-            if not _rows_fewer(table, node):
+            if not _rows_fewer(table, node) or not clean(a, *chain, table, idx):
                 continue
+            # The sum's other term, ``c`` of addmm: a bias joins the table's product; a
+            # matrix product that only this sum reads (``mm(a2, b2)``, or ``addmm`` of a bias)
+            # accumulates into the looked-up rows; anything else is added to them.
             addend = node.args[0] if node.target is aten.addmm.default else None
-            # the sum's other terms: a bias joins the table's product, a matrix product of
-            # this sum alone accumulates into the looked-up rows
-            bias, product = (addend, None) if _is_row_vector(addend) else (None, addend)
-            if _only_for(product, node) and product.target is aten.addmm.default:
-                if _is_row_vector(product.args[0]) and bias is None:
-                    bias, product = product.args[0], (aten.mm.default, product.args[1:])
-            elif _only_for(product, node) and product.target is aten.mm.default:
-                product = (aten.mm.default, product.args)
+            bias = factors = other = None
+            if _is_row_vector(addend):
+                bias = addend
+            elif _sole_product_of(addend, node) and addend.target is aten.mm.default:
+                factors = addend.args
+            elif _sole_product_of(addend, node) and _is_row_vector(addend.args[0]):
+                bias, factors = addend.args[0], addend.args[1:]
+            else:
+                other = addend
             with graph.inserting_before(node):
-                projected = graph.call_function(
-                    *((aten.mm.default, (table, b)) if bias is None
-                      else (aten.addmm.default, (bias, table, b)))
-                )  # fmt: skip
+                if bias is None:
+                    projected = graph.call_function(aten.mm.default, (table, b))
+                else:
+                    projected = graph.call_function(aten.addmm.default, (bias, table, b))
                 order = _replay_on_indices(graph, chain[::-1], idx, inverse=False)
                 new = graph.call_function(aten.embedding.default, (_with_meta(projected), order))
-                if isinstance(product, tuple):
-                    new = graph.call_function(aten.addmm.default, (_with_meta(new), *product[1]))
-                elif product is not None:
-                    new = graph.call_function(aten.add.Tensor, (product, _with_meta(new)))
+                if factors is not None:
+                    new = graph.call_function(aten.addmm.default, (_with_meta(new), *factors))
+                elif other is not None:
+                    new = graph.call_function(aten.add.Tensor, (other, _with_meta(new)))
             new.meta = dict(node.meta)
             node.replace_all_uses_with(new)
             graph.erase_node(node)
             if isinstance(addend, fx.Node) and not addend.users:
                 graph.erase_node(addend)
+            # the lookup and its row operations may now be unread: _split keeps only what the
+            # graph's outputs need
         elif node.target is aten.embedding_dense_backward.default:
             grad, idx, *rest = node.args
             chain = []
@@ -724,7 +773,7 @@ def _reorder_embedding_products(graph: fx.Graph) -> None:
             if grad.target is not aten.mm.default or len(grad.users) != 1 or grad.kwargs:
                 continue
             g, w = grad.args
-            if not _rows_fewer(rest[0], grad):  # num_weights
+            if not _rows_fewer(rest[0], grad) or not clean(g, w, idx):  # rest[0]: num_weights
                 continue
             with graph.inserting_before(node):
                 order = _replay_on_indices(graph, chain[::-1], idx, inverse=True)
@@ -764,10 +813,10 @@ _FRESH = {_aten.mm.default, _aten.bmm.default, _aten.embedding.default, *_ACCUMU
 def _accumulate_in_place(graph: fx.Graph) -> None:
     """``addmm(c, a, b)`` into ``addmm_(c, a, b)`` (``baddbmm`` and ``add`` likewise) where
     ``c`` is a result of its own memory (:data:`_FRESH`, or a sum this pass made in place into
-    such a result), of the sum's shape and dtype, that nothing else reads: the sum accumulates
-    into ``c`` instead of copying it into new memory first. An in-place operator of the graph
-    as traced (a running statistic's update) may write into an input: its result never
-    counts as fresh."""
+    such a result), of the sum's shape and dtype, that nothing else reads, the sum's other
+    operands included: the sum accumulates into ``c`` instead of copying it into new memory
+    first. An in-place operator of the graph as traced (a running statistic's update) may
+    write into an input: its result never counts as fresh."""
     in_place = set()
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in _ACCUMULATING or node.kwargs:
@@ -776,6 +825,8 @@ def _accumulate_in_place(graph: fx.Graph) -> None:
         if not isinstance(c, fx.Node) or c.op != "call_function" or len(c.users) != 1:
             continue
         if c.target not in _FRESH and c not in in_place:
+            continue
+        if c in _flat_nodes(node.args[1:]):  # addmm(c, a, c): a product must not read its output
             continue
         mine, result = c.meta.get("val"), node.meta.get("val")
         if not (isinstance(mine, Tensor) and isinstance(result, Tensor)):
