@@ -178,6 +178,20 @@ def _traced(model, loss):
     return TracedEngine(FunctionalModel(model), resolve_loss(loss), strict=True)
 
 
+def _matches_dense_reference(model, inputs, targets, loss="mse"):
+    """The traced engine's gradient and ``G`` (every product with a unit vector) against
+    :func:`dense_reference`, in float64; the engine, for further checks."""
+    G_ref, g_ref = dense_reference(model, _LOSS_FN[loss], inputs, targets)
+    engine = _traced(model, loss)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a route's report; tested where it matters
+        lin = engine(engine.fmodel.flat(), Batch(inputs, targets))
+    G = torch.stack([lin.ggn_vp(e) for e in torch.eye(engine.fmodel.numel, dtype=D)], 1)
+    torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(G, G_ref, rtol=1e-9, atol=1e-11)
+    return engine
+
+
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("name", FAMILIES)
 def test_traced_products_match_the_dense_reference(name, train):
@@ -472,12 +486,7 @@ def test_activation_derivatives_taken_once_per_step_match_the_dense_reference(ho
     g = torch.Generator().manual_seed(4)
     model = _Activations().to(D)
     x, y = torch.randn(6, 3, generator=g).to(D), torch.randn(6, 2, generator=g).to(D)
-    G_ref, g_ref = dense_reference(model, F.mse_loss, x, y)
-    engine = _traced(model, "mse")
-    lin = engine(engine.fmodel.flat(), Batch(x, y))
-    G = torch.stack([lin.ggn_vp(e) for e in torch.eye(engine.fmodel.numel, dtype=D)], 1)
-    torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(G, G_ref, rtol=1e-9, atol=1e-11)
+    engine = _matches_dense_reference(model, x, y)
     (trace,) = engine._cache.values()
     in_product = [n.target for n in trace.product.graph.nodes if n.target in traced.DERIVATIVES]
     in_setup = [n.target for n in trace.setup.graph.nodes if n.target in traced.DERIVATIVES]
@@ -602,14 +611,7 @@ def test_products_of_embedding_rows_on_the_double_backward_route():
     g = torch.Generator().manual_seed(5)
     model = _LookupsWithoutJvp().to(D)
     idx, y = torch.randint(0, 4, (3, 5), generator=g), torch.randn(3, 5, 2, generator=g).to(D)
-    G_ref, g_ref = dense_reference(model, F.mse_loss, idx, y)
-    engine = _traced(model, "mse")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the route is reported; that is tested elsewhere
-        lin = engine(engine.fmodel.flat(), Batch(idx, y))
-    G = torch.stack([lin.ggn_vp(e) for e in torch.eye(engine.fmodel.numel, dtype=D)], 1)
-    torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(G, G_ref, rtol=1e-9, atol=1e-11)
+    engine = _matches_dense_reference(model, idx, y)
     (trace,) = engine._cache.values()
     aten = torch.ops.aten
     lookups = [n for n in trace.product.graph.nodes if n.target is aten.embedding.default]
@@ -640,12 +642,7 @@ def test_products_of_embedding_rows_written_in_place_match_the_dense_reference()
     g = torch.Generator().manual_seed(6)
     model = _WrittenLookups().to(D)
     idx, y = torch.randint(0, 4, (3, 5), generator=g), torch.randn(3, 5, 2, generator=g).to(D)
-    G_ref, g_ref = dense_reference(model, F.mse_loss, idx, y)
-    engine = _traced(model, "mse")
-    lin = engine(engine.fmodel.flat(), Batch(idx, y))
-    G = torch.stack([lin.ggn_vp(e) for e in torch.eye(engine.fmodel.numel, dtype=D)], 1)
-    torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(G, G_ref, rtol=1e-9, atol=1e-11)
+    _matches_dense_reference(model, idx, y)
 
 
 def test_reordered_embedding_products_keep_padding_and_frequency_scaling(monkeypatch):
@@ -678,12 +675,7 @@ def test_a_sum_is_not_accumulated_into_an_operand_of_its_own_product():
     # also a factor
     x, adj = torch.randn(16, 3, generator=g).to(D), torch.rand(16, 16, generator=g).to(D) / 16
     y = torch.randn(16, 2, generator=g).to(D)
-    G_ref, g_ref = dense_reference(model, F.mse_loss, (x, adj), y)
-    engine = _traced(model, "mse")
-    lin = engine(engine.fmodel.flat(), Batch((x, adj), y))
-    G = torch.stack([lin.ggn_vp(e) for e in torch.eye(engine.fmodel.numel, dtype=D)], 1)
-    torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(G, G_ref, rtol=1e-9, atol=1e-11)
+    _matches_dense_reference(model, (x, adj), y)
 
 
 class _Transposed(nn.Module):
@@ -703,12 +695,7 @@ def test_a_real_kernel_with_another_memory_layout_than_traced_is_exact():
     g = torch.Generator().manual_seed(8)
     model = _Transposed().to(D)
     x, y = torch.randn(3, 5, 3, generator=g).to(D), torch.randn(3, 5, 2, generator=g).to(D)
-    G_ref, g_ref = dense_reference(model, F.mse_loss, x, y)
-    engine = _traced(model, "mse")
-    lin = engine(engine.fmodel.flat(), Batch(x, y))
-    G = torch.stack([lin.ggn_vp(e) for e in torch.eye(engine.fmodel.numel, dtype=D)], 1)
-    torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(G, G_ref, rtol=1e-9, atol=1e-11)
+    _matches_dense_reference(model, x, y)
 
 
 class _LSTMVariant(nn.Module):
