@@ -645,6 +645,26 @@ def test_products_of_embedding_rows_written_in_place_match_the_dense_reference()
     _matches_dense_reference(model, idx, y)
 
 
+def test_frequency_scaled_embeddings_are_reported_as_making_the_matrix_asymmetric():
+    torch.manual_seed(9)
+    model = nn.Sequential(nn.Embedding(4, 3, scale_grad_by_freq=True), nn.Flatten())
+    model.append(nn.Linear(15, 2)).to(D)
+    idx, y = torch.randint(0, 4, (6, 5)), torch.randn(6, 2, dtype=D)
+    with pytest.warns(UserWarning, match="'0' has scale_grad_by_freq=True.*not symmetric"):
+        G = GGN(model, "mse", idx, y).to_dense()
+    assert (G - G.T).abs().max() > 1e-3  # what the warning says
+    model[0].scale_grad_by_freq = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        G = GGN(model, "mse", idx, y).to_dense()
+    torch.testing.assert_close(G, G.T, rtol=1e-12, atol=1e-14)
+    model[0].scale_grad_by_freq = True
+    model[0].weight.requires_grad_(False)  # a frozen table takes no gradient: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SGN(model, "mse")
+
+
 def test_reordered_embedding_products_keep_padding_and_frequency_scaling(monkeypatch):
     options = {"padding_idx": 1, "scale_grad_by_freq": True}
     *_, engine, lin = _lookups(True, monkeypatch, **options)

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .diagnostics import warn
 from .functional import FunctionalEngine, FunctionalModel
 from .layerwise import LayerwiseEngine
 from .linearization import Batch, Engine, Linearization
@@ -36,6 +37,7 @@ def select_engine(
     engine captures its work as CUDA graphs where it can (see :mod:`torch_sgn.graphs`)."""
     if engine not in ENGINES:
         raise ValueError(f"invalid engine={engine!r}: must be one of {ENGINES}")
+    _warn_frequency_scaling(fmodel.model)
     if engine == "functional":  # SGN refuses cuda_graphs with it
         return FunctionalEngine(fmodel, loss)
     if engine == "traced":  # SGN refuses cuda_graphs with it
@@ -44,6 +46,26 @@ def select_engine(
         return LayerwiseEngine(fmodel, loss, strict=True, cuda_graphs=cuda_graphs)
     traced = TracedEngine(fmodel, loss, strict=False)  # falls back to functional, with a warning
     return LayerwiseEngine(fmodel, loss, strict=False, cuda_graphs=cuda_graphs, fallback=traced)
+
+
+def _warn_frequency_scaling(model: torch.nn.Module) -> None:
+    """Warns where a trained embedding scales its gradient by the words' frequencies: the
+    reverse pass then scales ``J^T`` and the tangent does not scale ``J``, so the products are
+    those of ``D J^T H J``, which is not symmetric (``D`` the scaling)."""
+    names = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Embedding)
+        and module.scale_grad_by_freq
+        and module.weight.requires_grad
+    ]
+    if names:
+        warn(
+            f"nn.Embedding {names[0]!r} has scale_grad_by_freq=True: its gradient is scaled by "
+            "the inverse frequencies of the indices and its tangent is not, so the Gauss-Newton "
+            "matrix is not symmetric and conjugate gradient does not solve its system exactly; "
+            "build the embedding with scale_grad_by_freq=False"
+        )
 
 
 def curvature_subset(engine: Engine, loss: OutputLoss, fraction: float, seed: int = 0) -> Engine:
