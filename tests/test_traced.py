@@ -463,6 +463,19 @@ def test_graph_passes_fuse_matrix_products_and_merge_repeats():
     _eliminate_common_subexpressions(gm.graph)
     assert len(gm.graph.nodes) == before
 
+    def h(a, b, c):  # a factor written after the product: the product stays where it is
+        t = a @ b
+        a.mul_(2.0)
+        return c + t
+
+    gm = make_fx(h)(*[t.clone() for t in args[:3]])
+    _fuse_matmul_adds(gm.graph)
+    gm.recompile()
+    assert aten.addmm.default not in [n.target for n in gm.graph.nodes]
+    torch.testing.assert_close(
+        gm(*[t.clone() for t in args[:3]]), h(*[t.clone() for t in args[:3]])
+    )
+
 
 class _Activations(nn.Module):
     """The activations whose derivatives the engine takes once per step as factors."""

@@ -488,9 +488,12 @@ def _split(gm: fx.GraphModule) -> Tuple[fx.GraphModule, fx.GraphModule]:
 # --- rewriting ---------------------------------------------------------------------------------
 def _fuse_matmul_adds(graph: fx.Graph) -> None:
     """``add(c, mm(a, b))`` into ``addmm(c, a, b)`` (and ``bmm`` into ``baddbmm``): a linear
-    layer's tangent ``dx W^T + x dW^T + db`` then takes no separate full-size additions."""
+    layer's tangent ``dx W^T + x dW^T + db`` then takes no separate full-size additions. The
+    product moves to the addition: not where an operator of the graph writes into ``a`` or
+    ``b``, which the product would then read after the write."""
     aten = torch.ops.aten
     fused = {aten.mm.default: aten.addmm.default, aten.bmm.default: aten.baddbmm.default}
+    written = {_memory_of(w) for n in graph.nodes for w in _written(n)}
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not aten.add.Tensor or node.kwargs:
             continue
@@ -498,6 +501,8 @@ def _fuse_matmul_adds(graph: fx.Graph) -> None:
             continue
         for mm, other in ((node.args[1], node.args[0]), (node.args[0], node.args[1])):
             if mm.op != "call_function" or mm.target not in fused or len(mm.users) != 1:
+                continue
+            if any(_memory_of(a) in written for a in mm.args):
                 continue
             out, prod, addend = (n.meta.get("val") for n in (node, mm, other))
             if not all(isinstance(t, Tensor) for t in (out, prod, addend)):
