@@ -493,7 +493,7 @@ def _fuse_matmul_adds(graph: fx.Graph) -> None:
     ``b``, which the product would then read after the write."""
     aten = torch.ops.aten
     fused = {aten.mm.default: aten.addmm.default, aten.bmm.default: aten.baddbmm.default}
-    written = {_memory_of(w) for n in graph.nodes for w in _written(n)}
+    written = _written_memory(graph)
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not aten.add.Tensor or node.kwargs:
             continue
@@ -685,13 +685,18 @@ def _memory_of(node: object) -> object:
     return node
 
 
+def _written_memory(graph: fx.Graph) -> set:
+    """The memory (:func:`_memory_of`) that an operator of ``graph`` writes into."""
+    return {_memory_of(w) for n in graph.nodes for w in _written(n)}
+
+
 def _views_as_reshapes(graph: fx.Graph) -> None:
     """``view`` (and ``_unsafe_view``) into ``reshape`` where no operator of the graph writes
     into the memory viewed. Tracing records a ``view`` where the fake tensor's strides allow
     one; a real kernel may return another memory layout than its fake counterpart
     (``mse_loss_backward`` of a transposed input returns a contiguous tensor), and ``view``
     then fails where ``reshape`` copies."""
-    written = {_memory_of(w) for n in graph.nodes for w in _written(n)}
+    written = _written_memory(graph)
     views = (_aten.view.default, _aten._unsafe_view.default)
     for node in graph.nodes:
         if node.op == "call_function" and node.target in views and not node.kwargs:
@@ -715,7 +720,7 @@ def _reorder_embedding_products(graph: fx.Graph) -> None:
     # memory that an operator of the graph writes into (an in-place scaling of the looked-up
     # rows, say): a lookup or product that reads it is left as it is, since the rewrite moves
     # where its operands are read
-    written = {_memory_of(w) for n in graph.nodes for w in _written(n)}
+    written = _written_memory(graph)
 
     def clean(*nodes: object) -> bool:
         return all(_memory_of(n) not in written for n in nodes)
