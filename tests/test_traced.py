@@ -568,26 +568,20 @@ class _Lookups(nn.Module):
         return self.head(self.rnn(self.embed(idx))[0]) + s + self.side3(self.embed3(idx))
 
 
-def _lookups(reorder, monkeypatch, **options):
-    import torch_sgn.traced as traced
-
-    monkeypatch.setattr(traced, "EMBEDDING_PRODUCTS", reorder)
+def _lookups(build=_Lookups, **options):
+    """(model, indices, targets) of a :class:`_Lookups` model, 15 tokens per batch."""
     torch.manual_seed(5)
     g = torch.Generator().manual_seed(5)
-    model = _Lookups(**options).to(D)
-    idx = torch.randint(0, 4, (3, 5), generator=g)
-    y = torch.randn(3, 5, 2, generator=g).to(D)
-    engine = _traced(model, "mse")
-    return model, idx, y, engine, engine(engine.fmodel.flat(), Batch(idx, y))
+    model = build(**options).to(D)
+    return model, torch.randint(0, 4, (3, 5), generator=g), torch.randn(3, 5, 2, generator=g).to(D)
 
 
 @pytest.mark.parametrize("reorder", [True, False], ids=["reordered", "as-traced"])
 def test_products_of_embedding_rows_match_the_dense_reference(reorder, monkeypatch):
-    model, idx, y, engine, lin = _lookups(reorder, monkeypatch)
-    G_ref, g_ref = dense_reference(model, F.mse_loss, idx, y)
-    G = torch.stack([lin.ggn_vp(e) for e in torch.eye(engine.fmodel.numel, dtype=D)], 1)
-    torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(G, G_ref, rtol=1e-9, atol=1e-11)
+    import torch_sgn.traced as traced
+
+    monkeypatch.setattr(traced, "EMBEDDING_PRODUCTS", reorder)
+    engine = _matches_dense_reference(*_lookups())
     aten = torch.ops.aten
     (trace,) = engine._cache.values()
     # the two small tables' products are taken on the tables: in the set-up, each forward
@@ -620,11 +614,7 @@ class _LookupsWithoutJvp(_Lookups):
 
 
 def test_products_of_embedding_rows_on_the_double_backward_route():
-    torch.manual_seed(5)
-    g = torch.Generator().manual_seed(5)
-    model = _LookupsWithoutJvp().to(D)
-    idx, y = torch.randint(0, 4, (3, 5), generator=g), torch.randn(3, 5, 2, generator=g).to(D)
-    engine = _matches_dense_reference(model, idx, y)
+    engine = _matches_dense_reference(*_lookups(_LookupsWithoutJvp))
     (trace,) = engine._cache.values()
     aten = torch.ops.aten
     lookups = [n for n in trace.product.graph.nodes if n.target is aten.embedding.default]
@@ -679,9 +669,15 @@ def test_frequency_scaled_embeddings_are_reported_as_making_the_matrix_asymmetri
 
 
 def test_reordered_embedding_products_keep_padding_and_frequency_scaling(monkeypatch):
-    options = {"padding_idx": 1, "scale_grad_by_freq": True}
-    *_, engine, lin = _lookups(True, monkeypatch, **options)
-    *_, before, reference = _lookups(False, monkeypatch, **options)
+    import torch_sgn.traced as traced
+
+    lins = []
+    for reorder in (True, False):
+        monkeypatch.setattr(traced, "EMBEDDING_PRODUCTS", reorder)
+        model, idx, y = _lookups(padding_idx=1, scale_grad_by_freq=True)
+        engine = _traced(model, "mse")
+        lins.append(engine(engine.fmodel.flat(), Batch(idx, y)))
+    lin, reference = lins
     for v in torch.randn(3, engine.fmodel.numel, dtype=D):
         torch.testing.assert_close(lin.ggn_vp(v), reference.ggn_vp(v), rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(lin.grad, reference.grad, rtol=1e-12, atol=1e-14)
