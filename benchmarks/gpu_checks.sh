@@ -5,14 +5,14 @@
 #     OUT=gpu-results TORCH_SGN_DATA=<dir holding fashion_mnist/> bash benchmarks/gpu_checks.sh
 #
 # Writes into $OUT: env.txt, pytest_graphs.txt, ggn_cost_cuda*.txt/.json,
-# time_to_accuracy_cuda.txt/.json, solver.txt/.json, any_model.txt/.json, pytest_cuda.txt and
-# pytest.txt. Each part has its own time limit, so one that fails or hangs leaves the others'
+# time_to_accuracy_cuda.txt/.json, solver.txt/.json, any_model.txt/.json,
+# traced_graphs*.txt/.json, pytest_cuda.txt and pytest.txt. Each part has its own time limit, so one that fails or hangs leaves the others'
 # results. PARTS="solver any_model pytest_cuda" runs only the parts named.
 set -u
 OUT=${OUT:-gpu-results}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
-export PYTHONPATH=src PYTHONUNBUFFERED=1
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
@@ -66,6 +66,14 @@ want solver && part solver 150 $PY benchmarks/gpu_solver_check.py --seconds 20 \
 want any_model && part any_model 150 $PY benchmarks/ggn_cost.py --devices cuda \
   --models resnet_bn transformer lstm --engines functional traced --ks 2 5 \
   --repeats 5 --warmup 2 --out "$OUT/any_model.json"
+# 7b. The traced engine on the same models, eager and with CUDA graphs (traced_graphs), twice
+# for the spread between runs (the second without memory or curvlinops).
+want traced_graphs && part traced_graphs 180 $PY benchmarks/ggn_cost.py --devices cuda \
+  --models resnet_bn transformer lstm --engines traced traced_graphs --ks 2 5 \
+  --repeats 10 --warmup 3 --out "$OUT/traced_graphs.json"
+want traced_graphs_2 && part traced_graphs_2 90 $PY benchmarks/ggn_cost.py --devices cuda \
+  --models resnet_bn transformer lstm --engines traced traced_graphs --ks 2 5 \
+  --repeats 7 --warmup 2 --no-memory --no-curvlinops --out "$OUT/traced_graphs_2.json"
 # 8. The tests that need CUDA (skipped on a CPU machine).
-want pytest_cuda && part pytest_cuda 120 $PY -m pytest -q -rs -p no:cacheprovider tests -k cuda
+want pytest_cuda && part pytest_cuda 90 $PY -m pytest -q -rs -p no:cacheprovider tests -k cuda
 want pytest && OMP_NUM_THREADS=2 part pytest 240 $PY -m pytest -q -rf -p no:cacheprovider $XDIST tests

@@ -139,9 +139,10 @@ def test_switching_dropout_to_training_mode_leaves_the_graphs(cpu_graph_captures
     assert cpu_graph_captures == [3]
 
 
-def test_cuda_graphs_need_the_fast_engine():
+def test_cuda_graphs_need_the_fast_or_the_traced_engine():
     with pytest.raises(ValueError, match="cuda_graphs"):
         SGN(PRESETS["boston"].build(), "mse", engine="functional", cuda_graphs=True, solver="cg")
+    SGN(PRESETS["boston"].build(), "mse", engine="traced", cuda_graphs=True, solver="cg")
 
 
 def test_ignored_targets_that_move_between_steps_of_one_shape(cpu_graph_captures):
@@ -247,4 +248,138 @@ def test_captured_cuda_steps_with_ignored_targets_subsets_and_frozen_layers():
         assert a.cg_iters == b.cg_iters
         assert a.loss_after == pytest.approx(b.loss_after, rel=1e-10)
     for a, b in zip(graph_model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+# --- the traced engine's graphs ------------------------------------------------------------------
+def _any_model(name):
+    """Small models of the families the traced engine takes: batch norm in training mode and a
+    residual connection, a causal transformer, an LSTM; with a batch of the model's inputs."""
+    from torch_sgn.experiments.models import CausalTransformer, LSTMModel, ResNetBN
+
+    torch.manual_seed(0)
+    if name == "resnet_bn":
+        images = lambda n, g: torch.randn(n, 3, 8, 8, generator=g, dtype=torch.float64)  # noqa: E731
+        return ResNetBN(width=4, stages=2), images, 10
+    if name == "transformer":
+        model = CausalTransformer(vocab=7, width=8, layers=1, heads=2, length=5)
+    else:
+        model = LSTMModel(vocab=7, width=6)
+    return model, lambda n, g: torch.randint(0, 7, (n, 5), generator=g), 7
+
+
+def _any_batches(name, sizes, seed=1):
+    _, inputs, classes = _any_model(name)
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in sizes:
+        x = inputs(n, g)
+        shape = (n,) if name == "resnet_bn" else (n, 5)
+        out.append((x, torch.randint(0, classes, shape, generator=g)))
+    return out
+
+
+@pytest.mark.parametrize("name", ["resnet_bn", "transformer", "lstm"])
+@pytest.mark.parametrize("engine", ["traced", "auto"])
+def test_traced_replayed_steps_equal_eager_steps(name, engine, cpu_graph_captures):
+    batches = _any_batches(name, [6, 6, 4, 6, 4])  # two shapes
+    graph_model, eager_model = _any_model(name)[0].double(), _any_model(name)[0].double()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        graph_infos, _ = _run(graph_model, "cross_entropy", batches, cuda_graphs=True,
+                              engine=engine)  # fmt: skip
+    assert [
+        str(w.message) for w in record if "torch_sgn" in w.filename or "test" in w.filename
+    ] == []
+    eager_infos, _ = _run(eager_model, "cross_entropy", batches, engine=engine)
+    assert cpu_graph_captures == [2, 2]  # set-up and product, once per batch shape
+    assert graph_infos == eager_infos
+    for a, b in zip(graph_model.state_dict().values(), eager_model.state_dict().values()):
+        assert torch.equal(a, b)  # parameters and running statistics alike
+    if name == "resnet_bn":  # the running statistics were updated by the replayed set-ups
+        assert graph_model.state_dict()["stem.1.num_batches_tracked"] == len(batches)
+
+
+def test_traced_graphs_do_not_apply_to_a_forward_pass_that_draws_random_numbers(
+    cpu_graph_captures,
+):
+    model = nn.Sequential(nn.Linear(4, 6), nn.Dropout(0.3), nn.Tanh(), nn.Linear(6, 1))
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(6, 4, generator=g), torch.randn(6, 1, generator=g)) for _ in range(3)]
+    torch.manual_seed(2)
+    with pytest.warns(UserWarning, match="cuda_graphs=True does not apply.*random numbers"):
+        _run(model, "mse", batches, cuda_graphs=True, engine="traced")
+    torch.manual_seed(2)
+    _run(reference, "mse", batches, engine="traced")
+    assert cpu_graph_captures == []
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_traced_products_of_a_replaced_point_raise(cpu_graph_captures):
+    from torch_sgn.engines import select_engine
+    from torch_sgn.functional import FunctionalModel
+    from torch_sgn.linearization import Batch
+    from torch_sgn.losses import resolve_loss
+
+    model = _any_model("lstm")[0]
+    (x, y), (x2, y2) = _any_batches("lstm", [4, 4])
+    fmodel = FunctionalModel(model)
+    engine = select_engine(fmodel, resolve_loss("cross_entropy"), "traced", cuda_graphs=True)
+    flat = fmodel.flat()
+    v = torch.randn(flat.shape, generator=torch.Generator().manual_seed(3))
+    first = engine(flat, Batch(x, y))
+    expected = first.ggn_vp(v)
+    eager = select_engine(fmodel, resolve_loss("cross_entropy"), "traced")(flat, Batch(x, y))
+    torch.testing.assert_close(expected, eager.ggn_vp(v), rtol=0, atol=0)
+    second = engine(flat, Batch(x2, y2))  # same shape: the captured graphs move on
+    with pytest.raises(RuntimeError, match="later step on the same batch shape"):
+        first.ggn_vp(v)
+    eager = select_engine(fmodel, resolve_loss("cross_entropy"), "traced")(flat, Batch(x2, y2))
+    torch.testing.assert_close(second.ggn_vp(v), eager.ggn_vp(v), rtol=0, atol=0)
+    assert cpu_graph_captures == [2]
+
+
+def test_a_failed_traced_capture_warns_once_and_steps_run_eagerly(monkeypatch):
+    calls = []
+
+    def failing(fns, device):
+        calls.append(1)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setitem(graphs._CAPTURE, "cpu", failing)
+    batches = _any_batches("transformer", [5, 5, 3])
+    graph_model, eager_model = _any_model("transformer")[0], _any_model("transformer")[0]
+    with pytest.warns(UserWarning, match="capturing the traced engine's work .* failed") as record:
+        graph_infos, _ = _run(graph_model, "cross_entropy", batches, cuda_graphs=True,
+                              engine="traced")  # fmt: skip
+    eager_infos, _ = _run(eager_model, "cross_entropy", batches, engine="traced")
+    assert len([w for w in record if "CUDA graphs" in str(w.message)]) == 1
+    assert calls == [1]  # not tried again, not even for the new shape
+    assert graph_infos == eager_infos
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["resnet_bn", "transformer", "lstm"])
+def test_captured_traced_cuda_steps_match_eager_cuda_steps(name):
+    kw = dict(device="cuda", dtype=torch.float64)
+    batches = [(x.to(**kw) if x.is_floating_point() else x.cuda(), y.cuda())
+               for x, y in _any_batches(name, [16, 16, 8, 16, 8, 16])]  # fmt: skip
+    graph_model, eager_model = _any_model(name)[0].to(**kw), _any_model(name)[0].to(**kw)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        graph_infos, opt = _run(graph_model, "cross_entropy", batches, cuda_graphs=True,
+                                engine="traced")  # fmt: skip
+    assert [str(w.message) for w in record if "CUDA graphs" in str(w.message)
+            or "cuda_graphs" in str(w.message)] == []  # fmt: skip
+    eager_infos, _ = _run(eager_model, "cross_entropy", batches, engine="traced")
+    replayed = [t for t in opt._engine._cache.values() if t.replayed is not None]
+    assert len(replayed) == 2  # one per batch shape
+    for a, b in zip(graph_infos, eager_infos):
+        assert a.cg_iters == b.cg_iters
+        assert a.loss == pytest.approx(b.loss, rel=1e-10)
+        assert a.loss_after == pytest.approx(b.loss_after, rel=1e-10)
+        assert a.damping == b.damping
+    for a, b in zip(graph_model.state_dict().values(), eager_model.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)

@@ -33,18 +33,20 @@ ENGINES = ("auto", "fast", "traced", "functional")
 def select_engine(
     fmodel: FunctionalModel, loss: OutputLoss, engine: str, cuda_graphs: bool = False
 ) -> Engine:
-    """The engine for ``engine`` (one of :data:`ENGINES`); with ``cuda_graphs`` the fast
-    engine captures its work as CUDA graphs where it can (see :mod:`torch_sgn.graphs`)."""
+    """The engine for ``engine`` (one of :data:`ENGINES`); with ``cuda_graphs`` the fast and
+    the traced engines capture their work as CUDA graphs where they can (see
+    :mod:`torch_sgn.graphs` and :class:`~torch_sgn.traced.TracedEngine`)."""
     if engine not in ENGINES:
         raise ValueError(f"invalid engine={engine!r}: must be one of {ENGINES}")
     _warn_frequency_scaling(fmodel.model)
     if engine == "functional":  # SGN refuses cuda_graphs with it
         return FunctionalEngine(fmodel, loss)
-    if engine == "traced":  # SGN refuses cuda_graphs with it
-        return TracedEngine(fmodel, loss, strict=True)
+    if engine == "traced":
+        return TracedEngine(fmodel, loss, strict=True, cuda_graphs=cuda_graphs)
     if engine == "fast":
         return LayerwiseEngine(fmodel, loss, strict=True, cuda_graphs=cuda_graphs)
-    traced = TracedEngine(fmodel, loss, strict=False)  # falls back to functional, with a warning
+    # the traced engine falls back to the functional one, with a warning
+    traced = TracedEngine(fmodel, loss, strict=False, cuda_graphs=cuda_graphs)
     return LayerwiseEngine(fmodel, loss, strict=False, cuda_graphs=cuda_graphs, fallback=traced)
 
 

@@ -80,12 +80,27 @@ def _capture_cuda(
 _CAPTURE: Dict[str, Capture] = {"cuda": _capture_cuda}
 
 
+def capture(fns: Sequence[Callable[[], None]], device: torch.device) -> List[Callable[[], None]]:
+    """Captures each of ``fns`` on ``device`` (in order, one memory pool; they run before,
+    uncaptured) and returns their replays. Raises ``RuntimeError`` where an operation cannot be
+    captured. :func:`device_obstacle` says first whether the device can capture at all."""
+    return _CAPTURE[device.type](fns, device)
+
+
+def device_obstacle(device: torch.device) -> Optional[str]:
+    """Why graphs cannot be captured on ``device``; ``None`` if they can."""
+    if device.type not in _CAPTURE:
+        return f"the model is on {device.type}, not on a CUDA device"
+    return None
+
+
 def obstacle(steps, loss: OutputLoss, device: torch.device) -> Optional[str]:
     """Why graphs cannot apply to this chain (of :class:`~torch_sgn.layer_rules.LayerRule`),
     loss and device; ``None`` if they can. Each layer's rule says whether it can be captured
     (:attr:`~torch_sgn.layer_rules.LayerRule.capture_obstacle`)."""
-    if device.type not in _CAPTURE:
-        return f"the model is on {device.type}, not on a CUDA device"
+    why = device_obstacle(device)
+    if why is not None:
+        return why
     for step in steps:
         why = step.capture_obstacle
         if why is not None:
@@ -187,7 +202,7 @@ class Graphs:
         if captured is None:
             captured = _Captured(by_hand, steps, fmodel, loss, flat, inputs, targets)
             try:
-                captured.capture(_CAPTURE[flat.device.type], by_hand, steps, fmodel, loss)
+                captured.capture(capture, by_hand, steps, fmodel, loss)
             except RuntimeError as e:  # an op that cannot be captured, out of memory, ...
                 self.failed = str(e).splitlines()[0] if str(e) else type(e).__name__
                 self._by_key.clear()

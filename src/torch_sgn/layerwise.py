@@ -184,7 +184,8 @@ class LayerwiseEngine:
                 steps = None
             else:
                 inputs = inputs[0]
-        if self._graphs is not None:
+        if self._graphs is not None and (steps is not None or not self._quiet):
+            # (without a plan, a fallback engine decides on graphs itself)
             why = (
                 "the fast engine does not apply to this model"
                 if steps is None

@@ -354,10 +354,11 @@ class SGN(torch.optim.Optimizer):
         check_options(defaults)
         _check(engine in ENGINES, "engine", engine, f"must be one of {ENGINES}")
         _check(
-            not (cuda_graphs and engine in ("functional", "traced")),
+            not (cuda_graphs and engine == "functional"),
             "cuda_graphs",
             cuda_graphs,
-            "needs engine='fast' or 'auto' (only the layer-wise engine captures CUDA graphs)",
+            "needs engine='fast', 'traced' or 'auto' (the functional engine captures no CUDA "
+            "graphs)",
         )
         _check(
             0 < curvature_fraction <= 1,

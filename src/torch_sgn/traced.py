@@ -48,6 +48,7 @@ import torch.autograd.forward_ad as fwAD
 from torch import Tensor, fx, nn
 from torch.func import functional_call
 
+from . import graphs
 from .diagnostics import warn
 from .functional import FunctionalEngine, FunctionalModel
 from .linearization import Batch, Linearization
@@ -98,6 +99,7 @@ class _Traced:
     product: fx.GraphModule  # (v, *saved) -> G v
     double_backward: bool  # J v through the reverse pass (an operator has no forward rule)
     declined: Optional[str] = None  # why the tangent rules were not used, where they failed
+    replayed: Optional[_Replayed] = None  # the two graphs captured (cuda_graphs=True)
 
 
 class TracedEngine:
@@ -108,13 +110,25 @@ class TracedEngine:
         loss: the loss in output space.
         strict: raise ``ValueError`` where the model cannot be traced; otherwise use the
             functional engine for it, with a warning the first time.
+        cuda_graphs: capture the set-up and the product of each trace as CUDA graphs and
+            replay them (see :class:`_Replayed`); where they cannot apply (not a CUDA model,
+            random numbers drawn in the forward pass, a failed capture) the engine runs
+            eagerly after a one-time warning.
     """
 
-    def __init__(self, fmodel: FunctionalModel, loss: OutputLoss, strict: bool = False):
+    def __init__(
+        self,
+        fmodel: FunctionalModel,
+        loss: OutputLoss,
+        strict: bool = False,
+        cuda_graphs: bool = False,
+    ):
         self.fmodel, self.loss, self.strict = fmodel, loss, strict
+        self.cuda_graphs = cuda_graphs
         self._functional = FunctionalEngine(fmodel, loss)
         self._cache: OrderedDict[tuple, object] = OrderedDict()
         self._warned: set = set()
+        self._capture_failed: Optional[str] = None
 
     def __call__(
         self, flat: Tensor, batch: Batch, buffers_out: Optional[dict] = None
@@ -140,6 +154,11 @@ class TracedEngine:
                 f"the traced curvature engine cannot trace this model ({traced}); using the "
                 "functional engine, which re-runs the forward pass at every G v product"
             )
+            if self.cuda_graphs:
+                self._warn(
+                    "cuda_graphs=True does not apply (the functional engine captures no "
+                    "CUDA graphs); running eagerly"
+                )
             return self._functional(flat, batch, buffers_out)
         if traced.declined is not None:
             self._warn(
@@ -153,13 +172,22 @@ class TracedEngine:
                 "takes J v through a second reverse pass"
             )
         buffers, frozen = _inputs_of(model)
+        self.loss.check_targets(_shaped_like(traced, flat), targets)  # reads targets eagerly
+        replayed = self._replayed(traced, flat, buffers, frozen, args, targets)
+        if replayed is not None:
+            value, grad, outputs, after = replayed.set_up(
+                flat, buffers, frozen, args, targets, buffers_after=model.training
+            )
+            if model.training and buffers_out is not None:
+                after_of = {id(b): a for b, a in zip(buffers, after)}
+                buffers_out.update((n, after_of[id(b)]) for n, b in model.named_buffers())
+            return Linearization(value, grad, replayed.ggn_vp(), outputs=outputs)
         if model.training:  # the step's forward pass updates copies (see buffers_out)
             copies = [b.clone() for b in buffers]
             if buffers_out is not None:
                 copy_of = {id(b): c for b, c in zip(buffers, copies)}
                 buffers_out.update((n, copy_of[id(b)]) for n, b in model.named_buffers())
             buffers = copies
-        self.loss.check_targets(_shaped_like(traced, flat), targets)  # reads targets eagerly
         with torch.no_grad(), fmodel.replay_rng():
             value, grad, outputs, *saved = traced.setup(
                 flat.detach(), *buffers, *frozen, *args, targets
@@ -172,10 +200,110 @@ class TracedEngine:
 
         return Linearization(value, grad, ggn_vp, outputs=outputs)
 
+    def _replayed(self, traced: _Traced, flat: Tensor, buffers, frozen, args, targets):
+        """The trace's captured graphs, captured now if new; ``None``: run eagerly."""
+        if not self.cuda_graphs or self._capture_failed is not None:  # (reported when it failed)
+            return None
+        why = graphs.device_obstacle(flat.device) or _capture_obstacle(traced, args)
+        if why is not None:
+            self._warn(f"cuda_graphs=True does not apply ({why}); the traced engine runs eagerly")
+            return None
+        if traced.replayed is None:
+            try:
+                traced.replayed = _Replayed(traced, flat, buffers, frozen, args, targets)
+            except RuntimeError as error:  # an operation that cannot be captured, out of memory
+                self._capture_failed = _reason(error)
+                for other in self._cache.values():  # frees the graphs captured before
+                    if isinstance(other, _Traced):
+                        other.replayed = None
+                self._warn(
+                    f"capturing the traced engine's work as CUDA graphs failed "
+                    f"({self._capture_failed}); running eagerly from now on"
+                )
+                return None
+        return traced.replayed
+
     def _warn(self, message: str) -> None:
         if message not in self._warned:
             self._warned.add(message)
             warn(message)
+
+
+def _capture_obstacle(traced: _Traced, args: Sequence[object]) -> Optional[str]:
+    """Why a trace's graphs cannot be captured; ``None`` if they can be tried."""
+    if not all(isinstance(a, Tensor) for a in args):
+        return "the model takes inputs that are not tensors"
+    for node in traced.setup.graph.nodes:
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in (
+            target.tags
+        ):
+            return (
+                f"the forward pass draws random numbers ({target.name()}, dropout in training "
+                "mode for example), which a replayed graph would not draw as the trial points "
+                "do"
+            )
+    return None
+
+
+class _Replayed:
+    """A trace's set-up and product captured as CUDA graphs over static inputs.
+
+    A step copies the parameters, buffers, frozen parameters, inputs and targets into the
+    static inputs and replays the set-up, whose outputs (the loss, the gradient, the outputs
+    and what the products read) stay where the capture put them; each product copies its
+    vector in and replays the product's graph. Both run hundreds of kernels where a model is
+    small or recurrent, each launched once per replay instead of once per operator call.
+    A linearization's products are valid until the next set-up of the same trace replaces
+    what they read; a product called later raises.
+    """
+
+    def __init__(self, traced: _Traced, flat, buffers, frozen, args, targets):
+        self.static = [t.detach().clone() for t in (flat, *buffers, *frozen, *args, targets)]
+        self.buffers = self.static[1 : 1 + len(buffers)]
+        self.v = torch.zeros_like(self.static[0])
+        self.generation = 0
+        self.out: List[Tensor] = []
+        self.gv: Optional[Tensor] = None
+
+        def set_up() -> None:
+            self.out = traced.setup(*self.static)
+
+        def product() -> None:
+            self.gv = traced.product(self.v, *self.out[3:])
+
+        with torch.no_grad():
+            self._set_up, self._product = graphs.capture([set_up, product], flat.device)
+
+    def set_up(self, flat, buffers, frozen, args, targets, buffers_after: bool) -> tuple:
+        """Replays the set-up at these inputs: ``(loss, grad, outputs, buffers after)``,
+        copies that the next replay does not overwrite (the buffers as the forward pass left
+        them where ``buffers_after``, else an empty list)."""
+        with torch.no_grad():
+            for static, t in zip(self.static, (flat, *buffers, *frozen, *args, targets)):
+                static.copy_(t)
+            self._set_up()
+        self.generation += 1
+        value, grad, outputs = (t.clone() for t in self.out[:3])
+        return value, grad, outputs, [b.clone() for b in self.buffers] if buffers_after else []
+
+    def ggn_vp(self) -> Callable[[Tensor], Tensor]:
+        """``v -> G v`` at the last set-up, raising once a later set-up has replaced it."""
+        generation = self.generation
+
+        def ggn_vp(v: Tensor) -> Tensor:
+            if self.generation != generation:
+                raise RuntimeError(
+                    "this linearization's G v products were captured as CUDA graphs and a later "
+                    "step on the same batch shape has replaced the point they read; take the "
+                    "products before the next step, or build SGN with cuda_graphs=False"
+                )
+            with torch.no_grad():
+                self.v.copy_(v)
+                self._product()
+                return self.gv.clone()
+
+        return ggn_vp
 
 
 def _shaped_like(traced: _Traced, flat: Tensor) -> Tensor:
