@@ -3,6 +3,10 @@
 Command (from the repository root)::
 
     PYTHONPATH=src python benchmarks/step_profile.py --threads 1 --models resnet_bn transformer lstm
+    PYTHONPATH=src python benchmarks/step_profile.py --device cuda --engines traced traced_graphs
+
+On CUDA each timed part synchronises the device before and after (its kernels are counted in
+it), and ``traced_graphs`` is the traced engine with ``cuda_graphs=True``.
 
 For each model of ``benchmarks/ggn_cost.py`` and each engine it runs ``--rounds`` SGN steps
 with ``k`` CG iterations (``cg_tol=0``, no line search, trust region on: one trial loss), each
@@ -48,14 +52,21 @@ def _faults() -> int:
 class _Meter:
     """Times and page faults of the wrapped calls, per part, within the current step."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.time: Dict[str, float] = {}
         self.faults: Dict[str, List[int]] = {}
+        self.device = device
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def wrap(self, part: str, fn):
         def timed(*args, **kwargs):
+            self.sync()
             f0, t0 = _faults(), time.perf_counter()
             out = fn(*args, **kwargs)
+            self.sync()
             self.time[part] = self.time.get(part, 0.0) + time.perf_counter() - t0
             self.faults.setdefault(part, []).append(_faults() - f0)
             return out
@@ -63,8 +74,8 @@ class _Meter:
         return timed
 
 
-def measure(name: str, engine: str, k: int, rounds: int) -> Dict[str, object]:
-    model, x, y, loss_name = _batch(name, torch.device("cpu"))
+def measure(name: str, engine: str, k: int, rounds: int, device: torch.device) -> Dict[str, object]:
+    model, x, y, loss_name = _batch(name, device)
     loss = resolve_loss(loss_name)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = SGN(
@@ -73,11 +84,12 @@ def measure(name: str, engine: str, k: int, rounds: int) -> Dict[str, object]:
         cg_iters=k,
         cg_tol=0.0,
         line_search=False,
-        engine=engine,
+        engine=engine.removesuffix("_graphs"),
+        cuda_graphs=engine.endswith("_graphs"),
         solver="cg",
     )
     flat = FunctionalModel(model).flat()
-    meter = _Meter()
+    meter = _Meter(device)
     inner = opt._engine
 
     def engine_call(*args, **kwargs):
@@ -94,15 +106,19 @@ def measure(name: str, engine: str, k: int, rounds: int) -> Dict[str, object]:
         state = copy.deepcopy(opt.state_dict())
         rows: Dict[str, List[float]] = {}
         for r in range(rounds + 1):  # the first round warms up
+            meter.sync()
             f0, t0 = _faults(), time.perf_counter()
             torch.autograd.grad(loss.value(model(x), y), params)
+            meter.sync()
             grad, grad_faults = time.perf_counter() - t0, _faults() - f0
             opt._fmodel.write(flat)
             opt.load_state_dict(state)
             meter.time.clear()
             meter.faults.clear()
+            meter.sync()
             t0 = time.perf_counter()
             opt.step(x, y)
+            meter.sync()
             step = time.perf_counter() - t0
             if not r:
                 continue
@@ -144,6 +160,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     if args.threads:
@@ -155,7 +172,7 @@ def main() -> None:
     results = []
     for name in args.models:
         for engine in args.engines:
-            results.append(measure(name, engine, args.k, args.rounds))
+            results.append(measure(name, engine, args.k, args.rounds, torch.device(args.device)))
             print(f"  measured {name} / {engine}", file=sys.stderr, flush=True)
     print("medians over rounds, in gradients per step (page faults: per call)")
     print(table(results))

@@ -266,10 +266,14 @@ class _Replayed:
         self.out: List[Tensor] = []
         self.gv: Optional[Tensor] = None
 
+        # Each drops the last run's outputs first: the capture runs each function after an
+        # uncaptured run, whose outputs would otherwise stay alive through it.
         def set_up() -> None:
+            self.out, self.gv = [], None
             self.out = traced.setup(*self.static)
 
         def product() -> None:
+            self.gv = None
             self.gv = traced.product(self.v, *self.out[3:])
 
         with torch.no_grad():
