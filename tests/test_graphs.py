@@ -292,7 +292,7 @@ def test_traced_replayed_steps_equal_eager_steps(name, engine, cpu_graph_capture
         str(w.message) for w in record if "torch_sgn" in w.filename or "test" in w.filename
     ] == []
     eager_infos, _ = _run(eager_model, "cross_entropy", batches, engine=engine)
-    assert cpu_graph_captures == [2, 2]  # set-up and product, once per batch shape
+    assert cpu_graph_captures == [3, 3]  # set-up, product, trial loss; once per batch shape
     assert graph_infos == eager_infos
     for a, b in zip(graph_model.state_dict().values(), eager_model.state_dict().values()):
         assert torch.equal(a, b)  # parameters and running statistics alike
@@ -333,12 +333,17 @@ def test_traced_products_of_a_replaced_point_raise(cpu_graph_captures):
     expected = first.ggn_vp(v)
     eager = select_engine(fmodel, resolve_loss("cross_entropy"), "traced")(flat, Batch(x, y))
     torch.testing.assert_close(expected, eager.ggn_vp(v), rtol=0, atol=0)
+    away = flat + 0.1 * v
+    eager_value = resolve_loss("cross_entropy").value(fmodel(away, x), y)
+    torch.testing.assert_close(first.value_at(away), eager_value, rtol=1e-6, atol=0)
     second = engine(flat, Batch(x2, y2))  # same shape: the captured graphs move on
     with pytest.raises(RuntimeError, match="later step on the same batch shape"):
         first.ggn_vp(v)
+    with pytest.raises(RuntimeError, match="later step on the same batch shape"):
+        first.value_at(flat)
     eager = select_engine(fmodel, resolve_loss("cross_entropy"), "traced")(flat, Batch(x2, y2))
     torch.testing.assert_close(second.ggn_vp(v), eager.ggn_vp(v), rtol=0, atol=0)
-    assert cpu_graph_captures == [2]
+    assert cpu_graph_captures == [3]
 
 
 def test_a_failed_traced_capture_warns_once_and_steps_run_eagerly(monkeypatch):

@@ -173,15 +173,16 @@ class TracedEngine:
             )
         buffers, frozen = _inputs_of(model)
         self.loss.check_targets(_shaped_like(traced, flat), targets)  # reads targets eagerly
-        replayed = self._replayed(traced, flat, buffers, frozen, args, targets)
+        inputs = (flat, buffers, frozen, args, targets)
+        replayed = self._replayed(traced, inputs)
         if replayed is not None:
-            value, grad, outputs, after = replayed.set_up(
-                flat, buffers, frozen, args, targets, buffers_after=model.training
-            )
+            value, grad, outputs, after = replayed.set_up(inputs, buffers_after=model.training)
             if model.training and buffers_out is not None:
                 after_of = {id(b): a for b, a in zip(buffers, after)}
                 buffers_out.update((n, after_of[id(b)]) for n, b in model.named_buffers())
-            return Linearization(value, grad, replayed.ggn_vp(), outputs=outputs)
+            return Linearization(
+                value, grad, replayed.ggn_vp(), replayed.value_at(), outputs=outputs
+            )
         if model.training:  # the step's forward pass updates copies (see buffers_out)
             copies = [b.clone() for b in buffers]
             if buffers_out is not None:
@@ -200,8 +201,9 @@ class TracedEngine:
 
         return Linearization(value, grad, ggn_vp, outputs=outputs)
 
-    def _replayed(self, traced: _Traced, flat: Tensor, buffers, frozen, args, targets):
+    def _replayed(self, traced: _Traced, inputs: tuple) -> Optional[_Replayed]:
         """The trace's captured graphs, captured now if new; ``None``: run eagerly."""
+        flat, buffers, frozen, args, targets = inputs
         if not self.cuda_graphs or self._capture_failed is not None:  # (reported when it failed)
             return None
         why = graphs.device_obstacle(flat.device) or _capture_obstacle(traced, args)
@@ -210,8 +212,10 @@ class TracedEngine:
             return None
         if traced.replayed is None:
             try:
-                traced.replayed = _Replayed(traced, flat, buffers, frozen, args, targets)
-            except RuntimeError as error:  # an operation that cannot be captured, out of memory
+                value = _trace_value(self.fmodel, self.loss, inputs)
+                training = self.fmodel.model.training
+                traced.replayed = _Replayed(traced, value, training, inputs)
+            except (RuntimeError, Untraceable) as error:  # an operation that cannot be captured
                 self._capture_failed = _reason(error)
                 for other in self._cache.values():  # frees the graphs captured before
                     if isinstance(other, _Traced):
@@ -247,67 +251,114 @@ def _capture_obstacle(traced: _Traced, args: Sequence[object]) -> Optional[str]:
 
 
 class _Replayed:
-    """A trace's set-up and product captured as CUDA graphs over static inputs.
+    """A trace's set-up, product and trial-point loss captured as CUDA graphs over static
+    inputs.
 
     A step copies the parameters, buffers, frozen parameters, inputs and targets into the
     static inputs and replays the set-up, whose outputs (the loss, the gradient, the outputs
     and what the products read) stay where the capture put them; each product copies its
-    vector in and replays the product's graph. Both run hundreds of kernels where a model is
-    small or recurrent, each launched once per replay instead of once per operator call.
-    A linearization's products are valid until the next set-up of the same trace replaces
-    what they read; a product called later raises.
+    vector in and replays the product's graph, each trial point its parameters and the loss's
+    graph (a forward pass and the loss, traced apart). They run hundreds of kernels where a
+    model is small or recurrent, each launched once per replay instead of once per operator
+    call. In training mode the set-up and each trial loss start from copies of the step's
+    buffers, made inside the graphs, as eager passes start from the model's. A linearization's
+    products and losses are valid until the next set-up of the same trace replaces what they
+    read; one called later raises.
     """
 
-    def __init__(self, traced: _Traced, flat, buffers, frozen, args, targets):
+    def __init__(self, traced: _Traced, value: fx.GraphModule, training: bool, inputs):
+        flat, buffers, frozen, args, targets = inputs
         self.static = [t.detach().clone() for t in (flat, *buffers, *frozen, *args, targets)]
-        self.buffers = self.static[1 : 1 + len(buffers)]
-        self.v = torch.zeros_like(self.static[0])
+        n, m = len(buffers), len(buffers) + len(frozen)
+        step_buffers, rest = self.static[1 : 1 + n], self.static[1 + n :]
+        # the loss's graph takes them as it was traced: (theta, buffers, frozen, inputs, targets)
+        frozen_in, args_in, targets_in = rest[: m - n], rest[m - n : -1], rest[-1]
+        # where the passes write (training mode: batch norm's running statistics)
+        self.buffers = [b.clone() for b in step_buffers] if training else step_buffers
+        trial_buffers = [b.clone() for b in step_buffers] if training else step_buffers
+        self.v, self.point = torch.zeros_like(self.static[0]), self.static[0].clone()
         self.generation = 0
         self.out: List[Tensor] = []
         self.gv: Optional[Tensor] = None
+        self.value: Optional[Tensor] = None
 
         # Each drops the last run's outputs first: the capture runs each function after an
         # uncaptured run, whose outputs would otherwise stay alive through it.
         def set_up() -> None:
             self.out, self.gv = [], None
-            self.out = traced.setup(*self.static)
+            _copy(self.buffers, step_buffers)
+            self.out = traced.setup(self.static[0], *self.buffers, *rest)
 
         def product() -> None:
             self.gv = None
             self.gv = traced.product(self.v, *self.out[3:])
 
-        with torch.no_grad():
-            self._set_up, self._product = graphs.capture([set_up, product], flat.device)
+        def trial() -> None:
+            self.value = None
+            _copy(trial_buffers, step_buffers)
+            self.value = value(self.point, trial_buffers, frozen_in, args_in, targets_in)
 
-    def set_up(self, flat, buffers, frozen, args, targets, buffers_after: bool) -> tuple:
-        """Replays the set-up at these inputs: ``(loss, grad, outputs, buffers after)``,
-        copies that the next replay does not overwrite (the buffers as the forward pass left
-        them where ``buffers_after``, else an empty list)."""
         with torch.no_grad():
-            for static, t in zip(self.static, (flat, *buffers, *frozen, *args, targets)):
-                static.copy_(t)
+            replays = graphs.capture([set_up, product, trial], flat.device)
+        self._set_up, self._product, self._trial = replays
+
+    def set_up(self, inputs, buffers_after: bool) -> tuple:
+        """Replays the set-up at ``inputs`` (flat parameters, buffers, frozen parameters,
+        inputs, targets): ``(loss, grad, outputs, buffers after)``, copies that the next replay
+        does not overwrite (the buffers as the forward pass left them where
+        ``buffers_after``, else an empty list)."""
+        flat, buffers, frozen, args, targets = inputs
+        with torch.no_grad():
+            _copy(self.static, [flat, *buffers, *frozen, *args, targets])
             self._set_up()
         self.generation += 1
         value, grad, outputs = (t.clone() for t in self.out[:3])
         return value, grad, outputs, [b.clone() for b in self.buffers] if buffers_after else []
 
+    def _check(self, generation: int) -> None:
+        if self.generation != generation:
+            raise RuntimeError(
+                "this linearization's G v products and losses were captured as CUDA graphs and "
+                "a later step on the same batch shape has replaced the point they read; take "
+                "them before the next step, or build SGN with cuda_graphs=False"
+            )
+
     def ggn_vp(self) -> Callable[[Tensor], Tensor]:
-        """``v -> G v`` at the last set-up, raising once a later set-up has replaced it."""
+        """``v -> G v`` at the last set-up."""
         generation = self.generation
 
         def ggn_vp(v: Tensor) -> Tensor:
-            if self.generation != generation:
-                raise RuntimeError(
-                    "this linearization's G v products were captured as CUDA graphs and a later "
-                    "step on the same batch shape has replaced the point they read; take the "
-                    "products before the next step, or build SGN with cuda_graphs=False"
-                )
+            self._check(generation)
             with torch.no_grad():
                 self.v.copy_(v)
                 self._product()
                 return self.gv.clone()
 
         return ggn_vp
+
+    def value_at(self) -> Callable[[Tensor], Tensor]:
+        """``flat -> loss`` on the last set-up's batch."""
+        generation = self.generation
+
+        def value_at(flat: Tensor) -> Tensor:
+            self._check(generation)
+            with torch.no_grad():
+                self.point.copy_(flat)
+                self._trial()
+                return self.value.clone()
+
+        return value_at
+
+
+def _copy(into: Sequence[Tensor], tensors: Sequence[Tensor]) -> None:
+    """``into[i].copy_(tensors[i])`` for each ``i``, in one call where torch has one."""
+    if not into:
+        return
+    if hasattr(torch, "_foreach_copy_"):
+        torch._foreach_copy_(list(into), list(tensors))
+    else:  # pragma: no cover - torch < 2.1
+        for a, b in zip(into, tensors):
+            a.copy_(b)
 
 
 def _shaped_like(traced: _Traced, flat: Tensor) -> Tensor:
@@ -384,10 +435,9 @@ def _inputs_of(model: nn.Module) -> Tuple[List[Tensor], List[Tensor]]:
     return buffers, list(frozen.values())
 
 
-def _whole(
-    fmodel: FunctionalModel, loss: OutputLoss, double_backward: bool, rules: bool = True
-) -> Callable:
-    """``(theta, v, buffers, frozen, inputs, targets) -> (loss, g, z, G v)``, to be traced."""
+def _forward(fmodel: FunctionalModel) -> Callable:
+    """``(theta, buffers, frozen, inputs) -> outputs``: the model as a function of its flat
+    trainable parameters, its buffers and frozen parameters (each tensor once), to be traced."""
     model = fmodel.model
     buffers_in, frozen_in = _inputs_of(model)
     buffer_at = {id(b): i for i, b in enumerate(buffers_in)}
@@ -410,6 +460,26 @@ def _whole(
                 "model to select the output the loss uses"
             )
         return out
+
+    return forward
+
+
+def _value(fmodel: FunctionalModel, loss: OutputLoss) -> Callable:
+    """``(theta, buffers, frozen, inputs, targets) -> loss``, to be traced."""
+    forward = _forward(fmodel)
+
+    def value(theta, buffers, frozen, inputs, targets):
+        with torch.no_grad():
+            return loss.value(forward(theta, buffers, frozen, inputs), targets)
+
+    return value
+
+
+def _whole(
+    fmodel: FunctionalModel, loss: OutputLoss, double_backward: bool, rules: bool = True
+) -> Callable:
+    """``(theta, v, buffers, frozen, inputs, targets) -> (loss, g, z, G v)``, to be traced."""
+    forward = _forward(fmodel)
 
     def whole(theta, v, buffers, frozen, inputs, targets):
         theta = theta.detach().requires_grad_(True)
@@ -484,6 +554,19 @@ def _trace(
     _views_as_reshapes(graph.graph)
     setup, product = _split(graph)
     return _Traced(setup, product, double_backward, declined)
+
+
+def _trace_value(fmodel: FunctionalModel, loss: OutputLoss, inputs: tuple) -> fx.GraphModule:
+    """The loss at other parameters on the same batch, traced as the product was (the math
+    attention kernel, recurrent layers without oneDNN and cuDNN); raises :class:`Untraceable`."""
+    flat, buffers, frozen, args, targets = inputs
+    try:
+        with _plain_kernels():
+            return _make_fx(
+                _value(fmodel, loss), flat.detach(), buffers, frozen, list(args), targets
+            )
+    except Exception as error:  # noqa: BLE001 - the product's trace worked, so this is rare
+        raise Untraceable(_reason(error)) from error
 
 
 def _reason(error: BaseException) -> str:
