@@ -279,11 +279,15 @@ def _any_batches(name, sizes, seed=1):
     return out
 
 
-@pytest.mark.parametrize("name", ["resnet_bn", "transformer", "lstm"])
+@pytest.mark.parametrize("name", ["resnet_bn_eval", "transformer", "lstm"])
 @pytest.mark.parametrize("engine", ["traced", "auto"])
 def test_traced_replayed_steps_equal_eager_steps(name, engine, cpu_graph_captures):
+    mode = name.endswith("_eval")
+    name = name.removesuffix("_eval")
     batches = _any_batches(name, [6, 6, 4, 6, 4])  # two shapes
     graph_model, eager_model = _any_model(name)[0].double(), _any_model(name)[0].double()
+    if mode:
+        graph_model.eval(), eager_model.eval()
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         graph_infos, _ = _run(graph_model, "cross_entropy", batches, cuda_graphs=True,
@@ -296,8 +300,26 @@ def test_traced_replayed_steps_equal_eager_steps(name, engine, cpu_graph_capture
     assert graph_infos == eager_infos
     for a, b in zip(graph_model.state_dict().values(), eager_model.state_dict().values()):
         assert torch.equal(a, b)  # parameters and running statistics alike
-    if name == "resnet_bn":  # the running statistics were updated by the replayed set-ups
-        assert graph_model.state_dict()["stem.1.num_batches_tracked"] == len(batches)
+
+
+@pytest.mark.parametrize("engine", ["traced", "auto"])
+def test_traced_graphs_do_not_apply_where_the_forward_pass_updates_buffers(
+    engine, cpu_graph_captures
+):
+    batches = _any_batches("resnet_bn", [6, 6, 4])
+    graph_model, eager_model = (
+        _any_model("resnet_bn")[0].double(),
+        _any_model("resnet_bn")[0].double(),
+    )
+    with pytest.warns(UserWarning, match="cuda_graphs=True does not apply.*running statistics"):
+        graph_infos, _ = _run(
+            graph_model, "cross_entropy", batches, cuda_graphs=True, engine=engine
+        )
+    eager_infos, _ = _run(eager_model, "cross_entropy", batches, engine=engine)
+    assert cpu_graph_captures == [] and graph_infos == eager_infos
+    for a, b in zip(graph_model.state_dict().values(), eager_model.state_dict().values()):
+        assert torch.equal(a, b)
+    assert graph_model.state_dict()["stem.1.num_batches_tracked"] == len(batches)
 
 
 def test_traced_graphs_do_not_apply_to_a_forward_pass_that_draws_random_numbers(
@@ -366,12 +388,16 @@ def test_a_failed_traced_capture_warns_once_and_steps_run_eagerly(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["resnet_bn", "transformer", "lstm"])
+@pytest.mark.parametrize("name", ["resnet_bn_eval", "transformer", "lstm"])
 def test_captured_traced_cuda_steps_match_eager_cuda_steps(name):
     kw = dict(device="cuda", dtype=torch.float64)
+    mode = name.endswith("_eval")
+    name = name.removesuffix("_eval")
     batches = [(x.to(**kw) if x.is_floating_point() else x.cuda(), y.cuda())
                for x, y in _any_batches(name, [16, 16, 8, 16, 8, 16])]  # fmt: skip
     graph_model, eager_model = _any_model(name)[0].to(**kw), _any_model(name)[0].to(**kw)
+    if mode:
+        graph_model.eval(), eager_model.eval()
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         graph_infos, opt = _run(graph_model, "cross_entropy", batches, cuda_graphs=True,
