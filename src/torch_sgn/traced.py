@@ -99,7 +99,8 @@ class _Traced:
     product: fx.GraphModule  # (v, *saved) -> G v
     double_backward: bool  # J v through the reverse pass (an operator has no forward rule)
     declined: Optional[str] = None  # why the tangent rules were not used, where they failed
-    replayed: Optional[_Replayed] = None  # the two graphs captured (cuda_graphs=True)
+    replayed: Optional[_Replayed] = None  # the graphs captured (cuda_graphs=True)
+    not_captured: Optional[str] = None  # why graphs do not apply ("": they do; None: not asked)
 
 
 class TracedEngine:
@@ -206,25 +207,31 @@ class TracedEngine:
         flat, buffers, frozen, args, targets = inputs
         if not self.cuda_graphs or self._capture_failed is not None:  # (reported when it failed)
             return None
-        why = graphs.device_obstacle(flat.device) or _capture_obstacle(traced, args)
-        if why is not None:
-            self._warn(f"cuda_graphs=True does not apply ({why}); the traced engine runs eagerly")
+        if traced.replayed is not None:
+            return traced.replayed
+        if traced.not_captured is None:  # decided once per trace: it reads the whole graph
+            why = graphs.device_obstacle(flat.device) or _capture_obstacle(traced, args)
+            traced.not_captured = why or ""
+        if traced.not_captured:
+            self._warn(
+                f"cuda_graphs=True does not apply ({traced.not_captured}); the traced engine "
+                "runs eagerly"
+            )
             return None
-        if traced.replayed is None:
-            try:
-                value = _trace_value(self.fmodel, self.loss, inputs)
-                training = self.fmodel.model.training
-                traced.replayed = _Replayed(traced, value, training, inputs)
-            except (RuntimeError, Untraceable) as error:  # an operation that cannot be captured
-                self._capture_failed = _reason(error)
-                for other in self._cache.values():  # frees the graphs captured before
-                    if isinstance(other, _Traced):
-                        other.replayed = None
-                self._warn(
-                    f"capturing the traced engine's work as CUDA graphs failed "
-                    f"({self._capture_failed}); running eagerly from now on"
-                )
-                return None
+        try:
+            value = _trace_value(self.fmodel, self.loss, inputs)
+            training = self.fmodel.model.training
+            traced.replayed = _Replayed(traced, value, training, inputs)
+        except (RuntimeError, Untraceable) as error:  # an operation that cannot be captured
+            self._capture_failed = _reason(error)
+            for other in self._cache.values():  # frees the graphs captured before
+                if isinstance(other, _Traced):
+                    other.replayed = None
+            self._warn(
+                f"capturing the traced engine's work as CUDA graphs failed "
+                f"({self._capture_failed}); running eagerly from now on"
+            )
+            return None
         return traced.replayed
 
     def _warn(self, message: str) -> None:
