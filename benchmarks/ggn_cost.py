@@ -14,7 +14,8 @@ stages of residual blocks with batch norm in training mode, widths 16-32-64, bat
 ``transformer``, a causal pre-norm transformer (2 layers, width 128, 4 heads, sequence 64,
 batch 32, vocabulary 64, cross-entropy per position); ``lstm``, an embedding, one LSTM layer of
 width 128 and a linear read-out per position (same data shape). Engines that do not apply to a
-model (``fast`` and ``graphs`` on these) are left out of its rows.
+model (``fast`` and ``graphs`` on these) are left out of its rows; ``traced_graphs`` is the
+traced engine with ``cuda_graphs=True`` (CUDA only).
 
 With ``--curvlinops`` (default on; skipped with a message when ``curvlinops-for-pytorch`` is
 not installed) the ``G v`` of curvlinops' ``GGNLinearOperator`` is timed in the same rounds, on

@@ -234,13 +234,16 @@ class SGN(torch.optim.Optimizer):
             be traced. ``"functional"``: ``torch.func`` forward-mode AD, any model (re-runs the
             forward pass at every product). ``"auto"``: fast where it applies, else traced, else
             functional with the reason in a one-time warning. Default ``"auto"``.
-        cuda_graphs: capture the fast engine's set-up, ``G v`` product and trial-point loss
-            as CUDA graphs, once per batch shape, and replay them every step (see
+        cuda_graphs: capture the engine's set-up, ``G v`` product and trial-point loss as
+            CUDA graphs, once per batch shape, and replay them every step (see
             :mod:`torch_sgn.graphs`): for small models on a GPU, whose steps cost kernel
-            launches more than arithmetic. Applies to CUDA models whose chain the fast engine
+            launches more than arithmetic. The fast engine captures CUDA models whose chain it
             runs by hand with a named loss (each layer's rule in :mod:`torch_sgn.layer_rules`
-            says whether it can be captured; ``docs/LAYERS.md`` has the table); elsewhere the
-            step runs eagerly after a one-time warning. Single process only. Default off. The
+            says whether it can be captured; ``docs/LAYERS.md`` has the table); the traced
+            engine (``"traced"``, and ``"auto"`` for other models) captures CUDA models whose
+            forward pass draws no random numbers and writes into no buffers (not training-mode
+            dropout or batch normalization). Elsewhere the step runs eagerly after a one-time
+            warning. Single process only; not with ``engine="functional"``. Default off. The
             direct solver forms ``G`` from the captured product, one replay per parameter.
         curvature_fraction: compute ``G v`` on a random subset of this fraction of each batch
             (drawn at step ``t`` from a generator seeded with ``t``), the loss and gradient on

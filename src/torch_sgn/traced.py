@@ -29,6 +29,10 @@ no forward-mode rule, ``J v`` is traced through the reverse pass instead
 recurrent layers their non-mkldnn kernels: the fused kernels have no forward-mode rules, the
 math is the same.
 
+With ``cuda_graphs=True`` (:class:`_Replayed`) the set-up, the product and the loss at a trial
+point (traced once more) are captured as CUDA graphs and replayed: on a GPU a small or
+recurrent model's step then costs its kernels, not their launches.
+
 A model that cannot be traced (control flow that depends on the values of tensors, ``.item()``
 in ``forward``, an output that is not one tensor) falls back to the functional engine, with the
 reason in a one-time warning; ``strict`` raises instead. Python state that ``forward`` reads
@@ -246,8 +250,10 @@ def _capture_obstacle(traced: _Traced, args: Sequence[object]) -> Optional[str]:
         return "the model takes inputs that are not tensors"
     for node in traced.setup.graph.nodes:
         if any(w.op == "placeholder" for w in _written(node)):
-            # Replays of such set-ups left wrong running statistics on a GPU (H200, torch
-            # 2.11), while the products and steps matched the eager ones; not yet explained.
+            # With the trial loss captured as well, replays left wrong running statistics on
+            # a GPU (H200, torch 2.11) while the steps matched the eager ones; the set-up and
+            # product alone had kept them exact there. Not yet explained: such models run
+            # eagerly (benchmarks/results/2026-11-27_h200_traced_graphs).
             return (
                 "the forward pass writes into the model's buffers (batch normalization's "
                 "running statistics in training mode), which replayed graphs do not yet keep "
