@@ -180,11 +180,8 @@ class TracedEngine:
         self.loss.check_targets(_shaped_like(traced, flat), targets)  # reads targets eagerly
         inputs = (flat, buffers, frozen, args, targets)
         replayed = self._replayed(traced, inputs)
-        if replayed is not None:
-            value, grad, outputs, after = replayed.set_up(inputs, buffers_after=model.training)
-            if model.training and buffers_out is not None:
-                after_of = {id(b): a for b, a in zip(buffers, after)}
-                buffers_out.update((n, after_of[id(b)]) for n, b in model.named_buffers())
+        if replayed is not None:  # (it writes into no buffer: nothing for buffers_out)
+            value, grad, outputs = replayed.set_up(inputs)
             return Linearization(
                 value, grad, replayed.ggn_vp(), replayed.value_at(), outputs=outputs
             )
@@ -224,8 +221,7 @@ class TracedEngine:
             return None
         try:
             value = _trace_value(self.fmodel, self.loss, inputs)
-            training = self.fmodel.model.training
-            traced.replayed = _Replayed(traced, value, training, inputs)
+            traced.replayed = _Replayed(traced, value, inputs)
         except (RuntimeError, Untraceable) as error:  # an operation that cannot be captured
             self._capture_failed = _reason(error)
             for other in self._cache.values():  # frees the graphs captured before
@@ -250,10 +246,11 @@ def _capture_obstacle(traced: _Traced, args: Sequence[object]) -> Optional[str]:
         return "the model takes inputs that are not tensors"
     for node in traced.setup.graph.nodes:
         if any(w.op == "placeholder" for w in _written(node)):
-            # With the trial loss captured as well, replays left wrong running statistics on
-            # a GPU (H200, torch 2.11) while the steps matched the eager ones; the set-up and
-            # product alone had kept them exact there. Not yet explained: such models run
-            # eagerly (benchmarks/results/2026-11-27_h200_traced_graphs).
+            # With the trial loss captured as well (and the passes writing into copies of the
+            # buffers made inside the graphs), replays left wrong running statistics on a GPU
+            # (H200, torch 2.11) while the steps matched the eager ones; the set-up and product
+            # alone had kept them exact there. Not explained: such models run eagerly
+            # (benchmarks/results/2026-11-27_h200_traced_graphs).
             return (
                 "the forward pass writes into the model's buffers (batch normalization's "
                 "running statistics in training mode), which replayed graphs do not yet keep "
@@ -281,22 +278,17 @@ class _Replayed:
     vector in and replays the product's graph, each trial point its parameters and the loss's
     graph (a forward pass and the loss, traced apart). They run hundreds of kernels where a
     model is small or recurrent, each launched once per replay instead of once per operator
-    call. In training mode the set-up and each trial loss start from copies of the step's
-    buffers, made inside the graphs, as eager passes start from the model's. A linearization's
+    call. The passes write into no buffer (:func:`_capture_obstacle`). A linearization's
     products and losses are valid until the next set-up of the same trace replaces what they
     read; one called later raises.
     """
 
-    def __init__(self, traced: _Traced, value: fx.GraphModule, training: bool, inputs):
+    def __init__(self, traced: _Traced, value: fx.GraphModule, inputs):
         flat, buffers, frozen, args, targets = inputs
         self.static = [t.detach().clone() for t in (flat, *buffers, *frozen, *args, targets)]
-        n, m = len(buffers), len(buffers) + len(frozen)
-        step_buffers, rest = self.static[1 : 1 + n], self.static[1 + n :]
         # the loss's graph takes them as it was traced: (theta, buffers, frozen, inputs, targets)
-        frozen_in, args_in, targets_in = rest[: m - n], rest[m - n : -1], rest[-1]
-        # where the passes write (training mode: batch norm's running statistics)
-        self.buffers = [b.clone() for b in step_buffers] if training else step_buffers
-        trial_buffers = [b.clone() for b in step_buffers] if training else step_buffers
+        n, m = len(buffers), len(buffers) + len(frozen)
+        parts = self.static[1 : 1 + n], self.static[1 + n : 1 + m], self.static[1 + m : -1]
         self.v, self.point = torch.zeros_like(self.static[0]), self.static[0].clone()
         self.generation = 0
         self.out: List[Tensor] = []
@@ -307,8 +299,7 @@ class _Replayed:
         # uncaptured run, whose outputs would otherwise stay alive through it.
         def set_up() -> None:
             self.out, self.gv = [], None
-            _copy(self.buffers, step_buffers)
-            self.out = traced.setup(self.static[0], *self.buffers, *rest)
+            self.out = traced.setup(*self.static)
 
         def product() -> None:
             self.gv = None
@@ -316,25 +307,24 @@ class _Replayed:
 
         def trial() -> None:
             self.value = None
-            _copy(trial_buffers, step_buffers)
-            self.value = value(self.point, trial_buffers, frozen_in, args_in, targets_in)
+            self.value = value(self.point, *parts, self.static[-1])
 
         with torch.no_grad():
             replays = graphs.capture([set_up, product, trial], flat.device)
         self._set_up, self._product, self._trial = replays
 
-    def set_up(self, inputs, buffers_after: bool) -> tuple:
+    def set_up(self, inputs) -> Tuple[Tensor, Tensor, Tensor]:
         """Replays the set-up at ``inputs`` (flat parameters, buffers, frozen parameters,
-        inputs, targets): ``(loss, grad, outputs, buffers after)``, copies that the next replay
-        does not overwrite (the buffers as the forward pass left them where
-        ``buffers_after``, else an empty list)."""
+        inputs, targets): ``(loss, grad, outputs)``, copies that the next replay does not
+        overwrite."""
         flat, buffers, frozen, args, targets = inputs
         with torch.no_grad():
-            _copy(self.static, [flat, *buffers, *frozen, *args, targets])
+            for static, t in zip(self.static, (flat, *buffers, *frozen, *args, targets)):
+                static.copy_(t)
             self._set_up()
         self.generation += 1
         value, grad, outputs = (t.clone() for t in self.out[:3])
-        return value, grad, outputs, [b.clone() for b in self.buffers] if buffers_after else []
+        return value, grad, outputs
 
     def _check(self, generation: int) -> None:
         if self.generation != generation:
@@ -369,13 +359,6 @@ class _Replayed:
                 return self.value.clone()
 
         return value_at
-
-
-def _copy(into: Sequence[Tensor], tensors: Sequence[Tensor]) -> None:
-    """``into[i].copy_(tensors[i])`` for each ``i``. (``torch._foreach_copy_`` on a list of
-    several dtypes, 0-dim tensors among them, wrote wrong values on a GPU, torch 2.11.)"""
-    for a, b in zip(into, tensors):
-        a.copy_(b)
 
 
 def _shaped_like(traced: _Traced, flat: Tensor) -> Tensor:
