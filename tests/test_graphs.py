@@ -159,7 +159,10 @@ def test_ignored_targets_that_move_between_steps_of_one_shape(cpu_graph_captures
     assert cpu_graph_captures == [3] and graph_infos == eager_infos
 
 
-def test_a_failed_capture_warns_once_and_steps_run_eagerly(monkeypatch):
+@pytest.fixture
+def failing_captures(monkeypatch):
+    """Makes every capture on the CPU fail as an operation that cannot be captured does;
+    returns the list of tries."""
     calls = []
 
     def failing(fns, device):
@@ -167,6 +170,11 @@ def test_a_failed_capture_warns_once_and_steps_run_eagerly(monkeypatch):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setitem(graphs._CAPTURE, "cpu", failing)
+    return calls
+
+
+def test_a_failed_capture_warns_once_and_steps_run_eagerly(failing_captures):
+    calls = failing_captures
     p = PRESETS["boston"]
     batches = _batches("boston", [5, 5, 3])
     graph_model, eager_model = p.build(), p.build()
@@ -368,14 +376,8 @@ def test_traced_products_of_a_replaced_point_raise(cpu_graph_captures):
     assert cpu_graph_captures == [3]
 
 
-def test_a_failed_traced_capture_warns_once_and_steps_run_eagerly(monkeypatch):
-    calls = []
-
-    def failing(fns, device):
-        calls.append(1)
-        raise RuntimeError("operation not permitted when stream is capturing")
-
-    monkeypatch.setitem(graphs._CAPTURE, "cpu", failing)
+def test_a_failed_traced_capture_warns_once_and_steps_run_eagerly(failing_captures):
+    calls = failing_captures
     batches = _any_batches("transformer", [5, 5, 3])
     graph_model, eager_model = _any_model("transformer")[0], _any_model("transformer")[0]
     with pytest.warns(UserWarning, match="capturing the traced engine's work .* failed") as record:
