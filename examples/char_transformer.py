@@ -15,18 +15,18 @@ character in nats.
 
 Output of ``python examples/char_transformer.py --threads 1`` (2-core x86 CPU shared with other
 jobs, so the seconds are loose; torch 2.13, Python 3.11). Per epoch SGN(10) goes about as far
-as Adam; each of its steps costs some 20 gradients here (10 CG iterations and the trust
-region's loss), so per second Adam is far ahead on this model::
+as Adam; each of its steps costs some 15 Adam steps here (10 CG iterations, the set-up and the
+trust region's loss), so per second Adam is far ahead on this model::
 
     text: 889020 characters, alphabet of 98
-    SGN  epoch 1  train loss 3.1528  held-out loss 2.8309   118.0 s
-    SGN  epoch 2  train loss 2.7801  held-out loss 2.8014   220.4 s
-    SGN  epoch 3  train loss 2.6909  held-out loss 2.8047   300.1 s
-    SGN  epoch 4  train loss 2.6394  held-out loss 2.7513   385.1 s
-    Adam epoch 1  train loss 3.4700  held-out loss 3.1015     4.6 s
-    Adam epoch 2  train loss 2.8900  held-out loss 2.9021     9.1 s
-    Adam epoch 3  train loss 2.7399  held-out loss 2.7887    13.0 s
-    Adam epoch 4  train loss 2.6700  held-out loss 2.7352    16.8 s
+    SGN  epoch 1  train loss 3.1533  held-out loss 2.8453    16.4 s
+    SGN  epoch 2  train loss 2.7630  held-out loss 2.8217    31.0 s
+    SGN  epoch 3  train loss 2.6653  held-out loss 2.7381    44.5 s
+    SGN  epoch 4  train loss 2.6407  held-out loss 2.7296    58.7 s
+    Adam epoch 1  train loss 3.4700  held-out loss 3.1015     1.1 s
+    Adam epoch 2  train loss 2.8900  held-out loss 2.9021     2.1 s
+    Adam epoch 3  train loss 2.7399  held-out loss 2.7887     3.1 s
+    Adam epoch 4  train loss 2.6700  held-out loss 2.7352     4.0 s
 """
 
 from __future__ import annotations
