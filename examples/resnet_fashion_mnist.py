@@ -15,13 +15,13 @@ Fashion-MNIST is read where ``torch_sgn.experiments.data`` finds it (Debian's
 Output of ``python examples/resnet_fashion_mnist.py --threads 1 --epochs 2`` (2-core x86 CPU
 shared with other jobs, so the seconds are loose; torch 2.13, Python 3.11). Batch norm's
 statistics are recomputed before each evaluation (see ``recalibrate``). Per epoch SGN(10) is
-well ahead of Adam (lr 1e-3); each of its steps costs some 15-20 gradients, so per second
-Adam is ahead in the first epochs::
+well ahead of Adam (lr 1e-3); each of its steps costs some 10-12 Adam steps here, so per
+second Adam is ahead in the first epochs::
 
-    SGN  epoch 1  train loss 1.3517  test loss 1.0359  accuracy 0.580   106.7 s
-    SGN  epoch 2  train loss 0.8703  test loss 0.9847  accuracy 0.647   192.3 s
-    Adam epoch 1  train loss 2.1460  test loss 1.9646  accuracy 0.387     6.8 s
-    Adam epoch 2  train loss 1.8148  test loss 1.6891  accuracy 0.492    13.6 s
+    SGN  epoch 1  train loss 1.3469  test loss 0.9236  accuracy 0.654    26.1 s
+    SGN  epoch 2  train loss 0.8289  test loss 0.9802  accuracy 0.616    52.5 s
+    Adam epoch 1  train loss 2.1460  test loss 1.9646  accuracy 0.387     2.2 s
+    Adam epoch 2  train loss 1.8148  test loss 1.6891  accuracy 0.492     4.9 s
 """
 
 from __future__ import annotations
