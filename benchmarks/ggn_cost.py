@@ -15,7 +15,8 @@ stages of residual blocks with batch norm in training mode, widths 16-32-64, bat
 batch 32, vocabulary 64, cross-entropy per position); ``lstm``, an embedding, one LSTM layer of
 width 128 and a linear read-out per position (same data shape). Engines that do not apply to a
 model (``fast`` and ``graphs`` on these) are left out of its rows; ``traced_graphs`` is the
-traced engine with ``cuda_graphs=True`` (CUDA only).
+traced engine with ``cuda_graphs=True`` (CUDA only), ``traced_compiled`` with ``compile=True``
+(its first call compiles, and is timed apart).
 
 With ``--curvlinops`` (default on; skipped with a message when ``curvlinops-for-pytorch`` is
 not installed) the ``G v`` of curvlinops' ``GGNLinearOperator`` is timed in the same rounds, on
@@ -341,6 +342,8 @@ def _engine_options(engine: str) -> Dict[str, object]:
         return {"engine": "fast", "cuda_graphs": True}
     if engine == "traced_graphs":
         return {"engine": "traced", "cuda_graphs": True}
+    if engine == "traced_compiled":
+        return {"engine": "traced", "compile": True}
     return {"engine": engine}
 
 
@@ -456,10 +459,11 @@ def main(argv: List[str] | None = None) -> None:
                 _save(cfg, env, results, failed)
     print(_table(results, cfg))
     for res in results:
-        for e in ("graphs", "traced_graphs"):
+        for e in ("graphs", "traced_graphs", "traced_compiled"):
             if e in res["engines"]:
                 took = res["first_lin_s"][e]
-                print(f"{res['model']}: the first set-up of {e}, which captures, took {took:.2f} s")
+                what = "compiles" if e == "traced_compiled" else "captures"
+                print(f"{res['model']}: the first set-up of {e}, which {what}, took {took:.2f} s")
     print("fastest round of each quantity (less sensitive to load from other processes):")
     print(_table(results, cfg, "min"))
     for line in failed:

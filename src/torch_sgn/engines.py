@@ -31,23 +31,34 @@ ENGINES = ("auto", "fast", "traced", "functional")
 
 
 def select_engine(
-    fmodel: FunctionalModel, loss: OutputLoss, engine: str, cuda_graphs: bool = False
+    fmodel: FunctionalModel,
+    loss: OutputLoss,
+    engine: str,
+    cuda_graphs: bool = False,
+    compile: bool = False,
 ) -> Engine:
     """The engine for ``engine`` (one of :data:`ENGINES`); with ``cuda_graphs`` the fast and
     the traced engines capture their work as CUDA graphs where they can (see
-    :mod:`torch_sgn.graphs` and :class:`~torch_sgn.traced.TracedEngine`)."""
+    :mod:`torch_sgn.graphs` and :class:`~torch_sgn.traced.TracedEngine`), with ``compile``
+    the traced engine runs its graphs compiled by ``torch.compile``."""
     if engine not in ENGINES:
         raise ValueError(f"invalid engine={engine!r}: must be one of {ENGINES}")
     _warn_frequency_scaling(fmodel.model)
     if engine == "functional":  # SGN refuses cuda_graphs with it
         return FunctionalEngine(fmodel, loss)
     if engine == "traced":
-        return TracedEngine(fmodel, loss, strict=True, cuda_graphs=cuda_graphs)
-    if engine == "fast":
+        return TracedEngine(fmodel, loss, strict=True, cuda_graphs=cuda_graphs, compile=compile)
+    if engine == "fast":  # SGN refuses compile with it
         return LayerwiseEngine(fmodel, loss, strict=True, cuda_graphs=cuda_graphs)
     # the traced engine falls back to the functional one, with a warning
-    traced = TracedEngine(fmodel, loss, strict=False, cuda_graphs=cuda_graphs)
-    return LayerwiseEngine(fmodel, loss, strict=False, cuda_graphs=cuda_graphs, fallback=traced)
+    traced = TracedEngine(fmodel, loss, strict=False, cuda_graphs=cuda_graphs, compile=compile)
+    chosen = LayerwiseEngine(fmodel, loss, strict=False, cuda_graphs=cuda_graphs, fallback=traced)
+    if compile and chosen.planned:
+        warn(
+            "compile=True applies to the traced engine; this model is a chain that the fast "
+            "engine runs by hand, uncompiled"
+        )
+    return chosen
 
 
 def _warn_frequency_scaling(model: torch.nn.Module) -> None:

@@ -155,6 +155,11 @@ class LayerwiseEngine:
         return self._steps
 
     @property
+    def planned(self) -> bool:
+        """Whether the model, as it is now, is a chain this engine runs itself."""
+        return self._steps is not None
+
+    @property
     def may_solve_through_outputs(self) -> bool:
         """Whether this engine's linearizations can offer the route through the batch's outputs
         (:class:`~torch_sgn.linearization.SampleSpace`): a planned chain, not captured in CUDA

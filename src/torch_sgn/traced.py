@@ -104,6 +104,7 @@ class _Traced:
     double_backward: bool  # J v through the reverse pass (an operator has no forward rule)
     declined: Optional[str] = None  # why the tangent rules were not used, where they failed
     replayed: Optional[_Replayed] = None  # the graphs captured (cuda_graphs=True)
+    compiled: Optional[Tuple[Callable, Callable]] = None  # set-up and product (compile=True)
     not_captured: Optional[str] = None  # why graphs do not apply ("": they do; None: not asked)
 
 
@@ -119,6 +120,9 @@ class TracedEngine:
             replay them (see :class:`_Replayed`); where they cannot apply (not a CUDA model,
             random numbers drawn in the forward pass, a failed capture) the engine runs
             eagerly after a one-time warning.
+        compile: run each trace's set-up and product compiled by ``torch.compile`` (compiled
+            at their first call, once per trace); where it cannot apply (random numbers drawn
+            in the forward pass) or fails, the graphs run uncompiled after a one-time warning.
     """
 
     def __init__(
@@ -127,9 +131,10 @@ class TracedEngine:
         loss: OutputLoss,
         strict: bool = False,
         cuda_graphs: bool = False,
+        compile: bool = False,
     ):
         self.fmodel, self.loss, self.strict = fmodel, loss, strict
-        self.cuda_graphs = cuda_graphs
+        self.cuda_graphs, self.compile = cuda_graphs, compile
         self._functional = FunctionalEngine(fmodel, loss)
         self._cache: OrderedDict[tuple, object] = OrderedDict()
         self._warned: set = set()
@@ -149,6 +154,8 @@ class TracedEngine:
                 if self.strict:
                     raise ValueError(f"engine='traced' cannot trace this model: {why}") from None
                 traced = why
+            else:
+                self._compile(traced)
             self._cache[key] = traced
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
@@ -191,17 +198,36 @@ class TracedEngine:
                 copy_of = {id(b): c for b, c in zip(buffers, copies)}
                 buffers_out.update((n, copy_of[id(b)]) for n, b in model.named_buffers())
             buffers = copies
+        setup, product = traced.compiled or (traced.setup, traced.product)
         with torch.no_grad(), fmodel.replay_rng():
-            value, grad, outputs, *saved = traced.setup(
-                flat.detach(), *buffers, *frozen, *args, targets
-            )
-        product = traced.product
+            value, grad, outputs, *saved = setup(flat.detach(), *buffers, *frozen, *args, targets)
 
         def ggn_vp(v: Tensor) -> Tensor:
             with torch.no_grad():
                 return product(v, *saved)
 
         return Linearization(value, grad, ggn_vp, outputs=outputs)
+
+    def _compile(self, traced: _Traced) -> None:
+        """Sets ``traced.compiled`` where ``compile=True`` applies to the trace."""
+        if not self.compile:
+            return
+        why = _random_draw(traced.setup)
+        if why is not None:
+            self._warn(
+                f"compile=True does not apply (the forward pass draws random numbers ({why}), "
+                "which compiled code draws differently from the trial points' eager passes); "
+                "the traced engine runs uncompiled"
+            )
+            return
+
+        def failed(reason: str) -> None:
+            self._warn(
+                f"torch.compile failed on the traced engine's graphs ({reason}); they run "
+                "uncompiled"
+            )
+
+        traced.compiled = (_compiled(traced.setup, failed), _compiled(traced.product, failed))
 
     def _replayed(self, traced: _Traced, inputs: tuple) -> Optional[_Replayed]:
         """The trace's captured graphs, captured now if new; ``None``: run eagerly."""
@@ -256,16 +282,44 @@ def _capture_obstacle(traced: _Traced, args: Sequence[object]) -> Optional[str]:
                 "running statistics in training mode), which replayed graphs do not yet keep "
                 "exact"
             )
+    why = _random_draw(traced.setup)
+    if why is not None:
+        return (
+            f"the forward pass draws random numbers ({why}, dropout in training mode for "
+            "example), which a replayed graph would not draw as the trial points do"
+        )
+    return None
+
+
+def _random_draw(graph: fx.GraphModule) -> Optional[str]:
+    """The name of an operator of ``graph`` that draws random numbers; ``None`` if none does."""
+    for node in graph.graph.nodes:
         target = node.target
         if isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in (
             target.tags
         ):
-            return (
-                f"the forward pass draws random numbers ({target.name()}, dropout in training "
-                "mode for example), which a replayed graph would not draw as the trial points "
-                "do"
-            )
+            return target.name()
     return None
+
+
+def _compiled(graph: fx.GraphModule, failed: Callable[[str], None]) -> Callable:
+    """``graph`` compiled by ``torch.compile`` (at its first call, for the shapes it was
+    traced at); where compiling or the compiled code fails, ``graph`` itself from then on,
+    after ``failed(reason)``."""
+    compiled = torch.compile(graph, dynamic=False)
+    use = [compiled]
+
+    def call(*args: Tensor) -> object:
+        if use[0] is graph:
+            return graph(*args)
+        try:
+            return compiled(*args)
+        except Exception as error:  # noqa: BLE001 - any failure of the compiler: run uncompiled
+            use[0] = graph
+            failed(_reason(error))
+            return graph(*args)
+
+    return call
 
 
 class _Replayed:
