@@ -920,3 +920,77 @@ def test_attention_rule_matches_the_dense_reference(kind, monkeypatch):
     G = torch.stack([lin.ggn_vp(e) for e in torch.eye(engine.fmodel.numel, dtype=D)], 1)
     torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(G, G_ref, rtol=1e-9, atol=1e-11)
+
+
+# --- compile=True ------------------------------------------------------------------------------
+def _steps(model, x, y, loss, n=2, **options):
+    opt = SGN(model, loss, cg_iters=3, solver="cg", engine="traced", **options)
+    return [opt.step(x, y) for _ in range(n)]
+
+
+@pytest.mark.parametrize("name", ["resnet-bn", "attention"])
+def test_compiled_steps_match_uncompiled_steps(name):
+    # torch.compile on the CPU (a C++ compiler): batch norm's running statistics written in
+    # place, attention; float64, so that the compiled kernels differ only by rounding.
+    model, x, y, loss = _family(name)
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        compiled = _steps(model, x, y, loss, compile=True)
+    ours = ("compile=True", "torch.compile failed")
+    assert not [w for w in record if str(w.message).startswith(ours)]
+    eager = _steps(reference, x, y, loss)
+    for a, b in zip(compiled, eager):
+        assert a.cg_iters == b.cg_iters
+        assert a.loss == pytest.approx(b.loss, rel=1e-9)
+        assert a.loss_after == pytest.approx(b.loss_after, rel=1e-9)
+    for a, b in zip(model.state_dict().values(), reference.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+
+
+def _fake_compile(monkeypatch, fails: bool) -> list:
+    """Replaces ``torch.compile`` with a stand-in that returns the graph itself, or a function
+    that raises as a failing compiler does; returns the list of graphs it was given."""
+    given = []
+
+    def compile_(graph, **options):
+        given.append(graph)
+        if not fails:
+            return graph
+
+        def broken(*args):
+            raise RuntimeError("InductorError: C++ compile error")
+
+        return broken
+
+    monkeypatch.setattr(torch, "compile", compile_)
+    return given
+
+
+def test_a_failed_compile_warns_once_and_steps_run_uncompiled(monkeypatch):
+    given = _fake_compile(monkeypatch, fails=True)
+    model, x, y, loss = _family("attention")
+    reference = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="torch.compile failed .* C\\+\\+ compile error") as rec:
+        compiled = _steps(model, x, y, loss, n=3, compile=True)
+    assert len([w for w in rec if "torch.compile failed" in str(w.message)]) == 1
+    assert len(given) == 2  # the set-up and the product, once
+    assert compiled == _steps(reference, x, y, loss, n=3)
+
+
+def test_compile_does_not_apply_where_the_forward_pass_draws_random_numbers(monkeypatch):
+    given = _fake_compile(monkeypatch, fails=False)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Dropout(0.2), nn.Tanh(), nn.Linear(5, 2))
+    x, y = torch.randn(6, 3), torch.randn(6, 2)
+    with pytest.warns(UserWarning, match="compile=True does not apply .*random numbers"):
+        _steps(model, x, y, "mse", compile=True)
+    assert given == []
+
+
+def test_compile_needs_the_traced_engine_and_no_cuda_graphs():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    for options in ({"engine": "functional"}, {"engine": "fast"}, {"cuda_graphs": True}):
+        with pytest.raises(ValueError, match="invalid compile=True"):
+            SGN(model, "mse", compile=True, **options)
+    with pytest.warns(UserWarning, match="compile=True applies to the traced engine"):
+        SGN(model, "mse", compile=True)  # "auto" on a chain: the fast engine takes it

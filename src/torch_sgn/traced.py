@@ -31,7 +31,9 @@ math is the same.
 
 With ``cuda_graphs=True`` (:class:`_Replayed`) the set-up, the product and the loss at a trial
 point (traced once more) are captured as CUDA graphs and replayed: on a GPU a small or
-recurrent model's step then costs its kernels, not their launches.
+recurrent model's step then costs its kernels, not their launches. With ``compile=True`` the
+set-up and the product run compiled by ``torch.compile`` (:func:`_compiled`), which fuses
+the tangent and reverse passes' elementwise operations.
 
 A model that cannot be traced (control flow that depends on the values of tensors, ``.item()``
 in ``forward``, an output that is not one tensor) falls back to the functional engine, with the
