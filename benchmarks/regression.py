@@ -15,7 +15,7 @@ Install (the benchmark extra pulls ``torch-levenberg-marquardt`` 1.2.3; install 
 build you want, so that pip does not fetch another one)::
 
     pip install torch            # or the CPU / CUDA build of your choice
-    pip install -e ".[bench]"
+    pip install -e ".[bench]" torch==<the version installed>   # keeps that torch
 
 ``torch-levenberg-marquardt`` imports ``pytorch-lightning`` and ``torchmetrics`` at import time;
 without the package the ``lm`` rows are skipped with the reason printed.
