@@ -248,8 +248,8 @@ class SGN(torch.optim.Optimizer):
         compile: run the traced engine's set-up and ``G v`` product compiled by
             ``torch.compile`` (``engine="traced"``, and ``"auto"`` for models that are not
             chains of known layers): each batch shape is compiled at its first step, which
-            takes seconds to a minute, and its products then cost less (on a CPU, 0.9-1.1
-            gradients instead of 1.0-1.7 on a ResNet, a transformer and an LSTM model; see
+            takes seconds to minutes, and its products then cost less (on a CPU, 1.0-1.2
+            gradients instead of 1.2-1.4 on a ResNet, a transformer and an LSTM model; see
             ``docs/PERFORMANCE.md``). Not where the forward pass draws random numbers
             (training-mode dropout), and not with ``cuda_graphs``; a compilation that fails
             warns once and the graphs run uncompiled. Default off.
