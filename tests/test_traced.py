@@ -994,3 +994,13 @@ def test_compile_needs_the_traced_engine_and_no_cuda_graphs():
             SGN(model, "mse", compile=True, **options)
     with pytest.warns(UserWarning, match="compile=True applies to the traced engine"):
         SGN(model, "mse", compile=True)  # "auto" on a chain: the fast engine takes it
+
+
+def test_auto_engine_compiles_a_model_that_is_not_a_chain(monkeypatch):
+    given = _fake_compile(monkeypatch, fails=False)
+    model, x, y, loss = _family("attention")
+    reference = copy.deepcopy(model)
+    opt = SGN(model, loss, cg_iters=3, solver="cg", compile=True)  # engine="auto"
+    infos = [opt.step(x, y) for _ in range(2)]
+    assert len(given) == 2  # the set-up and the product of the one trace
+    assert infos == _steps(reference, x, y, loss)
