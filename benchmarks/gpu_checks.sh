@@ -6,8 +6,9 @@
 #
 # Writes into $OUT: env.txt, pytest_graphs.txt, ggn_cost_cuda*.txt/.json,
 # time_to_accuracy_cuda.txt/.json, solver.txt/.json, any_model.txt/.json,
-# traced_graphs*.txt/.json, pytest_cuda.txt and pytest.txt. Each part has its own time limit, so one that fails or hangs leaves the others'
-# results. PARTS="solver any_model pytest_cuda" runs only the parts named.
+# traced_graphs*.txt/.json, pytest_cuda.txt and pytest.txt. Each part has its own time limit,
+# so one that fails or hangs leaves the others' results. PARTS="solver any_model pytest_cuda"
+# runs only the parts named.
 set -u
 OUT=${OUT:-gpu-results}
 PY=${PYTHON:-python3}

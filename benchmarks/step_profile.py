@@ -6,7 +6,8 @@ Command (from the repository root)::
     PYTHONPATH=src python benchmarks/step_profile.py --device cuda --engines traced traced_graphs
 
 On CUDA each timed part synchronises the device before and after (its kernels are counted in
-it), and ``traced_graphs`` is the traced engine with ``cuda_graphs=True``.
+it). The engines are named as in ``ggn_cost.py`` (``traced_graphs``: the traced engine with
+``cuda_graphs=True``; ``traced_compiled``: with ``compile=True``).
 
 For each model of ``benchmarks/ggn_cost.py`` and each engine it runs ``--rounds`` SGN steps
 with ``k`` CG iterations (``cg_tol=0``, no line search, trust region on: one trial loss), each
@@ -42,7 +43,7 @@ from torch_sgn.functional import FunctionalModel
 from torch_sgn.losses import resolve_loss
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from ggn_cost import _batch, _environment  # noqa: E402
+from ggn_cost import _batch, _engine_options, _environment  # noqa: E402
 
 
 def _faults() -> int:
@@ -84,9 +85,8 @@ def measure(name: str, engine: str, k: int, rounds: int, device: torch.device) -
         cg_iters=k,
         cg_tol=0.0,
         line_search=False,
-        engine=engine.removesuffix("_graphs"),
-        cuda_graphs=engine.endswith("_graphs"),
         solver="cg",
+        **_engine_options(engine),
     )
     flat = FunctionalModel(model).flat()
     meter = _Meter(device)

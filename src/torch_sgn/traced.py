@@ -272,18 +272,18 @@ def _capture_obstacle(traced: _Traced, args: Sequence[object]) -> Optional[str]:
     """Why a trace's graphs cannot be captured; ``None`` if they can be tried."""
     if not all(isinstance(a, Tensor) for a in args):
         return "the model takes inputs that are not tensors"
-    for node in traced.setup.graph.nodes:
-        if any(w.op == "placeholder" for w in _written(node)):
-            # With the trial loss captured as well (and the passes writing into copies of the
-            # buffers made inside the graphs), replays left wrong running statistics on a GPU
-            # (H200, torch 2.11) while the steps matched the eager ones; the set-up and product
-            # alone had kept them exact there. Not explained: such models run eagerly
-            # (benchmarks/results/2026-11-27_h200_traced_graphs).
-            return (
-                "the forward pass writes into the model's buffers (batch normalization's "
-                "running statistics in training mode), which replayed graphs do not yet keep "
-                "exact"
-            )
+    written = _written_memory(traced.setup.graph)
+    if any(isinstance(m, fx.Node) and m.op == "placeholder" for m in written):
+        # With the trial loss captured as well (and the passes writing into copies of the
+        # buffers made inside the graphs), replays left wrong running statistics on a GPU
+        # (H200, torch 2.11) while the steps matched the eager ones; the set-up and product
+        # alone had kept them exact there. Not explained: such models run eagerly
+        # (benchmarks/results/2026-11-27_h200_traced_graphs).
+        return (
+            "the forward pass writes into the model's buffers (batch normalization's "
+            "running statistics in training mode), which replayed graphs do not yet keep "
+            "exact"
+        )
     why = _random_draw(traced.setup)
     if why is not None:
         return (
@@ -295,13 +295,7 @@ def _capture_obstacle(traced: _Traced, args: Sequence[object]) -> Optional[str]:
 
 def _random_draw(graph: fx.GraphModule) -> Optional[str]:
     """The name of an operator of ``graph`` that draws random numbers; ``None`` if none does."""
-    for node in graph.graph.nodes:
-        target = node.target
-        if isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in (
-            target.tags
-        ):
-            return target.name()
-    return None
+    return next((n.target.name() for n in graph.graph.nodes if _draws_random(n)), None)
 
 
 def _compiled(graph: fx.GraphModule, failed: Callable[[str], None]) -> Callable:
@@ -309,15 +303,16 @@ def _compiled(graph: fx.GraphModule, failed: Callable[[str], None]) -> Callable:
     traced at); where compiling or the compiled code fails, ``graph`` itself from then on,
     after ``failed(reason)``."""
     compiled = torch.compile(graph, dynamic=False)
-    use = [compiled]
+    broken = False
 
     def call(*args: Tensor) -> object:
-        if use[0] is graph:
+        nonlocal broken
+        if broken:
             return graph(*args)
         try:
             return compiled(*args)
         except Exception as error:  # noqa: BLE001 - any failure of the compiler: run uncompiled
-            use[0] = graph
+            broken = True
             failed(_reason(error))
             return graph(*args)
 
@@ -640,7 +635,17 @@ def _is_impure(node: fx.Node) -> bool:
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
-    return target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags
+    return target._schema.is_mutable or _draws_random(node)
+
+
+def _draws_random(node: fx.Node) -> bool:
+    """Whether ``node`` is an operator that draws random numbers (dropout's masks)."""
+    target = node.target
+    return (
+        node.op == "call_function"
+        and isinstance(target, torch._ops.OpOverload)
+        and torch.Tag.nondeterministic_seeded in target.tags
+    )
 
 
 def _written(node: fx.Node) -> List[fx.Node]:
