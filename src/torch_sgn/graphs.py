@@ -124,7 +124,7 @@ class _Captured:
         self.outputs_like = torch.empty_like(first.outputs, device="meta")
         self.lin: Linearization = first
 
-    def capture(self, capture: Capture, by_hand, steps, fmodel, loss) -> None:
+    def capture(self, by_hand, steps, fmodel, loss) -> None:
         """Captures the set-up, one product and one trial loss (may raise: see the caller)."""
 
         def set_up() -> None:
@@ -202,7 +202,7 @@ class Graphs:
         if captured is None:
             captured = _Captured(by_hand, steps, fmodel, loss, flat, inputs, targets)
             try:
-                captured.capture(capture, by_hand, steps, fmodel, loss)
+                captured.capture(by_hand, steps, fmodel, loss)
             except RuntimeError as e:  # an op that cannot be captured, out of memory, ...
                 self.failed = str(e).splitlines()[0] if str(e) else type(e).__name__
                 self._by_key.clear()

@@ -165,7 +165,7 @@ class LayerwiseEngine:
         (:class:`~torch_sgn.linearization.SampleSpace`): a planned chain, not captured in CUDA
         graphs. Each batch decides for itself (its chain must be of linear layers and
         activations, each sample's outputs its own)."""
-        return self._steps is not None and self._graphs is None
+        return self.planned and self._graphs is None
 
     def _warn(self, why: str) -> None:
         if not self._warned and not self._quiet:
