@@ -929,9 +929,11 @@ def _steps(model, x, y, loss, n=2, **options):
 
 
 @pytest.mark.parametrize("name", ["resnet-bn", "attention"])
-def test_compiled_steps_match_uncompiled_steps(name):
+def test_compiled_steps_match_uncompiled_steps(name, monkeypatch):
     # torch.compile on the CPU (a C++ compiler): batch norm's running statistics written in
     # place, attention; float64, so that the compiled kernels differ only by rounding.
+    compile_, given = torch.compile, []
+    monkeypatch.setattr(torch, "compile", lambda g, **kw: given.append(g) or compile_(g, **kw))
     model, x, y, loss = _family(name)
     reference = copy.deepcopy(model)
     with warnings.catch_warnings(record=True) as record:
@@ -939,6 +941,7 @@ def test_compiled_steps_match_uncompiled_steps(name):
         compiled = _steps(model, x, y, loss, compile=True)
     ours = ("compile=True", "torch.compile failed")
     assert not [w for w in record if str(w.message).startswith(ours)]
+    assert len(given) == 2  # the set-up and the product ran compiled
     eager = _steps(reference, x, y, loss)
     for a, b in zip(compiled, eager):
         assert a.cg_iters == b.cg_iters
