@@ -51,6 +51,7 @@ def main() -> None:
                 f"damping {info.damping:.2e}"
             )
     if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # no rank tears the group down while another still runs
         torch.distributed.destroy_process_group()
 
 

@@ -56,12 +56,14 @@ from torch.func import functional_call
 
 from . import graphs
 from .diagnostics import warn
-from .functional import FunctionalEngine, FunctionalModel
+from .functional import FunctionalEngine, FunctionalModel, renormed_lookups
 from .linearization import Batch, Linearization
 from .losses import OutputLoss
 from .tangent_rules import TangentRules
 
 __all__ = ["TracedEngine", "Untraceable"]
+
+_aten = torch.ops.aten
 
 #: traces kept per engine (one per input shape, dtype, device and training mode); the oldest
 #: is dropped beyond this
@@ -504,7 +506,8 @@ def _forward(fmodel: FunctionalModel) -> Callable:
         chunks = [c.view(s) for c, s in zip(theta.split(fmodel.numels), fmodel.shapes)]
         tensors = {name: buffers[i] for name, i in buffer_slots}
         tensors.update((name, chunks[i] if t else frozen[i]) for name, t, i in param_slots)
-        out = functional_call(model, tensors, tuple(inputs), tie_weights=False)
+        with renormed_lookups(fmodel.renorming):
+            out = functional_call(model, tensors, tuple(inputs), tie_weights=False)
         if not isinstance(out, Tensor):
             raise Untraceable(
                 f"the model's forward returns {type(out).__name__}, not one tensor; wrap the "
@@ -744,7 +747,7 @@ def _split(gm: fx.GraphModule) -> Tuple[fx.GraphModule, fx.GraphModule]:
     if gv in depends:
         product.output(penv[gv])
     else:  # every product is a fresh tensor (the optimizer adds the damping in place)
-        product.output(product.call_function(torch.ops.aten.clone.default, (penv[gv],)))
+        product.output(product.call_function(_aten.clone.default, (penv[gv],)))
 
     if GRAPH_PASSES:
         for graph in (setup, product):
@@ -767,11 +770,10 @@ def _fuse_matmul_adds(graph: fx.Graph) -> None:
     layer's tangent ``dx W^T + x dW^T + db`` then takes no separate full-size additions. The
     product moves to the addition: not where an operator of the graph writes into ``a`` or
     ``b``, which the product would then read after the write."""
-    aten = torch.ops.aten
-    fused = {aten.mm.default: aten.addmm.default, aten.bmm.default: aten.baddbmm.default}
+    fused = {_aten.mm.default: _aten.addmm.default, _aten.bmm.default: _aten.baddbmm.default}
     written = _written_memory(graph)
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not aten.add.Tensor or node.kwargs:
+        if node.op != "call_function" or node.target is not _aten.add.Tensor or node.kwargs:
             continue
         if len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args):
             continue
@@ -795,8 +797,6 @@ def _fuse_matmul_adds(graph: fx.Graph) -> None:
             graph.erase_node(mm)
             break
 
-
-_aten = torch.ops.aten
 
 #: operators ``op(grad, *rest)``, linear in ``grad`` and elementwise, whose factor
 #: ``op(1, *rest)`` costs transcendental functions (erf, exp, log): the activations' derivatives

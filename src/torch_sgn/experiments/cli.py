@@ -174,6 +174,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         main = distributed.is_main_process()
         try:
             res = runner.run(cfg, ns.out, quiet=ns.quiet)
+            if distributed.world_size() > 1:
+                # No rank tears its process group down while another still runs (rank 0
+                # writes the results last): gloo can abort a process that leaves early.
+                torch.distributed.barrier()
         finally:
             if distributed.world_size() > 1:
                 torch.distributed.destroy_process_group()
