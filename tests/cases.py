@@ -156,22 +156,19 @@ def dense_ggn_of_module(model: nn.Module, loss, x, y: Tensor) -> tuple[Tensor, T
     autograd can differentiate, shared modules and tied weights included."""
     params = [p for p in model.parameters() if p.requires_grad]  # each tensor once
     out = model(x)
+
+    def dense(g, p):  # no gradient, or a sparse one (embeddings with sparse=True)
+        return torch.zeros_like(p) if g is None else g.to_dense() if g.is_sparse else g
+
     rows = []
     for o in out.reshape(-1):
         grads = torch.autograd.grad(o, params, retain_graph=True, allow_unused=True)
-        rows.append(
-            torch.cat(
-                [
-                    (torch.zeros_like(p) if g is None else g).reshape(-1)
-                    for g, p in zip(grads, params)
-                ]
-            )
-        )
+        rows.append(torch.cat([dense(g, p).reshape(-1) for g, p in zip(grads, params)]))
     J = torch.stack(rows)
     fn = loss_fn(loss)
     H = hessian(lambda z: fn(z.view(out.shape), y), out.detach().reshape(-1))
     g = torch.autograd.grad(fn(model(x), y), params)
-    return J.T @ H @ J, torch.cat([t.reshape(-1) for t in g])
+    return J.T @ H @ J, torch.cat([dense(t, p).reshape(-1) for t, p in zip(g, params)])
 
 
 class SineWithoutJvp(torch.autograd.Function):

@@ -5,7 +5,6 @@ through the model's own parameters (``cases.dense_ggn_of_module``), in float64."
 
 from __future__ import annotations
 
-import copy
 import warnings
 
 import pytest
@@ -316,67 +315,6 @@ def test_sgn_with_huber_decreases_the_loss_in_float32():
                 opt.step(x, y)
         assert loss(model(x), y).item() < 0.9 * start
         start = loss(model(x), y).item()
-
-
-class RenormedEmbedding(nn.Module):
-    """``nn.Embedding(max_norm=1)``: its forward pass rescales the rows it looks up, in place.
-    Rows 1-4 start above the bound, row 0 below it."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(5, 4, max_norm=1.0)
-        self.hidden = nn.Linear(4, 4)
-        self.out = nn.Linear(4, 3)
-        with torch.no_grad():
-            self.embed.weight.mul_(3.0)[0].mul_(0.02)
-
-    def forward(self, tokens):
-        h = self.embed(tokens)
-        return self.out(h + torch.tanh(self.hidden(h))).mean(1)
-
-
-def _renormed_embedding(dtype=torch.float64):
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 5, (6, 3), generator=g)
-    return RenormedEmbedding().to(dtype), x, torch.randn(6, 3, generator=g, dtype=dtype)
-
-
-@pytest.mark.parametrize("engine", ["auto", "traced", "functional", "double-backward"])
-def test_embedding_with_max_norm_matches_the_dense_reference(engine):
-    model, x, y = _renormed_embedding()
-    reference = copy.deepcopy(model)
-    # the model's own forward passes renormalise the reference's rows, as in training
-    G_ref, g_ref = dense_ggn_of_module(reference, "mse", x, y)
-    assert reference.embed.weight.norm(dim=1).max() <= 1.0
-    weights = [p.detach().clone() for p in model.parameters()]
-    assert weights[0].norm(dim=1).max() > 2.0
-    V = _probes(len(g_ref))
-    if engine == "double-backward":
-        fmodel = FunctionalModel(model)
-        functional = FunctionalEngine(fmodel, resolve_loss("mse"))
-        functional.double_backward = True
-        lin = functional(fmodel.flat(), Batch(x, y))
-        grad, GV = lin.grad, torch.stack([lin.ggn_vp(v) for v in V.T], 1)
-    else:
-        G = GGN(model, "mse", x, y, engine=engine)
-        grad, GV = G.gradient, G @ V
-    torch.testing.assert_close(grad, g_ref, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(GV, G_ref @ V, rtol=1e-9, atol=1e-11)
-    # SGN's passes renormalise out of place: the model's weights are not written
-    assert all(torch.equal(w, p) for w, p in zip(weights, model.parameters()))
-    assert "forward" not in model.embed.__dict__  # the module's own forward is back
-
-
-@pytest.mark.parametrize("engine", ["auto", "functional"])
-def test_sgn_trains_an_embedding_with_max_norm_in_float32(engine):
-    model, x, y = _renormed_embedding(torch.float32)
-    start = F.mse_loss(copy.deepcopy(model)(x), y).item()
-    opt = SGN(model, "mse", engine=engine, cg_iters=5)
-    infos = [opt.step(x, y) for _ in range(3)]
-    assert infos[0].loss == pytest.approx(start, rel=1e-6)  # the loss of the renormalised rows
-    assert F.mse_loss(model(x), y).item() < 0.9 * start
-    assert model.embed.weight.norm(dim=1).max() <= 1.0  # the model's own forward renormalised
 
 
 def test_missing_rules_are_read_from_torch_errors():

@@ -66,15 +66,15 @@ def _warn_frequency_scaling(model: torch.nn.Module) -> None:
     reverse pass then scales ``J^T`` and the tangent does not scale ``J``, so the products are
     those of ``D J^T H J``, which is not symmetric (``D`` the scaling)."""
     names = [
-        name
+        f"{type(module).__name__} {name!r}"
         for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Embedding)
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag))
         and module.scale_grad_by_freq
         and module.weight.requires_grad
     ]
     if names:
         warn(
-            f"nn.Embedding {names[0]!r} has scale_grad_by_freq=True: its gradient is scaled by "
+            f"{names[0]} has scale_grad_by_freq=True: its gradient is scaled by "
             "the inverse frequencies of the indices and its tangent is not, so the Gauss-Newton "
             "matrix is not symmetric and conjugate gradient does not solve its system exactly; "
             "build the embedding with scale_grad_by_freq=False"

@@ -32,7 +32,7 @@ from torch import Tensor
 __all__ = ["SWITCHES", "jvp_by_double_backward", "kernels", "missing_rule", "switch_for"]
 
 _OP = re.compile(r"forward AD with (?:aten::)?([\w.]+)")
-_DERIVATIVE = re.compile(r"derivative for (?:aten::)?([\w.]+) is not implemented")
+_DERIVATIVE = re.compile(r"derivative for '?(?:aten::)?([\w.]+)'? is not implemented")
 
 #: What each kernel switch does, for the warning that names it.
 SWITCHES: Dict[str, str] = {
@@ -59,6 +59,11 @@ def missing_rule(error: BaseException) -> Optional[str]:
     """What has no forward-mode rule (or, on the double-backward route, no derivative of its
     backward), read from the error autograd raised; ``None`` where ``error`` is another."""
     message = str(error)
+    if isinstance(error, (NotImplementedError, RuntimeError)):
+        # a backward without a derivative: a RuntimeError or a NotImplementedError, by operator
+        match = _DERIVATIVE.search(message)
+        if match:
+            return match.group(1)
     if isinstance(error, NotImplementedError):
         match = _OP.search(message)
         if match:
@@ -68,9 +73,6 @@ def missing_rule(error: BaseException) -> Optional[str]:
     if isinstance(error, RuntimeError):
         if "autograd.Function" in message and "setup_context" in message:
             return "a custom autograd.Function without setup_context"  # torch.func needs it
-        match = _DERIVATIVE.search(message)
-        if match:
-            return match.group(1)
         if "once_differentiable" in message:
             return "a custom autograd.Function marked once_differentiable"
     return None

@@ -10,12 +10,10 @@ gradient's forward pass.
 
 from __future__ import annotations
 
-import types
 from contextlib import contextmanager
-from typing import FrozenSet, Iterator, List, Optional, Tuple
+from typing import FrozenSet, Iterator, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
@@ -28,9 +26,10 @@ from .forward_mode import (
     switch_for,
 )
 from .linearization import Batch, Inputs, Linearization, loss_and_output_gradient
+from .lookups import composite_lookups, lookup_modules
 from .losses import OutputLoss
 
-__all__ = ["FunctionalEngine", "FunctionalModel", "renormed_lookups"]
+__all__ = ["FunctionalEngine", "FunctionalModel"]
 
 
 class FunctionalModel:
@@ -83,8 +82,8 @@ class FunctionalModel:
         #: pointers on CUDA, which ``torch.func``'s tensors do not have.
         recurrent = any(isinstance(m, nn.RNNBase) for m in model.modules())
         self.switches: FrozenSet[str] = frozenset({"no_cudnn"} if recurrent else ())
-        #: embeddings with ``max_norm``, which every forward pass runs out of place
-        self.renorming = _renorming_embeddings(model)
+        #: embedding modules every forward pass runs as composites (see :mod:`torch_sgn.lookups`)
+        self.lookups = lookup_modules(model)
         self._rng_state: dict | None = None
         self._after_first: dict | None = None
 
@@ -130,7 +129,7 @@ class FunctionalModel:
         tensors = {name: buffers[id(b)] for name, b in _slots(self.model, "_buffers")}
         chunks = [c.view(s) for c, s in zip(flat.split(self.numels), self.shapes)]
         tensors.update((name, chunks[i]) for name, i in self._slots)
-        with self.replay_rng(), kernels(self.switches), renormed_lookups(self.renorming):
+        with self.replay_rng(), kernels(self.switches), composite_lookups(self.lookups):
             # Every slot is named, tied ones included: no tying by functional_call.
             out = functional_call(self.model, tensors, args, tie_weights=False)
         if not isinstance(out, Tensor):
@@ -203,51 +202,6 @@ def _set_rng(device: torch.device, state: dict) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
-
-
-def _renorming_embeddings(model: nn.Module) -> List[nn.Embedding]:
-    return [
-        m
-        for m in model.modules()
-        if isinstance(m, nn.Embedding)
-        and m.max_norm is not None
-        and type(m).forward is nn.Embedding.forward
-    ]
-
-
-@contextmanager
-def renormed_lookups(embeddings: List[nn.Embedding]) -> Iterator[None]:
-    """Within this block, each of ``embeddings`` (``nn.Embedding`` with ``max_norm``) looks
-    up its rows renormalised out of place.
-
-    ``nn.Embedding(max_norm=...)`` rescales the rows it looks up in its weight, in place and
-    without autograd, inside its forward pass. That write cannot reach a weight that is a view
-    of SGN's parameter vector (autograd refuses it) nor be traced as a function. The out-of-place
-    lookup has the same values, and the derivatives of a plain lookup, as autograd gives the
-    in-place one; the weight itself is not written: the model's own next forward pass
-    renormalises its rows as before.
-    """
-    patched = [m for m in embeddings if "forward" not in m.__dict__]
-    for m in patched:
-        m.forward = types.MethodType(_renormed_lookup, m)
-    try:
-        yield
-    finally:
-        for m in patched:
-            del m.forward
-
-
-def _renormed_lookup(self: nn.Embedding, indices: Tensor) -> Tensor:
-    # embedding_renorm_'s rule: a row whose norm exceeds max_norm is scaled by
-    # max_norm / (norm + 1e-7). The scale is taken from the detached weight, so no derivative
-    # (reverse or forward mode) flows through it: as autograd's own, the derivative is a lookup's.
-    fixed = self.weight.detach()
-    norms = torch.linalg.vector_norm(fixed, self.norm_type, dim=1, keepdim=True)
-    scale = torch.where(norms > self.max_norm, self.max_norm / (norms + 1e-7), 1.0)
-    weight = self.weight + fixed * (scale - 1.0)
-    return F.embedding(
-        indices, weight, self.padding_idx, None, 2.0, self.scale_grad_by_freq, self.sparse
-    )
 
 
 class FunctionalEngine:
@@ -356,10 +310,13 @@ class FunctionalEngine:
         if switch is not None and switch not in self.fmodel.switches:
             self.fmodel.switches = self.fmodel.switches | {switch}
             return f"{op} is not differentiable: the model runs with {SWITCHES[switch]}"
+        hint = ""
+        if "embedding_bag" in op:
+            hint = " (call an nn.EmbeddingBag module, which SGN runs as differentiable operators)"
         raise RuntimeError(
-            f"cannot take Gauss-Newton products: {op} has no forward-mode rule and its "
-            f"backward is not differentiable either ({error}); replace that operation or give "
-            "it a jvp"
+            "cannot take Gauss-Newton products: an operator has no forward-mode rule and its "
+            f"backward is not differentiable either ({op}: {error}); replace that operation "
+            f"by differentiable ones{hint} or give it a jvp"
         ) from error
 
 

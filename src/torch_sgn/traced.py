@@ -56,8 +56,9 @@ from torch.func import functional_call
 
 from . import graphs
 from .diagnostics import warn
-from .functional import FunctionalEngine, FunctionalModel, renormed_lookups
+from .functional import FunctionalEngine, FunctionalModel
 from .linearization import Batch, Linearization
+from .lookups import composite_lookups
 from .losses import OutputLoss
 from .tangent_rules import TangentRules
 
@@ -506,7 +507,7 @@ def _forward(fmodel: FunctionalModel) -> Callable:
         chunks = [c.view(s) for c, s in zip(theta.split(fmodel.numels), fmodel.shapes)]
         tensors = {name: buffers[i] for name, i in buffer_slots}
         tensors.update((name, chunks[i] if t else frozen[i]) for name, t, i in param_slots)
-        with renormed_lookups(fmodel.renorming):
+        with composite_lookups(fmodel.lookups):
             out = functional_call(model, tensors, tuple(inputs), tie_weights=False)
         if not isinstance(out, Tensor):
             raise Untraceable(

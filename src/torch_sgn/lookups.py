@@ -1,0 +1,143 @@
+"""Embedding lookups that SGN's passes can differentiate, for modules whose own cannot be.
+
+PyTorch's embedding modules train by gradient, yet some of their options break a
+Gauss-Newton product:
+
+* ``padding_idx``: the padding row gets no gradient, but forward mode gives the lookup's full
+  tangent, padding row included; ``J v`` and ``J^T u`` would then be of two different
+  matrices, and ``G`` not symmetric.
+* ``max_norm``: the module rescales the rows it looks up, in place and without autograd,
+  inside its forward pass. That write cannot reach a weight that is a view of SGN's parameter
+  vector (autograd refuses it), nor be traced as a function.
+* ``nn.EmbeddingBag``: its kernel has no forward-mode rule and its backward no derivative, so
+  neither forward mode nor double backward gives ``J v``.
+* ``sparse``: the gradient of a weight that is a view of SGN's (dense) parameter vector cannot
+  be a sparse tensor.
+
+Within :func:`composite_lookups` such modules run a composite of differentiable operators
+instead (a plain lookup, then the bags' sums, means or maxima by ``index_add`` and
+``scatter_reduce``): the same values, and in both modes the derivatives autograd's reverse
+mode gives the module's own kernels, dense. Padding entries are cut from the derivatives (and
+from the bags). Rows beyond ``max_norm`` are renormalised out of place, with the derivative of
+a plain lookup; the module's weight is not written (the model's own next forward pass
+renormalises its stored rows as before).
+"""
+
+from __future__ import annotations
+
+import types
+from contextlib import contextmanager
+from typing import Iterator, List, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["composite_lookups", "lookup_modules"]
+
+Lookup = Union[nn.Embedding, nn.EmbeddingBag]
+
+
+def lookup_modules(model: nn.Module) -> List[Lookup]:
+    """The modules of ``model`` that :func:`composite_lookups` replaces: embeddings with
+    ``padding_idx``, ``max_norm`` or ``sparse``, and embedding bags (not subclasses with a
+    forward of their own)."""
+    found: List[Lookup] = []
+    for m in model.modules():
+        if type(m).forward is nn.Embedding.forward:
+            if m.padding_idx is not None or m.max_norm is not None or m.sparse:
+                found.append(m)
+        elif type(m).forward is nn.EmbeddingBag.forward:
+            found.append(m)
+    return found
+
+
+@contextmanager
+def composite_lookups(modules: List[Lookup]) -> Iterator[None]:
+    """Within this block, each of ``modules`` (from :func:`lookup_modules`) runs its
+    composite forward pass; their own are back on exit."""
+    patched = [m for m in modules if "forward" not in m.__dict__]
+    for m in patched:
+        lookup = _bag_lookup if isinstance(m, nn.EmbeddingBag) else _lookup
+        m.forward = types.MethodType(lookup, m)
+    try:
+        yield
+    finally:
+        for m in patched:
+            del m.forward
+
+
+def _weight(module: Lookup) -> Tensor:
+    """The weight with every row beyond ``max_norm`` renormalised, out of place.
+
+    ``embedding_renorm_``'s rule: a row whose norm exceeds ``max_norm`` is scaled by
+    ``max_norm / (norm + 1e-7)``. The scale is taken from the detached weight, so no derivative
+    (reverse or forward mode) flows through it: as autograd's own, the derivative is a lookup's.
+    Only looked-up rows reach the output, so renormalising all rows gives the same values.
+    """
+    if module.max_norm is None:
+        return module.weight
+    fixed = module.weight.detach()
+    norms = torch.linalg.vector_norm(fixed, module.norm_type, dim=1, keepdim=True)
+    scale = torch.where(norms > module.max_norm, module.max_norm / (norms + 1e-7), 1.0)
+    return module.weight + fixed * (scale - 1.0)
+
+
+def _lookup(self: nn.Embedding, indices: Tensor) -> Tensor:
+    out = F.embedding(indices, _weight(self), self.padding_idx, None, 2.0, self.scale_grad_by_freq)
+    if self.padding_idx is None:
+        return out
+    # the padding entries' values, without derivatives
+    return torch.where((indices == self.padding_idx).unsqueeze(-1), out.detach(), out)
+
+
+def _bag_lookup(
+    self: nn.EmbeddingBag,
+    input: Tensor,
+    offsets: Optional[Tensor] = None,
+    per_sample_weights: Optional[Tensor] = None,
+) -> Tensor:
+    if per_sample_weights is not None and self.mode != "sum":
+        raise ValueError(
+            f"nn.EmbeddingBag takes per_sample_weights with mode='sum' only, got mode={self.mode!r}"
+        )
+    count = input.numel()
+    if input.dim() == 2 and offsets is None:  # one bag per row, all of one size
+        bags = input.shape[0]
+        bag = torch.arange(bags, device=input.device).repeat_interleave(input.shape[1])
+    elif input.dim() == 1 and offsets is not None and offsets.dim() == 1:
+        if self.include_last_offset:
+            starts, ends = offsets[:-1], offsets[1:]
+        else:
+            starts, ends = offsets, torch.cat([offsets[1:], offsets.new_tensor([count])])
+        bags = starts.numel()
+        bag = torch.repeat_interleave(
+            torch.arange(bags, device=input.device), ends - starts, output_size=count
+        )
+    else:
+        raise ValueError(
+            "nn.EmbeddingBag takes a 2D input (a bag per row) without offsets, or a 1D input "
+            f"with 1D offsets; got a {input.dim()}D input and "
+            f"{'no offsets' if offsets is None else f'{offsets.dim()}D offsets'}"
+        )
+    indices = input.reshape(-1)
+    rows = F.embedding(indices, _weight(self), None, None, 2.0, self.scale_grad_by_freq)
+    # entries at padding_idx are left out of their bags (and of a mean's count)
+    keep = None if self.padding_idx is None else (indices != self.padding_idx).unsqueeze(1)
+    width = rows.shape[1]
+    if self.mode == "max":
+        if keep is not None:
+            rows = rows.masked_fill(~keep, float("-inf"))
+        index = bag.unsqueeze(1).expand(count, width)
+        out = rows.new_full((bags, width), float("-inf")).scatter_reduce(0, index, rows, "amax")
+        return out.masked_fill(out == float("-inf"), 0.0)  # empty bags are zeros
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights.reshape(-1, 1)
+    if keep is not None:
+        rows = rows * keep
+    out = rows.new_zeros(bags, width).index_add(0, bag, rows)
+    if self.mode == "mean":
+        sizes = rows.new_ones(count, 1) if keep is None else keep.to(rows.dtype)
+        sizes = rows.new_zeros(bags, 1).index_add(0, bag, sizes)
+        out = out / sizes.clamp(min=1.0)  # empty bags are zeros
+    return out

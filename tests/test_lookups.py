@@ -1,0 +1,250 @@
+"""Embedding modules whose own kernels break a Gauss-Newton product (``padding_idx``,
+``max_norm``, ``nn.EmbeddingBag``): their composites against the modules themselves, and the
+products against a dense ``J^T H J`` built by reverse mode alone through the model's own
+parameters and forward pass (``cases.dense_ggn_of_module``), in float64."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cases import dense_ggn_of_module
+from torch_sgn import GGN, SGN
+from torch_sgn.forward_mode import missing_rule
+from torch_sgn.functional import FunctionalEngine, FunctionalModel
+from torch_sgn.linearization import Batch
+from torch_sgn.lookups import composite_lookups, lookup_modules
+from torch_sgn.losses import resolve_loss
+
+D = torch.float64
+TOKENS = torch.tensor([0, 2, 5, 1, 1, 3, 2, 2, 4, 0, 1])
+OFFSETS = torch.tensor([0, 3, 3, 6, 8])  # bag 1 is empty
+
+
+def _bag_input(layout):
+    if layout == "2d":  # a bag per row
+        return TOKENS[:9].view(3, 3), None
+    if layout == "1d":
+        return TOKENS, OFFSETS
+    return TOKENS, torch.cat([OFFSETS, torch.tensor([len(TOKENS)])])  # include_last_offset
+
+
+BAG_CASES = [
+    (mode, padding, max_norm, layout, weighted)
+    for mode, padding, max_norm, layout, weighted in itertools.product(
+        ["sum", "mean", "max"], [None, 2], [None, 1.0], ["2d", "1d", "1d-last"], [False, True]
+    )
+    if mode == "sum" or not weighted
+]
+
+
+@pytest.mark.parametrize("mode,padding,max_norm,layout,weighted", BAG_CASES)
+def test_bag_composite_matches_the_module(mode, padding, max_norm, layout, weighted):
+    torch.manual_seed(0)
+    options = dict(mode=mode, padding_idx=padding, max_norm=max_norm)
+    options["include_last_offset"] = layout == "1d-last"
+    own = nn.EmbeddingBag(6, 3, **options).to(D)
+    with torch.no_grad():
+        own.weight.normal_().mul_(2.0)  # rows beyond max_norm; the padding row not zero
+    composite = copy.deepcopy(own)
+    x, offsets = _bag_input(layout)
+    w = torch.rand(x.shape, dtype=D) if weighted else None
+    with composite_lookups(lookup_modules(composite)):
+        out = composite(x, offsets, w)
+    expected = own(x, offsets, w)  # renormalises own's rows in place
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-14)
+    u = torch.randn(out.shape, dtype=D)
+    (grad,) = torch.autograd.grad(out, composite.weight, u)
+    (grad_own,) = torch.autograd.grad(own(x, offsets, w), own.weight, u)
+    torch.testing.assert_close(grad, grad_own, rtol=0, atol=1e-14)
+    if max_norm is not None:  # the composite renormalised out of place
+        assert composite.weight.norm(dim=1).max() > 2 * own.weight.norm(dim=1).max()
+    assert "forward" not in composite.__dict__
+
+
+@pytest.mark.parametrize("max_norm", [None, 1.0])
+def test_padding_entries_have_no_derivative_in_either_mode(max_norm):
+    """Forward mode of a plain lookup would give the padding row a tangent that reverse mode
+    (the gradient) does not: ``<J v, u> = <v, J^T u>`` must hold with one ``J``."""
+    torch.manual_seed(0)
+    module = nn.Embedding(5, 3, padding_idx=0, max_norm=max_norm).to(D)
+    x = torch.tensor([[0, 1, 2], [0, 0, 4]])
+    weight = module.weight.detach()
+    v, u = torch.randn_like(weight), torch.randn(2, 3, 3, dtype=D)
+
+    def f(w):
+        return torch.func.functional_call(module, {"weight": w}, (x,))
+
+    with composite_lookups(lookup_modules(module)):
+        _, jv = torch.func.jvp(f, (weight,), (v,))
+        _, vjp = torch.func.vjp(f, weight)
+        (jtu,) = vjp(u)
+    assert torch.equal(jtu[0], torch.zeros(3, dtype=D))  # the padding row: no gradient
+    assert torch.equal(jv[x == 0], torch.zeros(3, 3, dtype=D))  # and no tangent
+    torch.testing.assert_close((jv * u).sum(), (v * jtu).sum(), rtol=1e-13, atol=0)
+
+
+class PaddedTokens(nn.Module):
+    """Token sequences with padding (index 0), a residual branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(5, 4, padding_idx=0)
+        self.hidden = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        return self.out(h + torch.tanh(self.hidden(h))).mean(1)
+
+
+class RenormedEmbedding(PaddedTokens):
+    """``nn.Embedding(max_norm=1)``: its forward pass rescales the rows it looks up, in place.
+    Rows 1-4 start above the bound, row 0 below it."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(5, 4, max_norm=1.0)
+        with torch.no_grad():
+            self.embed.weight.mul_(3.0)[0].mul_(0.02)
+
+
+class Sparse(PaddedTokens):
+    """An embedding with sparse gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(5, 4, sparse=True)
+
+
+class Bags(nn.Module):
+    """Bags of tokens with offsets (an empty bag among them), by maximum and by weighted sum
+    with renormalised rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.most = nn.EmbeddingBag(6, 4, mode="max", padding_idx=2)
+        self.sum = nn.EmbeddingBag(6, 4, mode="sum", max_norm=1.0)
+        self.out = nn.Linear(4, 3)
+        with torch.no_grad():
+            self.sum.weight.mul_(3.0)
+
+    def forward(self, tokens, offsets, weights):
+        h = self.most(tokens, offsets) + self.sum(tokens, offsets, per_sample_weights=weights)
+        return self.out(torch.tanh(h))
+
+
+def _case(name, dtype=D):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    if name == "bags":
+        x = (TOKENS, OFFSETS, torch.rand(len(TOKENS), generator=g, dtype=dtype))
+        model, n = Bags(), len(OFFSETS)
+    else:
+        x = torch.randint(0, 5, (6, 3), generator=g)
+        x[:, -1] = 0  # padding (or, with max_norm, the row below the bound) in every sequence
+        build = {"padding": PaddedTokens, "max-norm": RenormedEmbedding, "sparse": Sparse}
+        model, n = build[name](), 6
+    return model.to(dtype), x, torch.randn(n, 3, generator=g, dtype=dtype)
+
+
+class _Inputs(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs):
+        return self.model(*inputs)
+
+
+@pytest.mark.parametrize("engine", ["auto", "traced", "functional", "double-backward"])
+@pytest.mark.parametrize("name", ["padding", "max-norm", "bags", "sparse"])
+def test_products_match_the_dense_reference(name, engine):
+    model, x, y = _case(name)
+    reference = copy.deepcopy(model)
+    # the model's own forward passes (renormalising the reference's rows, as in training)
+    G_ref, g_ref = dense_ggn_of_module(
+        _Inputs(reference) if isinstance(x, tuple) else reference, "mse", x, y
+    )
+    weights = [p.detach().clone() for p in model.parameters()]
+    V = torch.randn(len(g_ref), 3, generator=torch.Generator().manual_seed(7), dtype=D)
+    if engine == "double-backward":
+        fmodel = FunctionalModel(model)
+        functional = FunctionalEngine(fmodel, resolve_loss("mse"))
+        functional.double_backward = True
+        lin = functional(fmodel.flat(), Batch(x, y))
+        grad, GV = lin.grad, torch.stack([lin.ggn_vp(v) for v in V.T], 1)
+    else:
+        G = GGN(model, "mse", x, y, engine=engine)
+        grad, GV = G.gradient, G @ V
+    torch.testing.assert_close(grad, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(GV, G_ref @ V, rtol=1e-9, atol=1e-11)
+    # SGN's passes renormalise out of place: the model's weights are not written
+    assert all(torch.equal(w, p) for w, p in zip(weights, model.parameters()))
+    assert not any("forward" in m.__dict__ for m in model.modules())  # their own are back
+    if name == "max-norm":
+        assert weights[0].norm(dim=1).max() > 2.0  # the case renormalises...
+        assert reference.embed.weight.norm(dim=1).max() <= 1.0  # ...as the reference did
+
+
+@pytest.mark.parametrize("engine", ["auto", "functional"])
+@pytest.mark.parametrize("name", ["padding", "max-norm", "bags", "sparse"])
+def test_sgn_steps_decrease_the_loss_in_float32(name, engine):
+    model, x, y = _case(name, torch.float32)
+    args = x if isinstance(x, tuple) else (x,)
+    start = F.mse_loss(copy.deepcopy(model)(*args), y).item()
+    padding = model.embed.weight[0].detach().clone() if name == "padding" else None
+    opt = SGN(model, "mse", engine=engine, cg_iters=5)
+    infos = [opt.step(x, y) for _ in range(3)]
+    assert infos[0].loss == pytest.approx(start, rel=1e-6)  # the loss of the renormalised rows
+    assert F.mse_loss(model(*args), y).item() < 0.9 * start
+    if name == "max-norm":
+        assert model.embed.weight.norm(dim=1).max() <= 1.0  # the model's own forward did
+    if name == "padding":
+        assert torch.equal(model.embed.weight[0], padding)  # as a gradient method keeps it
+
+
+def test_functional_embedding_bag_is_refused_clearly_and_loses_nothing():
+    class Functional(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Parameter(torch.randn(7, 4))
+            self.out = nn.Linear(4, 3)
+
+        def forward(self, tokens):
+            return self.out(F.embedding_bag(tokens, self.table, mode="mean"))
+
+    model = Functional()
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = torch.randint(0, 7, (4, 3)), torch.randn(4, 3)
+    with pytest.raises(RuntimeError, match="call an nn.EmbeddingBag module"):
+        SGN(model, "mse", engine="functional").step(x, y)
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_missing_derivatives_are_read_from_either_error_type():
+    quoted = NotImplementedError("the derivative for '_embedding_bag_backward' is not implemented.")
+    assert missing_rule(quoted) == "_embedding_bag_backward"
+    plain = RuntimeError("the derivative for aten::foo_backward is not implemented")
+    assert missing_rule(plain) == "foo_backward"
+
+
+def test_only_the_modules_that_need_it_are_replaced():
+    class Sub(nn.Embedding):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    model = nn.ModuleList([
+        nn.Embedding(3, 2),
+        nn.Embedding(3, 2, padding_idx=1),
+        nn.Embedding(3, 2, max_norm=1.0),
+        nn.Embedding(3, 2, sparse=True),
+        nn.EmbeddingBag(3, 2),
+        Sub(3, 2, padding_idx=1),
+    ])  # fmt: skip
+    assert lookup_modules(model) == [model[1], model[2], model[3], model[4]]
