@@ -76,6 +76,30 @@ def test_ggn_leaves_batchnorm_buffers_alone():
         assert torch.equal(b, before[k]), k
 
 
+@pytest.mark.filterwarnings("ignore:forward-mode AD has no rule for huber_loss_backward")
+@pytest.mark.parametrize("kind", ["nll", "l1"])
+def test_losses_linear_in_the_outputs_warn_that_their_ggn_is_zero(kind):
+    """NLLLoss on log-probabilities and L1Loss have no curvature in the outputs: G = 0, as the
+    warning says (checked against the dense reference), with the fix it names."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 3, dtype=torch.float64)
+    logits = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4)).double()
+    if kind == "nll":
+        model, loss, y = nn.Sequential(logits, nn.LogSoftmax(1)), nn.NLLLoss(), torch.arange(6) % 4
+        match, fix, fixed_model = "NLLLoss is linear.*'cross_entropy'", "cross_entropy", logits
+    else:
+        model, loss, y = logits, nn.L1Loss(), torch.randn(6, 4, dtype=torch.float64)
+        match, fix, fixed_model = "L1Loss is piecewise linear.*HuberLoss", nn.HuberLoss(), logits
+    with pytest.warns(UserWarning, match=match):
+        G = GGN(model, loss, x, y)
+    G_ref, g_ref, _ = dense_ggn(model, loss, x, y)
+    assert torch.count_nonzero(G_ref) == 0 and torch.count_nonzero(G.to_dense()) == 0
+    torch.testing.assert_close(G.gradient, g_ref, rtol=1e-10, atol=1e-12)
+    G_ref, _, _ = dense_ggn(fixed_model, fix, x, y)
+    assert G_ref.abs().max() > 1e-3
+    torch.testing.assert_close(GGN(fixed_model, fix, x, y).to_dense(), G_ref, rtol=1e-9, atol=1e-11)
+
+
 def test_kl_div_batchmean_is_supported_and_warns_that_its_ggn_is_zero():
     """KLDivLoss is linear in its input, so G = J^T 0 J; the warning names the user's line
     and the fix, whose G (softmax inside the loss) matches the dense reference."""

@@ -38,7 +38,11 @@ def _with_reduction(module, reduction):
     return other
 
 
-@pytest.mark.filterwarnings("ignore:nn.KLDivLoss is linear", "ignore:reduction. .mean. divides")
+@pytest.mark.filterwarnings(
+    "ignore:nn.KLDivLoss is linear",
+    "ignore:nn.NLLLoss is linear",
+    "ignore:reduction. .mean. divides",
+)
 @pytest.mark.parametrize("name,loss,kind", TABLE, ids=[t[0] for t in TABLE])
 def test_normalizer_is_what_torchs_mean_divides_by(name, loss, kind):
     case = next(c for c in LOSSES if c.targets == kind)

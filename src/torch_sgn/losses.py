@@ -432,7 +432,22 @@ def resolve_loss(loss: LossSpec) -> OutputLoss:
         return _WeightedCrossEntropy(loss, "cross_entropy")
     if isinstance(loss, nn.NLLLoss):
         _check_reduction(loss.reduction)
+        warn(
+            "nn.NLLLoss is linear in the model's outputs (log-probabilities), so its "
+            "Gauss-Newton matrix is zero and each SGN step is a gradient step of length "
+            "lr / damping. To give SGN the curvature of the softmax, end the model at the logits "
+            "(no log_softmax) and pass loss='cross_entropy', or nn.CrossEntropyLoss(weight=...) "
+            "for class weights"
+        )
         return _WeightedCrossEntropy(loss, "nll")
+    if isinstance(loss, nn.L1Loss):
+        _check_reduction(loss.reduction)
+        warn(
+            "nn.L1Loss is piecewise linear in the model's outputs, so its Gauss-Newton matrix "
+            "is zero and each SGN step is a gradient step of length lr / damping. For a loss "
+            "with curvature near the targets, pass nn.HuberLoss() or nn.SmoothL1Loss()"
+        )
+        return _Generic(loss)
     if isinstance(loss, nn.BCEWithLogitsLoss):
         if loss.weight is None and loss.pos_weight is None:
             return _BCEWithLogits(loss.reduction)
