@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence
 
 from cases import SineWithoutJvp, dense_ggn_of_module
 from torch_sgn import GGN, SGN
@@ -317,11 +318,55 @@ def test_sgn_with_huber_decreases_the_loss_in_float32():
         start = loss(model(x), y).item()
 
 
+class PackedRecurrent(nn.Module):
+    """An RNN on a packed batch of sequences of different lengths: its kernel reads the
+    tensors' memory, which ``torch.func``'s tensors do not have."""
+
+    def __init__(self, cell):
+        super().__init__()
+        self.rnn = cell(D, 6, batch_first=True)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        lengths = torch.tensor([L, 3, 2, 4])
+        packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        _, h = self.rnn(packed)
+        return self.head((h[0] if isinstance(h, tuple) else h)[-1])
+
+
+@pytest.mark.parametrize("engine", ["auto", "functional"])
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU])
+def test_rnn_on_packed_sequences_goes_by_double_backward(cell, engine):
+    torch.manual_seed(0)
+    model = PackedRecurrent(cell).double()
+    x, y = torch.randn(4, L, D, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    G_ref, g_ref = dense_ggn_of_module(model, "mse", x, y)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        G = GGN(model, "mse", x, y, engine=engine)
+        V = _probes(G.shape[0])
+        GV = G @ V
+    assert any("reads its tensors' memory" in str(w.message) for w in record)
+    torch.testing.assert_close(G.gradient, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(GV, G_ref @ V, rtol=1e-9, atol=1e-11)
+    model.float()
+    x, y = x.float(), y.float()
+    start = F.mse_loss(model(x), y).item()
+    opt = SGN(model, "mse", engine=engine, cg_iters=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            opt.step(x, y)
+    assert F.mse_loss(model(x), y).item() < 0.9 * start
+
+
 def test_missing_rules_are_read_from_torch_errors():
     assert missing_rule(RuntimeError("something else")) is None
     assert missing_rule(ValueError("forward AD with x")) is None
     e = NotImplementedError("Trying to use forward AD with aten::_transformer_encoder_layer_fwd")
     assert missing_rule(e) == "_transformer_encoder_layer_fwd"
+    e = RuntimeError("Cannot access data pointer of Tensor that doesn't have storage")
+    assert "packed sequence" in missing_rule(e)
     assert switch_for("_scaled_dot_product_efficient_attention") == "math_attention"
     assert switch_for("mkldnn_rnn_layer") == "no_onednn"
     assert switch_for("huber_loss_backward") is None

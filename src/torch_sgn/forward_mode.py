@@ -3,7 +3,8 @@ r"""Where forward-mode AD has no rule: kernels that have one, and the double-bac
 The functional engine takes ``J v`` by forward-mode AD. Some operators have no forward-mode
 rule although their gradient works: the fused attention kernels (flash, memory-efficient),
 the fast paths of ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention`` in eval mode,
-oneDNN's (CPU, float32) and cuDNN's LSTM/GRU kernels, many losses' backward kernels
+oneDNN's (CPU, float32) and cuDNN's LSTM/GRU kernels, RNNs on packed sequences (their kernel
+reads the tensors' memory, which ``torch.func``'s tensors lack), many losses' backward kernels
 (``huber_loss_backward``), custom ``autograd.Function``\ s without a ``jvp``. The engine
 then takes ``J v`` by **double backward**, for any operator whose backward is differentiable:
 ``J^T u`` is linear in ``u``, so ``J v = d/du [(J^T u) . v]``. The graph of ``u -> J^T u`` is
@@ -71,6 +72,9 @@ def missing_rule(error: BaseException) -> Optional[str]:
         if "autograd.Function" in message and "jvp" in message:
             return "a custom autograd.Function without jvp"
     if isinstance(error, RuntimeError):
+        if "data pointer" in message and "storage" in message:
+            # torch.func's tensors have no memory; an RNN on a packed sequence reads it
+            return "an operator that reads its tensors' memory (an RNN on a packed sequence)"
         if "autograd.Function" in message and "setup_context" in message:
             return "a custom autograd.Function without setup_context"  # torch.func needs it
         if "once_differentiable" in message:
