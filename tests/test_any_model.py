@@ -318,6 +318,37 @@ def test_sgn_with_huber_decreases_the_loss_in_float32():
         start = loss(model(x), y).item()
 
 
+class PaddedEncoder(nn.Module):
+    """``nn.TransformerEncoder`` with a key padding mask: in eval mode without autograd (as in
+    forward mode) its fast path packs the batch into a nested tensor."""
+
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(D, 2, 16, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2)
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x):
+        padding = torch.zeros(x.shape[:2], dtype=torch.bool)
+        padding[0, -2:] = True
+        return self.head(self.encoder(x, src_key_padding_mask=padding)).mean(1)
+
+
+@pytest.mark.parametrize("engine", ["auto", "functional"])
+def test_encoder_with_padding_in_eval_mode_matches_the_dense_reference(engine):
+    torch.manual_seed(0)
+    model = PaddedEncoder().double().eval()
+    x, y = torch.randn(4, L, D, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    G_ref, g_ref = dense_ggn_of_module(model, "mse", x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the functional engine reports the nested tensor
+        G = GGN(model, "mse", x, y, engine=engine)
+        V = _probes(G.shape[0])
+        GV = G @ V
+    torch.testing.assert_close(G.gradient, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(GV, G_ref @ V, rtol=1e-9, atol=1e-11)
+
+
 class PackedRecurrent(nn.Module):
     """An RNN on a packed batch of sequences of different lengths: its kernel reads the
     tensors' memory, which ``torch.func``'s tensors do not have."""
@@ -367,6 +398,8 @@ def test_missing_rules_are_read_from_torch_errors():
     assert missing_rule(e) == "_transformer_encoder_layer_fwd"
     e = RuntimeError("Cannot access data pointer of Tensor that doesn't have storage")
     assert "packed sequence" in missing_rule(e)
+    e = RuntimeError("Internal error: NestedTensorImpl doesn't support strides.")
+    assert switch_for(missing_rule(e)) == "no_mha_fast_path"
     assert switch_for("_scaled_dot_product_efficient_attention") == "math_attention"
     assert switch_for("mkldnn_rnn_layer") == "no_onednn"
     assert switch_for("huber_loss_backward") is None

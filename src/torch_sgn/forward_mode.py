@@ -51,6 +51,7 @@ _SWITCH_OF: Tuple[Tuple[str, str], ...] = (
     ("_efficient_attention", "math_attention"),
     ("_transformer_encoder_layer_fwd", "no_mha_fast_path"),
     ("_native_multi_head_attention", "no_mha_fast_path"),
+    ("_nested_tensor", "no_mha_fast_path"),
     ("mkldnn_rnn", "no_onednn"),
     ("_cudnn_rnn", "no_cudnn"),
 )
@@ -72,6 +73,8 @@ def missing_rule(error: BaseException) -> Optional[str]:
         if "autograd.Function" in message and "jvp" in message:
             return "a custom autograd.Function without jvp"
     if isinstance(error, RuntimeError):
+        if "NestedTensor" in message:  # the encoder's fast path, taken without autograd
+            return "_nested_tensor_from_mask (nn.TransformerEncoder's fast path)"
         if "data pointer" in message and "storage" in message:
             # torch.func's tensors have no memory; an RNN on a packed sequence reads it
             return "an operator that reads its tensors' memory (an RNN on a packed sequence)"
