@@ -307,6 +307,16 @@ def test_untraceable_model_falls_back_to_functional_with_the_reason_once():
         torch.testing.assert_close(G, G_ref, rtol=1e-9, atol=1e-11)
 
 
+def test_a_model_compiled_by_torch_compile_is_traced_as_the_module_it_wraps():
+    model, x, y, loss = _family("resnet-bn")
+    compiled = torch.compile(model)  # compiled at its first call, which never comes here
+    engine = _matches_dense_reference(compiled, x, y, loss)  # strict: no fallback
+    assert engine.fmodel.model is compiled
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "cannot trace" fallback
+        SGN(compiled, loss, cg_iters=3).step(x, y)
+
+
 def test_auto_takes_the_layerwise_engine_for_chains_and_the_traced_engine_else():
     chain = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
     loss = resolve_loss("mse")
