@@ -306,6 +306,9 @@ def _curvlinops_product(model, loss_name: str, x, y) -> Optional[Callable]:
     except ImportError as why:
         print(f"  curvlinops left out ({why}): pip install curvlinops-for-pytorch", file=sys.stderr)
         return None
+    except Exception as why:  # noqa: BLE001 - e.g. a torchvision built for another torch
+        print(f"  curvlinops left out: it cannot be imported ({_first_line(why)})", file=sys.stderr)
+        return None
     twin = copy.deepcopy(model)
     torch.func.replace_all_batch_norm_modules_(twin)  # batch statistics, no running ones
     params = [p for p in twin.parameters() if p.requires_grad]

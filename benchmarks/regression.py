@@ -293,6 +293,11 @@ def _lm_module():
         import torch_levenberg_marquardt as tlm
     except ImportError as e:
         return None, f"torch-levenberg-marquardt is not installed ({e}); pip install -e '.[bench]'"
+    except Exception as e:  # noqa: BLE001 - e.g. a torchvision built for another torch
+        return None, (
+            f"torch-levenberg-marquardt cannot be imported ({type(e).__name__}: {e}); a "
+            "torchvision built for another torch breaks its import: pip uninstall torchvision"
+        )
     return tlm, None
 
 

@@ -167,7 +167,7 @@ def dense_ggn_of_module(model: nn.Module, loss, x, y: Tensor) -> tuple[Tensor, T
     J = torch.stack(rows)
     fn = loss_fn(loss)
     H = hessian(lambda z: fn(z.view(out.shape), y), out.detach().reshape(-1))
-    g = torch.autograd.grad(fn(model(x), y), params)
+    g = torch.autograd.grad(fn(model(x), y), params, allow_unused=True)
     return J.T @ H @ J, torch.cat([dense(t, p).reshape(-1) for t, p in zip(g, params)])
 
 
