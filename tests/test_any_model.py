@@ -318,6 +318,75 @@ def test_sgn_with_huber_decreases_the_loss_in_float32():
         start = loss(model(x), y).item()
 
 
+class NoGradGate(nn.Module):
+    """A gate computed from the parameters under ``torch.no_grad``: the gradient takes it as a
+    constant, forward mode (which ignores the grad mode) would not. The input's mask, also
+    under ``no_grad``, depends on no parameter."""
+
+    def __init__(self, gate=True):
+        super().__init__()
+        self.gated = gate
+        self.a, self.g, self.head = nn.Linear(4, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        with torch.no_grad():
+            mask = (x > -1.0).to(x.dtype)
+        h = torch.tanh(self.a(x * mask))
+        if not self.gated:
+            return self.head(h * torch.sigmoid(self.g(h)))
+        with torch.no_grad():
+            gate = torch.sigmoid(self.g(h))
+        return self.head(h * gate)
+
+
+@pytest.mark.parametrize("engine", ["auto", "traced", "functional"])
+def test_values_computed_under_no_grad_are_constants_of_the_products_too(engine):
+    torch.manual_seed(0)
+    model = NoGradGate().double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    G_ref, g_ref = dense_ggn_of_module(model, "mse", x, y)
+    with pytest.warns(UserWarning, match="computes linear from the parameters under torch.no_grad"):
+        G = GGN(model, "mse", x, y, engine=engine)
+        V = _probes(G.shape[0])
+        GV = G @ V
+    torch.testing.assert_close(G.gradient, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(GV, G_ref @ V, rtol=1e-9, atol=1e-11)
+    model.float()
+    x, y = x.float(), y.float()
+    start = F.mse_loss(model(x), y).item()
+    opt = SGN(model, "mse", engine=engine, cg_iters=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            opt.step(x, y)
+    assert F.mse_loss(model(x), y).item() < 0.9 * start
+
+
+@pytest.mark.parametrize("engine", ["auto", "functional"])
+def test_no_grad_on_the_inputs_alone_keeps_forward_mode(engine):
+    torch.manual_seed(0)
+    model = NoGradGate(gate=False).double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    G_ref, _ = dense_ggn_of_module(model, "mse", x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no notice: J v stays in forward mode
+        G = GGN(model, "mse", x, y, engine=engine)
+        GV = G @ _probes(G.shape[0])
+    torch.testing.assert_close(GV, G_ref @ _probes(G.shape[0]), rtol=1e-9, atol=1e-11)
+
+
+def test_the_gradient_stop_is_found_once_and_leaves_the_random_state():
+    torch.manual_seed(0)
+    model = nn.Sequential(NoGradGate(), nn.Dropout(0.5))
+    fmodel, x = FunctionalModel(model), torch.randn(5, 4)
+    state = torch.get_rng_state()
+    assert fmodel.gradient_stop(fmodel.flat(), x) == "linear"
+    assert torch.equal(torch.get_rng_state(), state)
+    model[0].gated = False  # remembered, not looked for again
+    assert fmodel.gradient_stop(fmodel.flat(), x) == "linear"
+    assert FunctionalModel(model).gradient_stop(fmodel.flat(), x) is None
+
+
 class PaddedEncoder(nn.Module):
     """``nn.TransformerEncoder`` with a key padding mask: in eval mode without autograd (as in
     forward mode) its fast path packs the batch into a nested tensor."""

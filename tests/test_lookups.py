@@ -35,18 +35,26 @@ def _bag_input(layout):
 
 
 BAG_CASES = [
-    (mode, padding, max_norm, layout, weighted)
-    for mode, padding, max_norm, layout, weighted in itertools.product(
-        ["sum", "mean", "max"], [None, 2], [None, 1.0], ["2d", "1d", "1d-last"], [False, True]
+    (mode, padding, max_norm, layout, weighted, freq)
+    for mode, padding, max_norm, layout, weighted, freq in itertools.product(
+        ["sum", "mean", "max"],
+        [None, 2],
+        [None, 1.0],
+        ["2d", "1d", "1d-last"],
+        [False, True],
+        [False, True],
     )
-    if mode == "sum" or not weighted
+    # weights with sums alone; frequencies not with maxima (PyTorch refuses both)
+    if (mode == "sum" or not weighted)
+    and (layout == "1d" or not freq)
+    and (mode, freq) != ("max", True)
 ]
 
 
-@pytest.mark.parametrize("mode,padding,max_norm,layout,weighted", BAG_CASES)
-def test_bag_composite_matches_the_module(mode, padding, max_norm, layout, weighted):
+@pytest.mark.parametrize("mode,padding,max_norm,layout,weighted,freq", BAG_CASES)
+def test_bag_composite_matches_the_module(mode, padding, max_norm, layout, weighted, freq):
     torch.manual_seed(0)
-    options = dict(mode=mode, padding_idx=padding, max_norm=max_norm)
+    options = dict(mode=mode, padding_idx=padding, max_norm=max_norm, scale_grad_by_freq=freq)
     options["include_last_offset"] = layout == "1d-last"
     own = nn.EmbeddingBag(6, 3, **options).to(D)
     with torch.no_grad():
@@ -60,19 +68,48 @@ def test_bag_composite_matches_the_module(mode, padding, max_norm, layout, weigh
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-14)
     u = torch.randn(out.shape, dtype=D)
     (grad,) = torch.autograd.grad(out, composite.weight, u)
+    # PyTorch's CPU kernel divides some rows by another row's count (pytorch/pytorch#190063):
+    # with scale_grad_by_freq, the documented gradient is the plain one over each row's count
+    own.scale_grad_by_freq = False
     (grad_own,) = torch.autograd.grad(own(x, offsets, w), own.weight, u)
+    if freq:
+        grad_own = grad_own / torch.bincount(x.reshape(-1), minlength=6).clamp(min=1)[:, None]
     torch.testing.assert_close(grad, grad_own, rtol=0, atol=1e-14)
     if max_norm is not None:  # the composite renormalised out of place
         assert composite.weight.norm(dim=1).max() > 2 * own.weight.norm(dim=1).max()
     assert "forward" not in composite.__dict__
 
 
-@pytest.mark.parametrize("max_norm", [None, 1.0])
-def test_padding_entries_have_no_derivative_in_either_mode(max_norm):
-    """Forward mode of a plain lookup would give the padding row a tangent that reverse mode
-    (the gradient) does not: ``<J v, u> = <v, J^T u>`` must hold with one ``J``."""
+@pytest.mark.parametrize("options", [
+    dict(padding_idx=0), dict(max_norm=1.0), dict(sparse=True), dict(scale_grad_by_freq=True),
+    dict(padding_idx=0, max_norm=1.0, scale_grad_by_freq=True),
+])  # fmt: skip
+def test_embedding_composite_matches_the_module(options):
+    """The values and the gradient (reverse mode) of the module's own kernels."""
     torch.manual_seed(0)
-    module = nn.Embedding(5, 3, padding_idx=0, max_norm=max_norm).to(D)
+    own = nn.Embedding(5, 3, **options).to(D)
+    with torch.no_grad():
+        own.weight.normal_().mul_(2.0)
+    composite = copy.deepcopy(own)
+    x = torch.tensor([[0, 1, 2, 1], [0, 0, 4, 1]])
+    with composite_lookups(lookup_modules(composite)):
+        out = composite(x)
+    torch.testing.assert_close(out, own(x), rtol=0, atol=1e-14)
+    u = torch.randn(out.shape, dtype=D)
+    (grad,) = torch.autograd.grad(out, composite.weight, u)
+    (grad_own,) = torch.autograd.grad(own(x), own.weight, u)
+    grad_own = grad_own.to_dense() if grad_own.is_sparse else grad_own
+    torch.testing.assert_close(grad, grad_own, rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("max_norm,freq", [(None, False), (1.0, False), (None, True)])
+def test_padding_entries_have_no_derivative_in_either_mode(max_norm, freq):
+    """Forward mode of a plain lookup would give the padding row a tangent that reverse mode
+    (the gradient) does not, and not divide a row's tangent by its count as the gradient does
+    with ``scale_grad_by_freq``: ``<J v, u> = <v, J^T u>`` must hold with one ``J``."""
+    torch.manual_seed(0)
+    module = nn.Embedding(5, 3, padding_idx=0, max_norm=max_norm, scale_grad_by_freq=freq)
+    module = module.to(D)
     x = torch.tensor([[0, 1, 2], [0, 0, 4]])
     weight = module.weight.detach()
     v, u = torch.randn_like(weight), torch.randn(2, 3, 3, dtype=D)
@@ -244,7 +281,8 @@ def test_only_the_modules_that_need_it_are_replaced():
         nn.Embedding(3, 2, padding_idx=1),
         nn.Embedding(3, 2, max_norm=1.0),
         nn.Embedding(3, 2, sparse=True),
+        nn.Embedding(3, 2, scale_grad_by_freq=True),
         nn.EmbeddingBag(3, 2),
         Sub(3, 2, padding_idx=1),
     ])  # fmt: skip
-    assert lookup_modules(model) == [model[1], model[2], model[3], model[4]]
+    assert lookup_modules(model) == list(model[1:6])

@@ -22,6 +22,7 @@ from .diagnostics import warn
 from .functional import FunctionalEngine, FunctionalModel
 from .layerwise import LayerwiseEngine
 from .linearization import Batch, Engine, Linearization
+from .lookups import lookup_modules
 from .losses import OutputLoss
 from .traced import TracedEngine
 
@@ -62,15 +63,19 @@ def select_engine(
 
 
 def _warn_frequency_scaling(model: torch.nn.Module) -> None:
-    """Warns where a trained embedding scales its gradient by the words' frequencies: the
-    reverse pass then scales ``J^T`` and the tangent does not scale ``J``, so the products are
-    those of ``D J^T H J``, which is not symmetric (``D`` the scaling)."""
+    """Warns where a trained embedding scales its gradient by the words' frequencies in a
+    forward pass of its own (a subclass; PyTorch's modules run as composites that scale the
+    tangent too, see :mod:`torch_sgn.lookups`): the reverse pass then scales ``J^T`` and the
+    tangent does not scale ``J``, so the products are those of ``D J^T H J``, which is not
+    symmetric (``D`` the scaling)."""
+    replaced = {id(m) for m in lookup_modules(model)}
     names = [
         f"{type(module).__name__} {name!r}"
         for name, module in model.named_modules()
         if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag))
         and module.scale_grad_by_freq
         and module.weight.requires_grad
+        and id(module) not in replaced
     ]
     if names:
         warn(

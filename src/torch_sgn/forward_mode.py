@@ -9,7 +9,9 @@ reads the tensors' memory, which ``torch.func``'s tensors lack), many losses' ba
 then takes ``J v`` by **double backward**, for any operator whose backward is differentiable:
 ``J^T u`` is linear in ``u``, so ``J v = d/du [(J^T u) . v]``. The graph of ``u -> J^T u`` is
 recorded once per step (the gradient's backward pass, with ``create_graph``), and each ``J v``
-is one backward pass through it (:func:`jvp_by_double_backward`).
+is one backward pass through it (:func:`jvp_by_double_backward`). The same route serves a
+model whose forward pass computes from the parameters under ``torch.no_grad``
+(:func:`gradient_stop`): the gradient takes such values as constants, forward mode does not.
 
 Some kernels' backward is not differentiable in turn (the fused attention kernels' is not);
 those have a twin kernel whose backward is, and :func:`kernels` runs the model with it
@@ -29,8 +31,17 @@ from typing import Callable, Dict, FrozenSet, Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
-__all__ = ["SWITCHES", "jvp_by_double_backward", "kernels", "missing_rule", "switch_for"]
+__all__ = [
+    "SWITCHES",
+    "gradient_stop",
+    "gradient_stop_notice",
+    "jvp_by_double_backward",
+    "kernels",
+    "missing_rule",
+    "switch_for",
+]
 
 _OP = re.compile(r"forward AD with (?:aten::)?([\w.]+)")
 _DERIVATIVE = re.compile(r"derivative for '?(?:aten::)?([\w.]+)'? is not implemented")
@@ -176,3 +187,52 @@ def jvp_by_double_backward(
         return jv
 
     return jtu.detach(), jvp
+
+
+def gradient_stop(run: Callable[[], object]) -> Optional[str]:
+    """The first operation ``run()`` computes from tensors that require grad while autograd
+    is off (``torch.no_grad``), or ``None``.
+
+    The gradient treats such a value as a constant; forward mode ignores the grad mode and
+    differentiates through it, so its ``J v`` is of another matrix than the gradient's
+    ``J^T u`` and ``G`` would not be symmetric. Where this finds one, ``J v`` is taken in
+    reverse mode. ``run`` is called once, with autograd on.
+    """
+    mode = _GradientStops()
+    with torch.enable_grad(), mode:
+        run()
+    return mode.found
+
+
+def gradient_stop_notice(op: str) -> str:
+    """The one-time warning for a :func:`gradient_stop` at ``op``."""
+    return (
+        f"the model's forward pass computes {op} from the parameters under torch.no_grad: the "
+        "gradient takes it as a constant, forward-mode AD would differentiate through it, so "
+        "J v is taken by double backward (reverse mode alone). Products stay exact"
+    )
+
+
+class _GradientStops(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.found: Optional[str] = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        off = not torch.is_grad_enabled()
+        out = func(*args, **kwargs)
+        if self.found is None and off and _any_tensor(out, lambda t: t.is_floating_point()):
+            if _any_tensor((args, kwargs), lambda t: t.requires_grad):
+                self.found = getattr(func, "__name__", None) or repr(func)
+        return out
+
+
+def _any_tensor(tree, test: Callable[[Tensor], bool]) -> bool:
+    if isinstance(tree, Tensor):
+        return test(tree)
+    if isinstance(tree, (list, tuple)):
+        return any(_any_tensor(t, test) for t in tree)
+    if isinstance(tree, dict):
+        return any(_any_tensor(t, test) for t in tree.values())
+    return False

@@ -20,6 +20,8 @@ from torch.func import functional_call
 from .diagnostics import warn
 from .forward_mode import (
     SWITCHES,
+    gradient_stop,
+    gradient_stop_notice,
     jvp_by_double_backward,
     kernels,
     missing_rule,
@@ -86,6 +88,8 @@ class FunctionalModel:
         self.lookups = lookup_modules(model)
         self._rng_state: dict | None = None
         self._after_first: dict | None = None
+        self._gradient_stop: Optional[str] = None
+        self._stop_checked = False
 
     # --- parameters as one vector -------------------------------------------------------------
     def flat(self) -> Tensor:
@@ -138,6 +142,22 @@ class FunctionalModel:
                 f"{type(out).__name__}; wrap the model to select the output the loss uses"
             )
         return out
+
+    def gradient_stop(self, flat: Tensor, inputs: Inputs) -> Optional[str]:
+        """Where the forward pass computes from the parameters with autograd off, or ``None``
+        (see :func:`torch_sgn.forward_mode.gradient_stop`). Found once, by one forward pass at
+        ``flat`` on ``inputs`` that leaves the random state as it was; remembered after."""
+        if not self._stop_checked:
+            rng = _get_rng(self.device)
+            leaf = flat.detach().requires_grad_(True)
+            try:
+                self._gradient_stop = gradient_stop(lambda: self(leaf, inputs))
+            except Exception:  # noqa: BLE001 - the engine's own forward pass reports it
+                self._gradient_stop = None
+            finally:
+                _set_rng(self.device, rng)
+            self._stop_checked = True
+        return self._gradient_stop
 
     @contextmanager
     def consistent(self) -> Iterator[None]:
@@ -223,6 +243,11 @@ class FunctionalEngine:
     def __call__(
         self, flat: Tensor, batch: Batch, buffers_out: Optional[dict] = None
     ) -> Linearization:
+        if not self.double_backward:
+            stop = self.fmodel.gradient_stop(flat, batch.inputs)
+            if stop is not None:
+                self.double_backward = True
+                warn(gradient_stop_notice(stop))
         point = self._record(flat, batch, buffers_out, check=True)
         value, grad = point.value, point.grad
 

@@ -13,6 +13,8 @@ Gauss-Newton product:
   neither forward mode nor double backward gives ``J v``.
 * ``sparse``: the gradient of a weight that is a view of SGN's (dense) parameter vector cannot
   be a sparse tensor.
+* ``scale_grad_by_freq``: the gradient of each row is divided by the row's count in the
+  batch, the tangent is not; ``J v`` and ``J^T u`` would be of two different matrices.
 
 Within :func:`composite_lookups` such modules run a composite of differentiable operators
 instead (a plain lookup, then the bags' sums, means or maxima by ``index_add`` and
@@ -20,7 +22,11 @@ instead (a plain lookup, then the bags' sums, means or maxima by ``index_add`` a
 mode gives the module's own kernels, dense. Padding entries are cut from the derivatives (and
 from the bags). Rows beyond ``max_norm`` are renormalised out of place, with the derivative of
 a plain lookup; the module's weight is not written (the model's own next forward pass
-renormalises its stored rows as before).
+renormalises its stored rows as before). With ``scale_grad_by_freq`` each row's derivative is
+divided by its count in both modes: ``J`` is the lookup's times that scaling ``D``, and ``G``
+the symmetric ``D J^T H J D`` whose gradient ``D J^T dz`` is the module's own (as documented:
+``nn.EmbeddingBag``'s CPU kernel of torch 2.13 divides some rows by another row's count,
+pytorch/pytorch#190063).
 """
 
 from __future__ import annotations
@@ -40,12 +46,14 @@ Lookup = Union[nn.Embedding, nn.EmbeddingBag]
 
 def lookup_modules(model: nn.Module) -> List[Lookup]:
     """The modules of ``model`` that :func:`composite_lookups` replaces: embeddings with
-    ``padding_idx``, ``max_norm`` or ``sparse``, and embedding bags (not subclasses with a
-    forward of their own)."""
+    ``padding_idx``, ``max_norm``, ``sparse`` or ``scale_grad_by_freq``, and embedding bags
+    (not subclasses with a forward of their own)."""
     found: List[Lookup] = []
     for m in model.modules():
         if type(m).forward is nn.Embedding.forward:
             if m.padding_idx is not None or m.max_norm is not None or m.sparse:
+                found.append(m)
+            elif m.scale_grad_by_freq:
                 found.append(m)
         elif type(m).forward is nn.EmbeddingBag.forward:
             found.append(m)
@@ -67,24 +75,31 @@ def composite_lookups(modules: List[Lookup]) -> Iterator[None]:
             del m.forward
 
 
-def _weight(module: Lookup) -> Tensor:
-    """The weight with every row beyond ``max_norm`` renormalised, out of place.
+def _weight(module: Lookup, indices: Tensor) -> Tensor:
+    """The weight with every row beyond ``max_norm`` renormalised, out of place, and with
+    ``scale_grad_by_freq`` each row's derivative divided by its count in ``indices``.
 
     ``embedding_renorm_``'s rule: a row whose norm exceeds ``max_norm`` is scaled by
     ``max_norm / (norm + 1e-7)``. The scale is taken from the detached weight, so no derivative
     (reverse or forward mode) flows through it: as autograd's own, the derivative is a lookup's.
     Only looked-up rows reach the output, so renormalising all rows gives the same values.
     """
-    if module.max_norm is None:
-        return module.weight
-    fixed = module.weight.detach()
-    norms = torch.linalg.vector_norm(fixed, module.norm_type, dim=1, keepdim=True)
-    scale = torch.where(norms > module.max_norm, module.max_norm / (norms + 1e-7), 1.0)
-    return module.weight + fixed * (scale - 1.0)
+    weight = module.weight
+    if module.max_norm is not None:
+        fixed = weight.detach()
+        norms = torch.linalg.vector_norm(fixed, module.norm_type, dim=1, keepdim=True)
+        scale = torch.where(norms > module.max_norm, module.max_norm / (norms + 1e-7), 1.0)
+        weight = weight + fixed * (scale - 1.0)
+    if module.scale_grad_by_freq:
+        flat = indices.reshape(-1)  # counted by index_add: a shape known without the data
+        counts = weight.new_zeros(weight.shape[0]).index_add(0, flat, weight.new_ones(len(flat)))
+        fixed = weight.detach()
+        weight = fixed + (weight - fixed) / counts.clamp(min=1.0).unsqueeze(1)
+    return weight
 
 
 def _lookup(self: nn.Embedding, indices: Tensor) -> Tensor:
-    out = F.embedding(indices, _weight(self), self.padding_idx, None, 2.0, self.scale_grad_by_freq)
+    out = F.embedding(indices, _weight(self, indices), self.padding_idx)
     if self.padding_idx is None:
         return out
     # the padding entries' values, without derivatives
@@ -97,6 +112,8 @@ def _bag_lookup(
     offsets: Optional[Tensor] = None,
     per_sample_weights: Optional[Tensor] = None,
 ) -> Tensor:
+    if self.mode == "max" and self.scale_grad_by_freq:
+        raise ValueError("nn.EmbeddingBag: mode='max' cannot scale its gradient by frequency")
     if per_sample_weights is not None and self.mode != "sum":
         raise ValueError(
             f"nn.EmbeddingBag takes per_sample_weights with mode='sum' only, got mode={self.mode!r}"
@@ -121,7 +138,7 @@ def _bag_lookup(
             f"{'no offsets' if offsets is None else f'{offsets.dim()}D offsets'}"
         )
     indices = input.reshape(-1)
-    rows = F.embedding(indices, _weight(self), None, None, 2.0, self.scale_grad_by_freq)
+    rows = F.embedding(indices, _weight(self, indices))
     # entries at padding_idx are left out of their bags (and of a mean's count)
     keep = None if self.padding_idx is None else (indices != self.padding_idx).unsqueeze(1)
     width = rows.shape[1]

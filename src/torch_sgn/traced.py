@@ -56,6 +56,7 @@ from torch.func import functional_call
 
 from . import graphs
 from .diagnostics import warn
+from .forward_mode import gradient_stop_notice
 from .functional import FunctionalEngine, FunctionalModel
 from .linearization import Batch, Linearization
 from .lookups import composite_lookups
@@ -184,8 +185,11 @@ class TracedEngine:
                 "the same products at a higher cost"
             )
         if traced.double_backward:
+            stop = fmodel.gradient_stop(flat, args)  # found when traced
             self._warn(
-                "an operator of this model has no forward-mode AD rule; the traced engine "
+                gradient_stop_notice(stop)
+                if stop is not None
+                else "an operator of this model has no forward-mode AD rule; the traced engine "
                 "takes J v through a second reverse pass"
             )
         buffers, frozen = _inputs_of(model)
@@ -586,7 +590,9 @@ def _trace(
     example = (flat.detach(), torch.zeros_like(flat), buffers, frozen, list(args), targets)
     errors = []
     declined = None  # why the tangent rules could not be used, if they could not
-    for double_backward in (False, True):
+    # where the gradient stops (torch.no_grad) forward mode does not: reverse mode alone
+    routes = (True,) if fmodel.gradient_stop(flat, args) is not None else (False, True)
+    for double_backward in routes:
         try:
             with _plain_kernels():
                 if TANGENT_RULES and not double_backward:
