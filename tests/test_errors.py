@@ -114,6 +114,19 @@ def test_bad_cross_entropy_targets(targets, match):
     _assert_unchanged(model, opt, snap)
 
 
+def test_sequence_logits_with_classes_last_get_the_layout_hint():
+    """(N, L, C) logits, the transformer's layout, against (N, L) targets: the error says the
+    classes go along dimension 1, and the step changes nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5)).double()  # (N, L, 4) -> (N, L, 5)
+    x, y = torch.randn(3, 7, 4, dtype=torch.float64), torch.randint(0, 5, (3, 7))
+    opt = SGN(model, "cross_entropy")
+    snap = _snapshot(model, opt)
+    with pytest.raises(ValueError, match="shape \\(3, 5\\), got \\(3, 7\\).*movedim"):
+        opt.step(x, y)
+    _assert_unchanged(model, opt, snap)
+
+
 @pytest.mark.parametrize(
     "loss,targets,match",
     [

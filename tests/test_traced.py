@@ -311,10 +311,13 @@ def test_a_model_compiled_by_torch_compile_is_traced_as_the_module_it_wraps():
     model, x, y, loss = _family("resnet-bn")
     compiled = torch.compile(model)  # compiled at its first call, which never comes here
     engine = _matches_dense_reference(compiled, x, y, loss)  # strict: no fallback
-    assert engine.fmodel.model is compiled
+    assert engine.fmodel.model is model
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no "cannot trace" fallback
-        SGN(compiled, loss, cg_iters=3).step(x, y)
+        warnings.simplefilter("error", UserWarning)  # no "cannot trace" fallback
+        opt = SGN(compiled, loss, cg_iters=3)
+        opt.step(x, y)
+    assert opt._fmodel.model is model
+    assert all(a is b for a, b in zip(compiled.parameters(), model.parameters()))
 
 
 def test_auto_takes_the_layerwise_engine_for_chains_and_the_traced_engine_else():

@@ -26,6 +26,7 @@ RNNs), so it comes first; it keeps one more graph through the step.
 from __future__ import annotations
 
 import re
+import weakref
 from contextlib import ExitStack, contextmanager
 from typing import Callable, Dict, FrozenSet, Iterator, Optional, Tuple
 
@@ -191,12 +192,14 @@ def jvp_by_double_backward(
 
 def gradient_stop(run: Callable[[], object]) -> Optional[str]:
     """The first operation ``run()`` computes from tensors that require grad while autograd
-    is off (``torch.no_grad``), or ``None``.
+    is off (``torch.no_grad``) and whose result reaches an operation with autograd on as a
+    constant; ``None`` if there is none.
 
     The gradient treats such a value as a constant; forward mode ignores the grad mode and
     differentiates through it, so its ``J v`` is of another matrix than the gradient's
     ``J^T u`` and ``G`` would not be symmetric. Where this finds one, ``J v`` is taken in
-    reverse mode. ``run`` is called once, with autograd on.
+    reverse mode. A custom ``autograd.Function``'s forward also runs with autograd off, but
+    its result requires grad again: not a stop. ``run`` is called once, with autograd on.
     """
     mode = _GradientStops()
     with torch.enable_grad(), mode:
@@ -217,22 +220,45 @@ class _GradientStops(TorchFunctionMode):
     def __init__(self):
         super().__init__()
         self.found: Optional[str] = None
+        # id -> (weak reference, the operation it came from): results computed from tensors
+        # that require grad (or from such results) with autograd off
+        self._stopped: Dict[int, Tuple[weakref.ref, str]] = {}
+
+    def _origin(self, t: Tensor) -> Optional[str]:
+        entry = self._stopped.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        off = not torch.is_grad_enabled()
+        on = torch.is_grad_enabled()
         out = func(*args, **kwargs)
-        if self.found is None and off and _any_tensor(out, lambda t: t.is_floating_point()):
-            if _any_tensor((args, kwargs), lambda t: t.requires_grad):
-                self.found = getattr(func, "__name__", None) or repr(func)
+        if self.found is not None:
+            return out
+        inputs = list(_tensors((args, kwargs)))
+        if on:  # a stopped value used as a constant where autograd records
+            for t in inputs:
+                origin = self._origin(t)
+                if origin is not None and not t.requires_grad:
+                    self.found = origin
+                    return out
+            return out
+        origins = [self._origin(t) for t in inputs]
+        origin = next((o for o in origins if o is not None), None)
+        if origin is None and any(t.requires_grad for t in inputs):
+            origin = getattr(func, "__name__", None) or repr(func)
+        if origin is not None:
+            for t in _tensors(out):
+                if t.is_floating_point():
+                    self._stopped[id(t)] = (weakref.ref(t), origin)
         return out
 
 
-def _any_tensor(tree, test: Callable[[Tensor], bool]) -> bool:
+def _tensors(tree) -> Iterator[Tensor]:
     if isinstance(tree, Tensor):
-        return test(tree)
-    if isinstance(tree, (list, tuple)):
-        return any(_any_tensor(t, test) for t in tree)
-    if isinstance(tree, dict):
-        return any(_any_tensor(t, test) for t in tree.values())
-    return False
+        yield tree
+    elif isinstance(tree, (list, tuple)):
+        for t in tree:
+            yield from _tensors(t)
+    elif isinstance(tree, dict):
+        for t in tree.values():
+            yield from _tensors(t)

@@ -50,6 +50,13 @@ class FunctionalModel:
     def __init__(self, model: nn.Module):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        # A model wrapped by torch.compile is evaluated as the module it wraps (the same
+        # tensors): the engines trace or compile it themselves, and compiled code inside
+        # torch.func's transforms would compile again at every new kind of input.
+        if type(model).__name__ == "OptimizedModule" and isinstance(
+            getattr(model, "_orig_mod", None), nn.Module
+        ):
+            model = model._orig_mod
         self.model = model
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:

@@ -243,8 +243,15 @@ def _check_class_targets(
         )
     expected = (outputs.shape[0], *outputs.shape[2:])
     if tuple(targets.shape) != expected:
+        hint = ""
+        if outputs.dim() > 2 and tuple(targets.shape) == tuple(outputs.shape[:-1]):
+            hint = (
+                ": the classes are along dimension 1 of the outputs (as in F.cross_entropy), "
+                "not the last; for outputs of shape (N, ..., C) return logits.movedim(-1, 1) "
+                "from the model, or flatten them to (N * L, C) and the targets to (N * L,)"
+            )
         raise ValueError(
-            f"{name} expects class indices of shape {expected}, got {tuple(targets.shape)}"
+            f"{name} expects class indices of shape {expected}, got {tuple(targets.shape)}" + hint
         )
     if targets.numel():  # one transfer from the device; ignored targets count as class 0
         kept = targets.masked_fill(targets == ignore_index, 0)

@@ -495,14 +495,8 @@ def _inputs_of(model: nn.Module) -> Tuple[List[Tensor], List[Tensor]]:
 
 def _forward(fmodel: FunctionalModel) -> Callable:
     """``(theta, buffers, frozen, inputs) -> outputs``: the model as a function of its flat
-    trainable parameters, its buffers and frozen parameters (each tensor once), to be traced.
-    A model compiled by ``torch.compile`` is traced as the module it wraps (the same tensors
-    in the same order)."""
+    trainable parameters, its buffers and frozen parameters (each tensor once), to be traced."""
     model = fmodel.model
-    if type(model).__name__ == "OptimizedModule" and isinstance(
-        getattr(model, "_orig_mod", None), nn.Module
-    ):
-        model = model._orig_mod
     buffers_in, frozen_in = _inputs_of(model)
     buffer_at = {id(b): i for i, b in enumerate(buffers_in)}
     frozen_at = {id(p): i for i, p in enumerate(frozen_in)}
