@@ -51,9 +51,8 @@ def lookup_modules(model: nn.Module) -> List[Lookup]:
     found: List[Lookup] = []
     for m in model.modules():
         if type(m).forward is nn.Embedding.forward:
-            if m.padding_idx is not None or m.max_norm is not None or m.sparse:
-                found.append(m)
-            elif m.scale_grad_by_freq:
+            options = (m.padding_idx is not None, m.max_norm is not None, m.sparse)
+            if any(options) or m.scale_grad_by_freq:
                 found.append(m)
         elif type(m).forward is nn.EmbeddingBag.forward:
             found.append(m)
@@ -99,10 +98,10 @@ def _weight(module: Lookup, indices: Tensor) -> Tensor:
 
 
 def _lookup(self: nn.Embedding, indices: Tensor) -> Tensor:
-    out = F.embedding(indices, _weight(self, indices), self.padding_idx)
+    out = F.embedding(indices, _weight(self, indices))
     if self.padding_idx is None:
         return out
-    # the padding entries' values, without derivatives
+    # the padding entries' values, without derivatives in either mode
     return torch.where((indices == self.padding_idx).unsqueeze(-1), out.detach(), out)
 
 
