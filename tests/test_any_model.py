@@ -319,6 +319,50 @@ def test_sgn_with_huber_decreases_the_loss_in_float32():
         start = loss(model(x), y).item()
 
 
+class Parametrized(nn.Module):
+    """Weight norm, an orthogonal weight, a channels-last convolution, spectral norm (in eval
+    mode: in training mode its power iteration runs under no_grad, see NoGradGate)."""
+
+    def __init__(self):
+        super().__init__()
+        P = nn.utils.parametrizations
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.norm = P.weight_norm(nn.Linear(3 * 4 * 4, 6))
+        self.turn = P.orthogonal(nn.Linear(6, 6))
+        self.head = P.spectral_norm(nn.Linear(6, 3)).eval()
+
+    def forward(self, x):
+        h = torch.tanh(self.conv(x.contiguous(memory_format=torch.channels_last)))
+        return self.head(torch.tanh(self.turn(torch.tanh(self.norm(h.flatten(1))))))
+
+
+class Checkpointed(nn.Module):
+    """Activation checkpointing (non-reentrant): the traced engine hands it on."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.head = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        inner = lambda t: torch.tanh(self.a(t))  # noqa: E731
+        return self.head(torch.utils.checkpoint.checkpoint(inner, x, use_reentrant=False))
+
+
+@pytest.mark.parametrize("engine", ["auto", "functional"])
+@pytest.mark.parametrize("build,shape", [(Parametrized, (4, 2, 4, 4)), (Checkpointed, (5, 4))])
+def test_parametrized_and_checkpointed_models_match_the_dense_reference(build, shape, engine):
+    torch.manual_seed(0)
+    model = build().double()
+    x, y = torch.randn(shape, dtype=torch.float64), torch.randn(shape[0], 3, dtype=torch.float64)
+    G_ref, g_ref = dense_ggn_of_module(model, "mse", x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # checkpointing: the traced engine's hand-over
+        G = GGN(model, "mse", x, y, engine=engine)
+        GV = G @ _probes(G.shape[0])
+    torch.testing.assert_close(G.gradient, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(GV, G_ref @ _probes(G.shape[0]), rtol=1e-9, atol=1e-11)
+
+
 def _exact_then_trains(model, x, y, engine, notice):
     """The products against the dense reference in float64, with the one-time ``notice``
     (a regular expression) among the warnings; then three SGN steps in float32 that reduce
