@@ -246,6 +246,42 @@ def test_sgn_steps_decrease_the_loss_in_float32(name, engine):
         assert torch.equal(model.embed.weight[0], padding)  # as a gradient method keeps it
 
 
+class _OwnEmbedding(nn.Embedding):
+    """An embedding subclass with a forward of its own: SGN runs it as it is."""
+
+    def forward(self, tokens):
+        return super().forward(tokens) * 2.0
+
+
+class _FunctionalPadding(PaddedTokens):
+    """``F.embedding`` with ``padding_idx`` called in ``forward``, not through the module."""
+
+    def forward(self, tokens):
+        h = F.embedding(tokens, self.embed.weight, padding_idx=0)
+        return self.out(h + torch.tanh(self.hidden(h))).mean(1)
+
+
+@pytest.mark.parametrize("engine", ["auto", "functional"])
+@pytest.mark.parametrize("form", ["subclass", "function"])
+def test_padding_outside_the_module_goes_by_double_backward(form, engine):
+    """Where no composite applies, the padding row (no gradient, a tangent) sends ``J v`` to
+    reverse mode: ``G`` is exact and symmetric all the same."""
+    model, x, y = _case("padding")
+    if form == "subclass":
+        own = _OwnEmbedding(5, 4, padding_idx=0).to(D)
+        own.load_state_dict(model.embed.state_dict())
+        model.embed = own
+    else:
+        model.__class__ = _FunctionalPadding
+    assert lookup_modules(model) == ([] if form == "subclass" else [model.embed])
+    G_ref, g_ref = dense_ggn_of_module(copy.deepcopy(model), "mse", x, y)
+    with pytest.warns(UserWarning, match="padding row .*double backward"):
+        G = GGN(model, "mse", x, y, engine=engine)
+        dense = G.to_dense()
+    torch.testing.assert_close(G.gradient, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(dense, G_ref, rtol=1e-9, atol=1e-11)
+
+
 def test_functional_embedding_bag_is_refused_clearly_and_loses_nothing():
     class Functional(nn.Module):
         def __init__(self):

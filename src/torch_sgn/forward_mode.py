@@ -31,6 +31,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Callable, Dict, FrozenSet, Iterator, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
@@ -191,15 +192,18 @@ def jvp_by_double_backward(
 
 
 def gradient_stop(run: Callable[[], object]) -> Optional[str]:
-    """The first operation ``run()`` computes from tensors that require grad while autograd
-    is off (``torch.no_grad``) and whose result reaches an operation with autograd on as a
-    constant; ``None`` if there is none.
+    """Where ``run()`` differentiates otherwise in reverse mode than in forward mode, said as
+    "the forward pass ...", or ``None``.
 
-    The gradient treats such a value as a constant; forward mode ignores the grad mode and
-    differentiates through it, so its ``J v`` is of another matrix than the gradient's
-    ``J^T u`` and ``G`` would not be symmetric. Where this finds one, ``J v`` is taken in
-    reverse mode. A custom ``autograd.Function``'s forward also runs with autograd off, but
-    its result requires grad again: not a stop. ``run`` is called once, with autograd on.
+    Two cases: an operation computed from tensors that require grad while autograd is off
+    (``torch.no_grad``), whose result reaches an operation with autograd on as a constant; and
+    ``F.embedding`` with ``padding_idx`` outside :mod:`torch_sgn.lookups`' composites (an
+    embedding subclass with a forward of its own, or the function called directly), whose
+    padding row gets no gradient but a tangent. The gradient takes such values as constants,
+    forward mode does not, so its ``J v`` is of another matrix than the gradient's ``J^T u``
+    and ``G`` would not be symmetric. Where this finds one, ``J v`` is taken in reverse mode.
+    A custom ``autograd.Function``'s forward also runs with autograd off, but its result
+    requires grad again: not a stop. ``run`` is called once, with autograd on.
     """
     mode = _GradientStops()
     with torch.enable_grad(), mode:
@@ -208,11 +212,11 @@ def gradient_stop(run: Callable[[], object]) -> Optional[str]:
 
 
 def gradient_stop_notice(op: str) -> str:
-    """The one-time warning for a :func:`gradient_stop` at ``op``."""
+    """The one-time warning for what :func:`gradient_stop` found, ``op``."""
     return (
-        f"the model's forward pass computes {op} from the parameters under torch.no_grad: the "
-        "gradient takes it as a constant, forward-mode AD would differentiate through it, so "
-        "J v is taken by double backward (reverse mode alone). Products stay exact"
+        f"the model's forward pass {op}: the gradient takes it as a constant, forward-mode AD "
+        "would differentiate through it, so J v is taken by double backward (reverse mode "
+        "alone). Products stay exact"
     )
 
 
@@ -234,6 +238,12 @@ class _GradientStops(TorchFunctionMode):
         out = func(*args, **kwargs)
         if self.found is not None:
             return out
+        if func is F.embedding:
+            options = dict(zip(("input", "weight", "padding_idx"), args), **kwargs)
+            weight, padding = options.get("weight"), options.get("padding_idx")
+            if padding is not None and isinstance(weight, Tensor) and weight.requires_grad:
+                self.found = "looks up an embedding's padding row (F.embedding with padding_idx)"
+                return out
         inputs = list(_tensors((args, kwargs)))
         if on:  # a stopped value used as a constant where autograd records
             for t in inputs:
@@ -245,7 +255,8 @@ class _GradientStops(TorchFunctionMode):
         origins = [self._origin(t) for t in inputs]
         origin = next((o for o in origins if o is not None), None)
         if origin is None and any(t.requires_grad for t in inputs):
-            origin = getattr(func, "__name__", None) or repr(func)
+            name = getattr(func, "__name__", None) or repr(func)
+            origin = f"computes {name} from the parameters under torch.no_grad"
         if origin is not None:
             for t in _tensors(out):
                 if t.is_floating_point():
