@@ -10,8 +10,9 @@ then takes ``J v`` by **double backward**, for any operator whose backward is di
 ``J^T u`` is linear in ``u``, so ``J v = d/du [(J^T u) . v]``. The graph of ``u -> J^T u`` is
 recorded once per step (the gradient's backward pass, with ``create_graph``), and each ``J v``
 is one backward pass through it (:func:`jvp_by_double_backward`). The same route serves a
-model whose forward pass computes from the parameters under ``torch.no_grad``
-(:func:`gradient_stop`): the gradient takes such values as constants, forward mode does not.
+model whose forward pass computes from the parameters under ``torch.no_grad``, or looks up an
+embedding's padding row outside :mod:`torch_sgn.lookups` (:func:`gradient_stop`): the gradient
+takes such values as constants, forward mode does not.
 
 Some kernels' backward is not differentiable in turn (the fused attention kernels' is not);
 those have a twin kernel whose backward is, and :func:`kernels` runs the model with it
