@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -227,6 +228,35 @@ def test_products_match_the_dense_reference(name, engine):
     if name == "max-norm":
         assert weights[0].norm(dim=1).max() > 2.0  # the case renormalises...
         assert reference.embed.weight.norm(dim=1).max() <= 1.0  # ...as the reference did
+
+
+def _on(device, tree):
+    if isinstance(tree, tuple):
+        return tuple(_on(device, t) for t in tree)
+    return tree.to(device)
+
+
+def _products_on(device, name, engine, cuda_graphs=False):
+    """``G V`` of a case on ``device`` (float64) beside the same on the CPU."""
+    model, x, y = _case(name)
+    V = torch.randn(sum(p.numel() for p in model.parameters()), 3, dtype=D)
+    expected = GGN(copy.deepcopy(model), "mse", x, y, engine=engine) @ V
+    options = {"cuda_graphs": True} if cuda_graphs else {}
+    model = copy.deepcopy(model).to(device)
+    G = GGN(model, "mse", _on(device, x), y.to(device), engine=engine, **options)
+    return (G @ V.to(device)).cpu(), expected
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "engine,graphs", [("traced", False), ("traced", True), ("functional", False)]
+)
+@pytest.mark.parametrize("name", ["padding", "max-norm", "bags", "sparse"])
+def test_products_on_cuda_match_the_cpus(name, engine, graphs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. graphs that do not apply, with the reason
+        got, expected = _products_on("cuda", name, engine, graphs)
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-11)
 
 
 @pytest.mark.parametrize("engine", ["auto", "functional"])
