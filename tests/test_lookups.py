@@ -81,14 +81,15 @@ def test_bag_composite_matches_the_module(mode, padding, max_norm, layout, weigh
     assert "forward" not in composite.__dict__
 
 
+@pytest.mark.parametrize("rows", [5, 9], ids=["table-smaller", "table-larger"])
 @pytest.mark.parametrize("options", [
     dict(padding_idx=0), dict(max_norm=1.0), dict(sparse=True), dict(scale_grad_by_freq=True),
     dict(padding_idx=0, max_norm=1.0, scale_grad_by_freq=True),
 ])  # fmt: skip
-def test_embedding_composite_matches_the_module(options):
-    """The values and the gradient (reverse mode) of the module's own kernels."""
+def test_embedding_composite_matches_the_module(options, rows):
+    """The values and the gradient (reverse mode) of the module's own kernels (8 tokens)."""
     torch.manual_seed(0)
-    own = nn.Embedding(5, 3, **options).to(D)
+    own = nn.Embedding(rows, 3, **options).to(D)
     with torch.no_grad():
         own.weight.normal_().mul_(2.0)
     composite = copy.deepcopy(own)
@@ -103,13 +104,16 @@ def test_embedding_composite_matches_the_module(options):
     torch.testing.assert_close(grad, grad_own, rtol=0, atol=1e-14)
 
 
+@pytest.mark.parametrize("rows", [5, 9], ids=["table-smaller", "table-larger"])
 @pytest.mark.parametrize("max_norm,freq", [(None, False), (1.0, False), (None, True)])
-def test_padding_entries_have_no_derivative_in_either_mode(max_norm, freq):
+def test_padding_entries_have_no_derivative_in_either_mode(max_norm, freq, rows):
     """Forward mode of a plain lookup would give the padding row a tangent that reverse mode
     (the gradient) does not, and not divide a row's tangent by its count as the gradient does
-    with ``scale_grad_by_freq``: ``<J v, u> = <v, J^T u>`` must hold with one ``J``."""
+    with ``scale_grad_by_freq``: ``<J v, u> = <v, J^T u>`` must hold with one ``J``. The
+    padding is cut at the table's row or at the looked-up rows, whichever are fewer than the
+    6 tokens."""
     torch.manual_seed(0)
-    module = nn.Embedding(5, 3, padding_idx=0, max_norm=max_norm, scale_grad_by_freq=freq)
+    module = nn.Embedding(rows, 3, padding_idx=0, max_norm=max_norm, scale_grad_by_freq=freq)
     module = module.to(D)
     x = torch.tensor([[0, 1, 2], [0, 0, 4]])
     weight = module.weight.detach()

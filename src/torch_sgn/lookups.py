@@ -98,10 +98,16 @@ def _weight(module: Lookup, indices: Tensor) -> Tensor:
 
 
 def _lookup(self: nn.Embedding, indices: Tensor) -> Tensor:
-    out = F.embedding(indices, _weight(self, indices))
+    weight = _weight(self, indices)
     if self.padding_idx is None:
-        return out
-    # the padding entries' values, without derivatives in either mode
+        return F.embedding(indices, weight)
+    # The padding entries' values, without derivatives in either mode: through the table's
+    # padding row where the table is the smaller (the lookup then still feeds a matrix
+    # product directly, which the traced engine reorders), else through the looked-up rows.
+    if weight.shape[0] <= indices.numel():
+        rows = torch.arange(weight.shape[0], device=weight.device) == self.padding_idx
+        return F.embedding(indices, torch.where(rows.unsqueeze(1), weight.detach(), weight))
+    out = F.embedding(indices, weight)
     return torch.where((indices == self.padding_idx).unsqueeze(-1), out.detach(), out)
 
 
