@@ -1,7 +1,8 @@
 """Embedding modules whose own kernels break a Gauss-Newton product (``padding_idx``,
-``max_norm``, ``nn.EmbeddingBag``): their composites against the modules themselves, and the
-products against a dense ``J^T H J`` built by reverse mode alone through the model's own
-parameters and forward pass (``cases.dense_ggn_of_module``), in float64."""
+``max_norm``, ``sparse``, ``scale_grad_by_freq``, ``nn.EmbeddingBag``): their composites
+against the modules themselves, and the products against a dense ``J^T H J`` built by reverse
+mode alone through the model's own parameters and forward pass
+(``cases.dense_ggn_of_module``), in float64; padding outside the modules' own forward."""
 
 from __future__ import annotations
 
