@@ -335,6 +335,32 @@ def test_functional_embedding_bag_is_refused_clearly_and_loses_nothing():
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
 
+class _WritesItsWeight(nn.Module):
+    """``F.embedding`` with ``max_norm`` called in ``forward``: it renormalises the parameter's
+    rows in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(3.0 * torch.randn(7, 4))
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, tokens):
+        return self.out(F.embedding(tokens, self.table, max_norm=1.0)).mean(1)
+
+
+@pytest.mark.parametrize("engine", ["auto", "functional"])
+def test_a_forward_that_writes_a_parameter_is_refused_clearly_and_loses_nothing(engine):
+    torch.manual_seed(0)
+    model = _WritesItsWeight()
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = torch.randint(0, 7, (4, 3)), torch.randn(4, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the traced engine's hand-over to the functional one
+        with pytest.raises(RuntimeError, match="writes into a parameter in place.*nn.Embedding"):
+            SGN(model, "mse", engine=engine).step(x, y)
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
 def test_missing_derivatives_are_read_from_either_error_type():
     quoted = NotImplementedError("the derivative for '_embedding_bag_backward' is not implemented.")
     assert missing_rule(quoted) == "_embedding_bag_backward"

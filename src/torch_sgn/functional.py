@@ -142,7 +142,18 @@ class FunctionalModel:
         tensors.update((name, chunks[i]) for name, i in self._slots)
         with self.replay_rng(), kernels(self.switches), composite_lookups(self.lookups):
             # Every slot is named, tied ones included: no tying by functional_call.
-            out = functional_call(self.model, tensors, args, tie_weights=False)
+            try:
+                out = functional_call(self.model, tensors, args, tie_weights=False)
+            except RuntimeError as error:
+                if "view of its base has been modified inplace" not in str(error):
+                    raise
+                raise RuntimeError(
+                    "the model's forward pass writes into a parameter in place; SGN evaluates "
+                    "the model at parameters that are views of one vector, which cannot be "
+                    "written. Move the write out of forward (clamp or renormalise the weights "
+                    "after each step), or call nn.Embedding(max_norm=...) rather than "
+                    f"F.embedding(..., max_norm=...). ({str(error).splitlines()[0]})"
+                ) from error
         if not isinstance(out, Tensor):
             raise TypeError(
                 "SGN needs a model whose forward returns one tensor, got "
