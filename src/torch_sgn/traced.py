@@ -394,29 +394,28 @@ class _Replayed:
 
     def ggn_vp(self) -> Callable[[Tensor], Tensor]:
         """``v -> G v`` at the last set-up."""
-        generation = self.generation
-
-        def ggn_vp(v: Tensor) -> Tensor:
-            self._check(generation)
-            with torch.no_grad():
-                self.v.copy_(v)
-                self._product()
-                return self.gv.clone()
-
-        return ggn_vp
+        return self._replayer(self.v, self._product, lambda: self.gv)
 
     def value_at(self) -> Callable[[Tensor], Tensor]:
         """``flat -> loss`` on the last set-up's batch."""
+        return self._replayer(self.point, self._trial, lambda: self.value)
+
+    def _replayer(
+        self, static_in: Tensor, replay: Callable[[], None], output: Callable[[], Tensor]
+    ) -> Callable[[Tensor], Tensor]:
+        """``x -> f(x)`` by one graph: ``x`` copied into its static input, the graph replayed,
+        a copy of ``output()`` returned (read after the replay: the CPU stand-in of a replay
+        sets it anew); valid until the next set-up."""
         generation = self.generation
 
-        def value_at(flat: Tensor) -> Tensor:
+        def replayed(x: Tensor) -> Tensor:
             self._check(generation)
             with torch.no_grad():
-                self.point.copy_(flat)
-                self._trial()
-                return self.value.clone()
+                static_in.copy_(x)
+                replay()
+                return output().clone()
 
-        return value_at
+        return replayed
 
 
 def _shaped_like(traced: _Traced, flat: Tensor) -> Tensor:
