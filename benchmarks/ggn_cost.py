@@ -13,10 +13,12 @@ The models beyond the paper's (:data:`ANY_MODELS`): ``resnet_bn``, a CIFAR-shape
 stages of residual blocks with batch norm in training mode, widths 16-32-64, batch 128);
 ``transformer``, a causal pre-norm transformer (2 layers, width 128, 4 heads, sequence 64,
 batch 32, vocabulary 64, cross-entropy per position); ``lstm``, an embedding, one LSTM layer of
-width 128 and a linear read-out per position (same data shape). Engines that do not apply to a
-model (``fast`` and ``graphs`` on these) are left out of its rows; ``traced_graphs`` is the
-traced engine with ``cuda_graphs=True`` (CUDA only), ``traced_compiled`` with ``compile=True``
-(its first call compiles, and is timed apart).
+width 128 and a linear read-out per position (same data shape); ``bilstm``, the same with two
+bidirectional LSTM layers and dropout 0.1 between them (a tagger; training mode); ``tcn``, a
+temporal convolutional network with weight-normalized convolutions (:class:`TCN`). Engines
+that do not apply to a model (``fast`` and ``graphs`` on these) are left out of its rows;
+``traced_graphs`` is the traced engine with ``cuda_graphs=True`` (CUDA only),
+``traced_compiled`` with ``compile=True`` (its first call compiles, and is timed apart).
 
 With ``--curvlinops`` (default on; skipped with a message when ``curvlinops-for-pytorch`` is
 not installed) the ``G v`` of curvlinops' ``GGNLinearOperator`` is timed in the same rounds, on
@@ -66,6 +68,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -135,11 +138,37 @@ def _peak_mib(fn: Callable[[], object], device: torch.device, base: int) -> floa
 
 
 # --- models beyond the paper's --------------------------------------------------------------------
+class TCN(nn.Module):
+    """A temporal convolutional network (Bai, Kolter and Koltun, 2018): an embedding, two
+    residual blocks of two causal dilated convolutions with weight normalization, a 1x1
+    convolution per position; logits ``(N, vocab, L)``."""
+
+    def __init__(self, vocab=64, width=128, kernel=3):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        wn = nn.utils.parametrizations.weight_norm
+        self.convs = nn.ModuleList(
+            wn(nn.Conv1d(width, width, kernel, padding=(kernel - 1) * d, dilation=d))
+            for d in (1, 1, 2, 2)
+        )
+        self.head = nn.Conv1d(width, vocab, 1)
+
+    def forward(self, idx):
+        h = self.embed(idx).transpose(1, 2)
+        for first, second in zip(self.convs[::2], self.convs[1::2]):
+            length = h.shape[2]
+            inner = torch.relu(first(h)[..., :length])  # causal: the right padding cut off
+            h = torch.relu(h + torch.relu(second(inner)[..., :length]))
+        return self.head(h)
+
+
 #: name -> (build, input shape with the batch, vocabulary size or None for real inputs)
 ANY_MODELS = {
     "resnet_bn": (ResNetBN, (128, 3, 32, 32), None),
     "transformer": (CausalTransformer, (32, 64), 64),
     "lstm": (LSTMModel, (32, 64), 64),
+    "bilstm": (partial(LSTMModel, layers=2, bidirectional=True, dropout=0.1), (32, 64), 64),
+    "tcn": (TCN, (32, 64), 64),
 }
 
 
@@ -178,6 +207,9 @@ def measure(name: str, device: torch.device, cfg: Config) -> Dict[str, object]:
         return torch.autograd.grad(loss.value(model(x), y), params)
 
     fmodel = FunctionalModel(model)
+    if model.training:  # dropout: every engine (and curvlinops, seeded alike) draws one mask
+        torch.manual_seed(0)
+        fmodel.freeze_rng()
     flat = fmodel.flat()
     v = torch.randn(flat.shape, generator=torch.Generator().manual_seed(1)).to(device)
     # "graphs" and "traced_graphs": the fast and the traced engine with cuda_graphs=True (CUDA
@@ -247,6 +279,7 @@ def measure(name: str, device: torch.device, cfg: Config) -> Dict[str, object]:
         if clo is not None:
             tasks["curvlinops/Gv"] = lambda: clo(v)
             try:
+                torch.manual_seed(0)
                 theirs = clo(v)
             except Exception as why:  # noqa: BLE001 - a failed peer must not lose our times
                 print(f"  {name}: curvlinops left out ({_first_line(why)})", file=sys.stderr)

@@ -94,10 +94,12 @@ def measure(
         pkg = _package(before_tree if variant == "before" else "")
         if not before_tree:
             _set(flags, on)
+        fmodel = pkg["functional"].FunctionalModel(model)
+        if model.training:  # both variants draw the same dropout masks: the products compare
+            torch.manual_seed(0)
+            fmodel.freeze_rng()
         engines[variant] = pkg["traced"].TracedEngine(
-            pkg["functional"].FunctionalModel(model),
-            pkg["losses"].resolve_loss(loss_name),
-            strict=True,
+            fmodel, pkg["losses"].resolve_loss(loss_name), strict=True
         )
         batches[variant] = pkg["linearization"].Batch(x, y)
         lins[variant] = engines[variant](flat, batches[variant])

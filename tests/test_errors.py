@@ -201,6 +201,13 @@ def test_bad_loss_and_model_arguments():
         SGN(frozen, "mse")
     with pytest.raises(ValueError, match="doesn't support parameter groups"):
         SGN(model, "mse").add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
+    mixed = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double())
+    with pytest.raises(ValueError, match="share one dtype and device"):
+        SGN(mixed, "mse")
+    spectral = nn.Linear(2, 2)
+    spectral.scale = nn.Parameter(torch.ones(2, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="'scale' is complex .*view_as_complex"):
+        SGN(spectral, "mse")
 
 
 def test_custom_loss_must_return_a_scalar():

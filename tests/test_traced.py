@@ -32,9 +32,10 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def dense_reference(model, loss_fn, inputs, targets):
+def dense_reference(model, loss_fn, inputs, targets, seed=None):
     """(G, g) from full Jacobians and the output-space Hessian by autograd; every evaluation
-    works on fresh copies of the buffers, as one forward pass of the step does."""
+    works on fresh copies of the buffers, as one forward pass of the step does, and with
+    ``seed`` draws its random numbers (dropout) from ``torch.manual_seed(seed)``."""
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     params = [p.detach() for _, p in model.named_parameters() if p.requires_grad]
     theta = torch.cat([p.reshape(-1) for p in params])
@@ -45,7 +46,11 @@ def dense_reference(model, loss_fn, inputs, targets):
         tensors = {n: b.clone() for n, b in buffers.items()}
         chunks = flat.split([p.numel() for p in params])
         tensors.update({n: c.view(p.shape) for n, c, p in zip(names, chunks, params)})
-        return functional_call(model, tensors, args)
+        if seed is None:
+            return functional_call(model, tensors, args)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return functional_call(model, tensors, args)
 
     out = f(theta)
     J = jacobian(f, theta).reshape(out.numel(), -1)
@@ -757,14 +762,22 @@ def test_a_real_kernel_with_another_memory_layout_than_traced_is_exact():
 
 
 class _LSTMVariant(nn.Module):
-    """nn.LSTM as the rule must take it: layers, biases, batch layout, initial states."""
+    """nn.LSTM as the rule must take it: layers, directions, biases, batch layout, initial
+    states, dropout between layers."""
 
-    def __init__(self, layers=1, bias=True, batch_first=True, states=False, dropout=0.0):
+    def __init__(
+        self, layers=1, bias=True, batch_first=True, states=False, dropout=0.0, bidirectional=False
+    ):
         super().__init__()
-        self.rnn = nn.LSTM(3, 4, layers, bias=bias, batch_first=batch_first, dropout=dropout)
+        self.rnn = nn.LSTM(
+            3, 4, layers, bias=bias, batch_first=batch_first, dropout=dropout,
+            bidirectional=bidirectional,
+        )  # fmt: skip
         self.batch_first, self.states = batch_first, states
-        self.h0 = nn.Parameter(torch.randn(layers, 1, 4) * 0.5)
-        self.head = nn.Linear(4, 2)
+        directions = 2 if bidirectional else 1
+        self.h0 = nn.Parameter(torch.randn(layers * directions, 1, 4) * 0.5)
+        self.head = nn.Linear(4 * directions, 2)
+        self.last = nn.Linear(4, 2 * directions)  # the states' read-out
 
     def forward(self, x):
         if not self.batch_first:
@@ -775,44 +788,48 @@ class _LSTMVariant(nn.Module):
             out, (h, c) = self.rnn(x, (h0, torch.tanh(h0)))
         else:
             out, (h, c) = self.rnn(x)
-        last = out[:, -1] if self.batch_first else out[-1]
-        return self.head(last + h[-1] - c[-1])  # every output of the layer is used
+        out = out[:, -1] if self.batch_first else out[-1]
+        # every output of the layer is used: the outputs at the last time step (the reverse
+        # direction's at its first step of all), the last layer's states
+        states = torch.cat([h[-1] - c[-1], h[0] * c[0]], 1)[:, : self.last.in_features]
+        return self.head(out) + self.last(states)[:, :2]
 
 
 LSTMS = {
     "one-layer": {},
     "two-layers-no-bias": {"layers": 2, "bias": False},
     "time-first-with-states": {"batch_first": False, "states": True},
-    "two-layers-dropout": {"layers": 2, "dropout": 0.5},  # train: PyTorch's own rule
+    "two-layers-dropout": {"layers": 2, "dropout": 0.5},
+    "bidirectional-with-states": {"bidirectional": True, "states": True},
+    "bidirectional-two-layers-dropout": {"bidirectional": True, "layers": 2, "dropout": 0.5},
 }
 
 
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("variant", list(LSTMS))
 def test_lstm_rule_matches_the_dense_reference(variant, train, monkeypatch):
+    # In training mode, dropout between layers draws its masks as PyTorch's kernels do: the
+    # reference, seeded as the engine's pass is, sees the same masks.
     torch.manual_seed(2)
     model = _LSTMVariant(**LSTMS[variant]).to(D).train(train)
     g = torch.Generator().manual_seed(2)
     x, y = torch.randn(3, 5, 3, generator=g).to(D), torch.randn(3, 2, generator=g).to(D)
     calls = _count_jvp_calls(monkeypatch, LSTMLayer)
-    if variant == "two-layers-dropout" and train:
-        # Dropout between layers: the rule declines, PyTorch's kernels and rules take it (a
-        # random function: no dense reference; its product is symmetric positive semi-definite)
-        engine = _traced(model, "mse")
-        lin = engine(engine.fmodel.flat(), Batch(x, y))
-        G = torch.stack([lin.ggn_vp(e) for e in torch.eye(engine.fmodel.numel, dtype=D)], 1)
-        assert not calls
-        torch.testing.assert_close(G, G.T, rtol=1e-9, atol=1e-12)
-        assert torch.linalg.eigvalsh(G).min() > -1e-10
-        return
-    G_ref, g_ref = dense_reference(model, F.mse_loss, x, y)
+    G_ref, g_ref = dense_reference(model, F.mse_loss, x, y, seed=11)
     engine = _traced(model, "mse")
-    lin = engine(engine.fmodel.flat(), Batch(x, y))
+    torch.manual_seed(11)
+    engine.fmodel.freeze_rng()
+    with warnings.catch_warnings():  # the rule applies, and does not fail and fall back
+        warnings.filterwarnings("error", message=".*tangent rules")
+        lin = engine(engine.fmodel.flat(), Batch(x, y))
     assert calls  # the products were recorded with the rule
     eye = torch.eye(engine.fmodel.numel, dtype=D)
     G = torch.stack([lin.ggn_vp(e) for e in eye], dim=1)
     torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(G, G_ref, rtol=1e-9, atol=1e-11)
+    if LSTMS[variant].get("dropout") and train:  # the masks matter: another draw differs
+        G_other, _ = dense_reference(model, F.mse_loss, x, y, seed=12)
+        assert (G_other - G_ref).abs().max() > 1e-3
 
 
 def test_a_failing_tangent_rule_falls_back_to_pytorchs_rules_with_the_reason(monkeypatch):
@@ -828,6 +845,39 @@ def test_a_failing_tangent_rule_falls_back_to_pytorchs_rules_with_the_reason(mon
     G_ref, _ = dense_reference(model, F.cross_entropy, x, y)
     v = torch.randn(engine.fmodel.numel, dtype=D)
     torch.testing.assert_close(lin.ggn_vp(v), G_ref @ v, rtol=1e-9, atol=1e-11)
+
+
+class _Warp(nn.Module):
+    """A spatial transformer: ``grid_sample``, whose kernel has no forward-mode rule."""
+
+    def __init__(self):
+        super().__init__()
+        self.theta = nn.Linear(16, 6)
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x):
+        identity = torch.tensor([[1.0, 0, 0], [0, 1, 0]], dtype=x.dtype)
+        theta = self.theta(x.flatten(1)).view(-1, 2, 3) * 0.1 + identity
+        grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+        return self.head(F.grid_sample(x, grid, align_corners=False).flatten(1))
+
+
+def test_an_operator_without_a_forward_rule_is_named_once_not_blamed_on_the_rules():
+    torch.manual_seed(4)
+    model = _Warp().to(D)
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(3, 1, 4, 4, generator=g).to(D), torch.randn(3, 2, generator=g).to(D)
+    G_ref, g_ref = dense_reference(model, F.mse_loss, x, y)
+    engine = _traced(model, "mse")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        lin = engine(engine.fmodel.flat(), Batch(x, y))
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 1, messages
+    assert "no rule for grid_sampler_2d" in messages[0] and "second reverse pass" in messages[0]
+    G = torch.stack([lin.ggn_vp(e) for e in torch.eye(engine.fmodel.numel, dtype=D)], 1)
+    torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(G, G_ref, rtol=1e-9, atol=1e-11)
 
 
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])

@@ -27,6 +27,7 @@ RNNs), so it comes first; it keeps one more graph through the step.
 from __future__ import annotations
 
 import re
+import warnings
 import weakref
 from contextlib import ExitStack, contextmanager
 from typing import Callable, Dict, FrozenSet, Iterator, Optional, Tuple
@@ -42,6 +43,7 @@ __all__ = [
     "gradient_stop_notice",
     "jvp_by_double_backward",
     "kernels",
+    "load_decompositions",
     "missing_rule",
     "switch_for",
 ]
@@ -69,6 +71,21 @@ _SWITCH_OF: Tuple[Tuple[str, str], ...] = (
     ("mkldnn_rnn", "no_onednn"),
     ("_cudnn_rnn", "no_cudnn"),
 )
+
+
+def load_decompositions() -> None:
+    """Loads PyTorch's forward-mode decompositions now, without the ``DeprecationWarning`` their
+    module raises (it scripts them with ``torch.jit.script``). PyTorch loads them at the first
+    forward-mode pass; where warnings are errors (``-W error``, pytest's ``filterwarnings``)
+    that pass would fail on a warning about PyTorch's own code."""
+    import torch.autograd.forward_ad as forward_ad
+
+    load = getattr(forward_ad, "_maybe_load_decompositions", None)
+    if load is None:  # a torch that loads them otherwise
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        load()
 
 
 def missing_rule(error: BaseException) -> Optional[str]:

@@ -24,12 +24,14 @@ from .forward_mode import (
     gradient_stop_notice,
     jvp_by_double_backward,
     kernels,
+    load_decompositions,
     missing_rule,
     switch_for,
 )
 from .linearization import Batch, Inputs, Linearization, loss_and_output_gradient
 from .lookups import composite_lookups, lookup_modules
 from .losses import OutputLoss
+from .weight_norms import composite_weight_norms, weight_norm_modules
 
 __all__ = ["FunctionalEngine", "FunctionalModel"]
 
@@ -58,6 +60,7 @@ class FunctionalModel:
         ):
             model = model._orig_mod
         self.model = model
+        load_decompositions()  # now, not inside a pass that warnings-as-errors would fail
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters (none has requires_grad)")
@@ -68,6 +71,14 @@ class FunctionalModel:
         self.numel = sum(self.numels)
         dtypes = {p.dtype for p in self.params}
         devices = {p.device for p in self.params}
+        complex_params = [(n, p.dtype) for n, p in named if p.is_complex()]
+        if complex_params:
+            name, dtype = complex_params[0]
+            raise ValueError(
+                f"parameter {name!r} is complex ({dtype}): SGN takes real parameters; store "
+                "it as a real parameter with a last dimension of 2 (real and imaginary parts) "
+                "and use torch.view_as_complex(...) of it in forward"
+            )
         if len(dtypes) > 1 or len(devices) > 1:
             raise ValueError(
                 "all trainable parameters must share one dtype and device, got "
@@ -91,12 +102,21 @@ class FunctionalModel:
         #: pointers on CUDA, which ``torch.func``'s tensors do not have.
         recurrent = any(isinstance(m, nn.RNNBase) for m in model.modules())
         self.switches: FrozenSet[str] = frozenset({"no_cudnn"} if recurrent else ())
-        #: embedding modules every forward pass runs as composites (see :mod:`torch_sgn.lookups`)
+        #: embedding modules and weight norms every forward pass runs as composites (see
+        #: :mod:`torch_sgn.lookups` and :mod:`torch_sgn.weight_norms`)
         self.lookups = lookup_modules(model)
+        self.weight_norms = weight_norm_modules(model)
         self._rng_state: dict | None = None
         self._after_first: dict | None = None
         self._gradient_stop: Optional[str] = None
         self._stop_checked = False
+
+    @contextmanager
+    def composites(self) -> Iterator[None]:
+        """Within this block, the model's embeddings and weight norms that SGN's passes cannot
+        differentiate as they are run as composites of differentiable operators."""
+        with composite_lookups(self.lookups), composite_weight_norms(self.weight_norms):
+            yield
 
     # --- parameters as one vector -------------------------------------------------------------
     def flat(self) -> Tensor:
@@ -140,7 +160,7 @@ class FunctionalModel:
         tensors = {name: buffers[id(b)] for name, b in _slots(self.model, "_buffers")}
         chunks = [c.view(s) for c, s in zip(flat.split(self.numels), self.shapes)]
         tensors.update((name, chunks[i]) for name, i in self._slots)
-        with self.replay_rng(), kernels(self.switches), composite_lookups(self.lookups):
+        with self.replay_rng(), kernels(self.switches), self.composites():
             # Every slot is named, tied ones included: no tying by functional_call.
             try:
                 out = functional_call(self.model, tensors, args, tie_weights=False)

@@ -38,7 +38,10 @@ depend on the recurrence as one matrix product over all steps (``[x_t, h_{t-1}]`
 side), and each time step in one small matrix product and four elementwise operations, with
 the gates' derivatives folded into one factor tensor once per step of SGN; its reverse pass
 likewise leaves one matrix product and four operations per time step in the loop and takes the
-weights' gradients as one matrix product.
+weights' gradients as one matrix product. Stacked and bidirectional layers are one
+:class:`LSTMLayer` per layer and direction, the reverse direction on the time-reversed sequence;
+dropout between layers in training mode is drawn as PyTorch's kernels draw it
+(:func:`torch.nn.functional.dropout` on each layer's input but the first's).
 """
 
 from __future__ import annotations
@@ -61,8 +64,8 @@ class TangentRules(TorchFunctionMode):
     """A function mode that routes :func:`torch.nn.functional.batch_norm` through
     :class:`BatchNorm`, :func:`torch.nn.functional.layer_norm` through :class:`LayerNorm`,
     :func:`torch.nn.functional.scaled_dot_product_attention` through its composite and
-    unidirectional LSTM layers (``torch.lstm``, as ``nn.LSTM`` calls it,
-    without projections) through :class:`LSTMLayer`; every other function runs as usual."""
+    LSTM layers (``torch.lstm``, as ``nn.LSTM`` calls it, without projections) through
+    :class:`LSTMLayer`; every other function runs as usual."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -189,13 +192,15 @@ class BatchNorm(torch.autograd.Function):
 
 # --- LSTM -------------------------------------------------------------------------------------
 def _lstm(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
-    """``torch.lstm`` (the padded form ``nn.LSTM`` calls) through :class:`LSTMLayer`, or
-    ``None`` where the rule does not apply (bidirectional, projections, dropout between
-    layers, packed sequences)."""
-    if not isinstance(hx, (list, tuple)) or bidirectional or (train and dropout > 0):
+    """``torch.lstm`` (the padded form ``nn.LSTM`` calls) through :class:`LSTMLayer`, one call
+    per layer and direction (the reverse direction on the time-reversed sequence), with
+    PyTorch's dropout between layers; ``None`` where the rule does not apply (projections,
+    packed sequences)."""
+    if not isinstance(hx, (list, tuple)) or input.dim() != 3:
         return None
+    directions = 2 if bidirectional else 1
     per_layer = 4 if has_biases else 2
-    if len(params) != per_layer * num_layers or input.dim() != 3:
+    if len(params) != per_layer * directions * num_layers:
         return None
     h0, c0 = hx
     if params[1].shape[1] != h0.shape[-1]:  # projections (proj_size > 0)
@@ -203,11 +208,19 @@ def _lstm(input, hx, params, has_biases, num_layers, dropout, train, bidirection
     x = input.transpose(0, 1) if batch_first else input
     hs, cs = [], []
     for layer in range(num_layers):
-        w = list(params[per_layer * layer : per_layer * (layer + 1)])
-        b_ih, b_hh = (w[2], w[3]) if has_biases else (None, None)
-        x, h, c = LSTMLayer.apply(x, h0[layer], c0[layer], w[0], w[1], b_ih, b_hh)
-        hs.append(h)
-        cs.append(c)
+        if layer > 0 and train and dropout > 0:  # as PyTorch's kernels: between layers only
+            x = F.dropout(x, dropout, training=True)
+        outs = []
+        for direction in range(directions):
+            index = layer * directions + direction
+            w = list(params[per_layer * index : per_layer * (index + 1)])
+            b_ih, b_hh = (w[2], w[3]) if has_biases else (None, None)
+            seq = x if direction == 0 else x.flip(0)
+            out, h, c = LSTMLayer.apply(seq, h0[index], c0[index], w[0], w[1], b_ih, b_hh)
+            outs.append(out if direction == 0 else out.flip(0))
+            hs.append(h)
+            cs.append(c)
+        x = outs[0] if directions == 1 else torch.cat(outs, 2)
     out = x.transpose(0, 1) if batch_first else x
     return out, torch.stack(hs), torch.stack(cs)
 

@@ -56,10 +56,9 @@ from torch.func import functional_call
 
 from . import graphs
 from .diagnostics import warn
-from .forward_mode import gradient_stop_notice
+from .forward_mode import gradient_stop_notice, missing_rule
 from .functional import FunctionalEngine, FunctionalModel
 from .linearization import Batch, Linearization
-from .lookups import composite_lookups
 from .losses import OutputLoss
 from .tangent_rules import TangentRules
 
@@ -109,6 +108,7 @@ class _Traced:
     product: fx.GraphModule  # (v, *saved) -> G v
     double_backward: bool  # J v through the reverse pass (an operator has no forward rule)
     declined: Optional[str] = None  # why the tangent rules were not used, where they failed
+    missing: Optional[str] = None  # the operator without a forward-mode rule (double backward)
     replayed: Optional[_Replayed] = None  # the graphs captured (cuda_graphs=True)
     compiled: Optional[Tuple[Callable, Callable]] = None  # set-up and product (compile=True)
     not_captured: Optional[str] = None  # why graphs do not apply ("": they do; None: not asked)
@@ -186,11 +186,12 @@ class TracedEngine:
             )
         if traced.double_backward:
             stop = fmodel.gradient_stop(flat, args)  # found when traced
+            op = traced.missing or "an operator of this model"
             self._warn(
                 gradient_stop_notice(stop)
                 if stop is not None
-                else "an operator of this model has no forward-mode AD rule; the traced engine "
-                "takes J v through a second reverse pass"
+                else f"forward-mode AD has no rule for {op}; the traced engine takes J v "
+                "through a second reverse pass (exact; a product costs about two reverse passes)"
             )
         buffers, frozen = _inputs_of(model)
         self.loss.check_targets(_shaped_like(traced, flat), targets)  # reads targets eagerly
@@ -510,7 +511,7 @@ def _forward(fmodel: FunctionalModel) -> Callable:
         chunks = [c.view(s) for c, s in zip(theta.split(fmodel.numels), fmodel.shapes)]
         tensors = {name: buffers[i] for name, i in buffer_slots}
         tensors.update((name, chunks[i] if t else frozen[i]) for name, t, i in param_slots)
-        with composite_lookups(fmodel.lookups):
+        with fmodel.composites():
             out = functional_call(model, tensors, tuple(inputs), tie_weights=False)
         if not isinstance(out, Tensor):
             raise Untraceable(
@@ -602,6 +603,7 @@ def _trace(
             raise
         except NotImplementedError as error:  # a forward-mode rule is missing: try reverse
             errors.append(error)
+            declined = None  # the rules are not used there, and did not fail on their own
             continue
         except Exception as error:  # noqa: BLE001 - any failure to trace means: not traceable
             raise Untraceable(_reason(error)) from error
@@ -613,7 +615,8 @@ def _trace(
         _reorder_embedding_products(graph.graph)
     _views_as_reshapes(graph.graph)
     setup, product = _split(graph)
-    return _Traced(setup, product, double_backward, declined)
+    missing = missing_rule(errors[-1]) if double_backward and errors else None
+    return _Traced(setup, product, double_backward, declined, missing)
 
 
 def _trace_value(fmodel: FunctionalModel, loss: OutputLoss, inputs: tuple) -> fx.GraphModule:

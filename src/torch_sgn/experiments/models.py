@@ -442,13 +442,16 @@ class CausalTransformer(nn.Module):
 
 
 class LSTMModel(nn.Module):
-    """An embedding, one LSTM layer and a linear head; logits ``(N, vocab, L)``."""
+    """An embedding, LSTM layers (one by default; ``bidirectional`` for a tagger that reads the
+    whole sequence, ``dropout`` between layers) and a linear head; logits ``(N, vocab, L)``."""
 
-    def __init__(self, vocab=64, width=128):
+    def __init__(self, vocab=64, width=128, layers=1, bidirectional=False, dropout=0.0):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
-        self.lstm = nn.LSTM(width, width, batch_first=True)
-        self.head = nn.Linear(width, vocab)
+        self.lstm = nn.LSTM(
+            width, width, layers, batch_first=True, bidirectional=bidirectional, dropout=dropout
+        )
+        self.head = nn.Linear(width * (2 if bidirectional else 1), vocab)
 
     def forward(self, idx):
         return self.head(self.lstm(self.embed(idx))[0]).transpose(1, 2)
