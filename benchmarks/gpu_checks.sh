@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Every GPU measurement and check of the project in one run, for a short lease on a GPU machine
-# (about 9 minutes on one H100/H200). From the repository root, with a CUDA build of torch:
+# Every GPU measurement and check of the project in one run (about 9 minutes on one H100/H200,
+# up to 2 more with part 7c). From the repository root, with a CUDA build of torch:
 #
 #     OUT=gpu-results TORCH_SGN_DATA=<dir holding fashion_mnist/> bash benchmarks/gpu_checks.sh
 #
 # Writes into $OUT: env.txt, pytest_graphs.txt, ggn_cost_cuda*.txt/.json,
-# time_to_accuracy_cuda.txt/.json, solver.txt/.json, any_model.txt/.json,
+# time_to_accuracy_cuda.txt/.json, solver.txt/.json, any_model*.txt/.json,
 # traced_graphs*.txt/.json, pytest_cuda.txt and pytest.txt. Each part has its own time limit,
 # so one that fails or hangs leaves the others' results. PARTS="solver any_model pytest_cuda"
 # runs only the parts named.
@@ -75,6 +75,11 @@ want traced_graphs && part traced_graphs 180 $PY benchmarks/ggn_cost.py --device
 want traced_graphs_2 && part traced_graphs_2 90 $PY benchmarks/ggn_cost.py --devices cuda \
   --models resnet_bn transformer lstm --engines traced traced_graphs --ks 2 5 \
   --repeats 7 --warmup 2 --no-memory --no-curvlinops --out "$OUT/traced_graphs_2.json"
+# 7c. The tagger (two bidirectional LSTM layers, dropout between them) and the weight-normalized
+# TCN, traced engine, eager and with CUDA graphs.
+want any_model_more && part any_model_more 120 $PY benchmarks/ggn_cost.py --devices cuda \
+  --models bilstm tcn --engines traced traced_graphs --ks 2 5 \
+  --repeats 5 --warmup 2 --no-curvlinops --out "$OUT/any_model_more.json"
 # 8. The tests that need CUDA (skipped on a CPU machine).
 want pytest_cuda && part pytest_cuda 90 $PY -m pytest -q -rs -p no:cacheprovider tests -k cuda
 want pytest && OMP_NUM_THREADS=2 part pytest 240 $PY -m pytest -q -rf -p no:cacheprovider $XDIST tests
