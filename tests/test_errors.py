@@ -204,10 +204,10 @@ def test_bad_loss_and_model_arguments():
     mixed = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double())
     with pytest.raises(ValueError, match="share one dtype and device"):
         SGN(mixed, "mse")
-    spectral = nn.Linear(2, 2)
-    spectral.scale = nn.Parameter(torch.ones(2, dtype=torch.complex64))
+    with_complex = nn.Linear(2, 2)
+    with_complex.scale = nn.Parameter(torch.ones(2, dtype=torch.complex64))
     with pytest.raises(ValueError, match="'scale' is complex .*view_as_complex"):
-        SGN(spectral, "mse")
+        SGN(with_complex, "mse")
 
 
 def test_custom_loss_must_return_a_scalar():

@@ -763,7 +763,8 @@ def test_a_real_kernel_with_another_memory_layout_than_traced_is_exact():
 
 class _LSTMVariant(nn.Module):
     """nn.LSTM as the rule must take it: layers, directions, biases, batch layout, initial
-    states, dropout between layers."""
+    states, dropout between layers. Every output is read: the outputs at the last time step
+    and all final states, each layer's and direction's by its own weights."""
 
     def __init__(
         self, layers=1, bias=True, batch_first=True, states=False, dropout=0.0, bidirectional=False
@@ -777,7 +778,7 @@ class _LSTMVariant(nn.Module):
         directions = 2 if bidirectional else 1
         self.h0 = nn.Parameter(torch.randn(layers * directions, 1, 4) * 0.5)
         self.head = nn.Linear(4 * directions, 2)
-        self.last = nn.Linear(4, 2 * directions)  # the states' read-out
+        self.last = nn.Linear(2 * 4 * layers * directions, 2)  # the final states' read-out
 
     def forward(self, x):
         if not self.batch_first:
@@ -789,10 +790,7 @@ class _LSTMVariant(nn.Module):
         else:
             out, (h, c) = self.rnn(x)
         out = out[:, -1] if self.batch_first else out[-1]
-        # every output of the layer is used: the outputs at the last time step (the reverse
-        # direction's at its first step of all), the last layer's states
-        states = torch.cat([h[-1] - c[-1], h[0] * c[0]], 1)[:, : self.last.in_features]
-        return self.head(out) + self.last(states)[:, :2]
+        return self.head(out) + self.last(torch.cat([h, c], 2).transpose(0, 1).flatten(1))
 
 
 LSTMS = {
@@ -802,6 +800,7 @@ LSTMS = {
     "two-layers-dropout": {"layers": 2, "dropout": 0.5},
     "bidirectional-with-states": {"bidirectional": True, "states": True},
     "bidirectional-two-layers-dropout": {"bidirectional": True, "layers": 2, "dropout": 0.5},
+    "bidirectional-two-layers-states": {"bidirectional": True, "layers": 2, "states": True},
 }
 
 

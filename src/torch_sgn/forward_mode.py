@@ -27,6 +27,7 @@ RNNs), so it comes first; it keeps one more graph through the step.
 from __future__ import annotations
 
 import re
+import sys
 import warnings
 import weakref
 from contextlib import ExitStack, contextmanager
@@ -77,15 +78,21 @@ def load_decompositions() -> None:
     """Loads PyTorch's forward-mode decompositions now, without the ``DeprecationWarning`` their
     module raises (it scripts them with ``torch.jit.script``). PyTorch loads them at the first
     forward-mode pass; where warnings are errors (``-W error``, pytest's ``filterwarnings``)
-    that pass would fail on a warning about PyTorch's own code."""
+    that pass would fail on a warning about PyTorch's own code. Once loaded, this returns at
+    once; where loading fails here, PyTorch loads them itself as before."""
+    if "torch._decomp.decompositions_for_jvp" in sys.modules:
+        return
     import torch.autograd.forward_ad as forward_ad
 
     load = getattr(forward_ad, "_maybe_load_decompositions", None)
     if load is None:  # a torch that loads them otherwise
         return
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        load()
+        warnings.simplefilter("ignore")
+        try:
+            load()
+        except Exception:  # noqa: BLE001 - PyTorch tries again at its first forward-mode pass
+            pass
 
 
 def missing_rule(error: BaseException) -> Optional[str]:

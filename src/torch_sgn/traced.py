@@ -603,7 +603,7 @@ def _trace(
             raise
         except NotImplementedError as error:  # a forward-mode rule is missing: try reverse
             errors.append(error)
-            declined = None  # the rules are not used there, and did not fail on their own
+            declined = None  # the reverse route records no tangent rules: nothing to report
             continue
         except Exception as error:  # noqa: BLE001 - any failure to trace means: not traceable
             raise Untraceable(_reason(error)) from error

@@ -25,14 +25,16 @@ __all__ = ["composite_weight_norms", "weight_norm_modules"]
 
 
 def _kinds() -> tuple:
-    """PyTorch's two weight-norm classes: the parametrization (``None`` on a torch without
-    it) and the older forward pre-hook."""
+    """PyTorch's two weight-norm classes, the parametrization and the older forward pre-hook;
+    ``None`` for one this torch does not have."""
     try:
         from torch.nn.utils.parametrizations import _WeightNorm
     except ImportError:
         _WeightNorm = None
-    from torch.nn.utils.weight_norm import WeightNorm
-
+    try:
+        from torch.nn.utils.weight_norm import WeightNorm
+    except ImportError:
+        WeightNorm = None
     return _WeightNorm, WeightNorm
 
 
@@ -45,6 +47,8 @@ def weight_norm_modules(model: nn.Module) -> List[object]:
     for module in model.modules():
         if parametrization is not None and type(module).forward is parametrization.forward:
             found.append(module)  # held by the parametrized module's `parametrizations`
+        if hook_kind is None:
+            continue
         for hook in module._forward_pre_hooks.values():
             if (
                 isinstance(hook, hook_kind)
