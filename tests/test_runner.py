@@ -449,3 +449,19 @@ def test_cli_run_help_lists_the_choices(capsys):
     with pytest.raises(SystemExit):
         cli.main(["run", "--preset", "imagenet", "--epochs", "1", "--out", "x"])
     assert "invalid choice: 'imagenet'" in capsys.readouterr().err
+
+
+def test_the_command_exits_with_mains_code_and_a_rank_without_teardown(monkeypatch):
+    """``torch-sgn``: one process exits by ``sys.exit``; a rank of a multi-process run by
+    ``os._exit`` once its output is flushed (see ``cli.command``)."""
+    exits = []
+    monkeypatch.setattr(cli, "main", lambda: 3)
+    monkeypatch.setattr(cli.os, "_exit", exits.append)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as ended:
+        cli.command()
+    assert ended.value.code == 3 and exits == []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit):  # the patched os._exit returns; sys.exit follows it
+        cli.command()
+    assert exits == [3]

@@ -240,5 +240,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def command() -> typing.NoReturn:
+    """The ``torch-sgn`` command (and ``python -m torch_sgn``): :func:`main`, then exit.
+
+    A rank of a multi-process run (``WORLD_SIZE`` > 1, as under ``torchrun``) that finished
+    leaves without the interpreter's teardown (``os._exit``, after flushing its output): its
+    results are written and its process group destroyed by then, yet PyTorch's gloo backend
+    has aborted a rank in that teardown ("terminate called without an active exception", a
+    C++ thread still joinable at exit; torch 2.11 and 2.13, rarely), which fails the whole
+    job. A run that raises exits as usual, with its traceback.
+    """
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    command()
