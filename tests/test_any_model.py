@@ -53,10 +53,10 @@ class Attention(nn.Module):
 
 
 class Recurrent(nn.Module):
-    def __init__(self, cell):
+    def __init__(self, cell, **options):
         super().__init__()
-        self.rnn = cell(D, 6, batch_first=True)
-        self.head = nn.Linear(6, 3)
+        self.rnn = cell(D, 6, batch_first=True, **options)
+        self.head = nn.Linear(6 * (2 if options.get("bidirectional") else 1), 3)
 
     def forward(self, x):
         return self.head(self.rnn(x)[0][:, -1])
@@ -100,6 +100,7 @@ FAMILIES = {
     "sdpa": (Attention, (4, L, D)),
     "lstm": (lambda: Recurrent(nn.LSTM), (4, L, D)),
     "gru": (lambda: Recurrent(nn.GRU), (4, L, D)),
+    "bilstm": (lambda: Recurrent(nn.LSTM, num_layers=2, bidirectional=True), (4, L, D)),
     "shared-module": (SharedModule, (6, 4)),
     "twice-in-sequential": (_twice_in_sequential, (6, 4)),
     "tied-weight": (TiedWeight, (6, 2)),  # token indices
@@ -290,7 +291,7 @@ def test_sgn_keeps_shared_parameters_in_the_model(name, engine):
     assert F.mse_loss(model(x), y) < losses[0]
 
 
-SGN_FAMILIES = ["encoder", "sdpa", "lstm", "gru", "shared-module", "tied-weight"]
+SGN_FAMILIES = ["encoder", "sdpa", "lstm", "bilstm", "gru", "shared-module", "tied-weight"]
 
 
 @pytest.mark.parametrize("name", SGN_FAMILIES)
