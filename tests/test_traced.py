@@ -1006,21 +1006,26 @@ def _steps(model, x, y, loss, n=2, **options):
     return [opt.step(x, y) for _ in range(n)]
 
 
-@pytest.mark.parametrize("name", ["resnet-bn", "attention"])
+@pytest.mark.parametrize("name", ["resnet-bn", "attention", "mha-mask"])
 def test_compiled_steps_match_uncompiled_steps(name, monkeypatch):
     # torch.compile on the CPU (a C++ compiler): batch norm's running statistics written in
-    # place, attention; float64, so that the compiled kernels differ only by rounding.
+    # place, attention, dropout (the same masks: drawn by PyTorch's operators in the graph's
+    # order); float64, so that the compiled kernels differ only by rounding.
     compile_, given = torch.compile, []
     monkeypatch.setattr(torch, "compile", lambda g, **kw: given.append(g) or compile_(g, **kw))
     model, x, y, loss = _family(name)
     reference = copy.deepcopy(model)
+    torch.manual_seed(5)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         compiled = _steps(model, x, y, loss, compile=True)
+    after_compiled = torch.get_rng_state()
     ours = ("compile=True", "torch.compile failed")
     assert not [w for w in record if str(w.message).startswith(ours)]
     assert len(given) == 2  # the set-up and the product ran compiled
+    torch.manual_seed(5)
     eager = _steps(reference, x, y, loss)
+    assert torch.equal(torch.get_rng_state(), after_compiled)  # as many random numbers
     for a, b in zip(compiled, eager):
         assert a.cg_iters == b.cg_iters
         assert a.loss == pytest.approx(b.loss, rel=1e-9)
@@ -1059,13 +1064,22 @@ def test_a_failed_compile_warns_once_and_steps_run_uncompiled(monkeypatch):
     assert compiled == _steps(reference, x, y, loss, n=3)
 
 
-def test_compile_does_not_apply_where_the_forward_pass_draws_random_numbers(monkeypatch):
-    given = _fake_compile(monkeypatch, fails=False)
-    model = nn.Sequential(nn.Linear(3, 5), nn.Dropout(0.2), nn.Tanh(), nn.Linear(5, 2))
+def test_compile_draws_random_numbers_with_pytorchs_operators(monkeypatch):
+    """Where the forward pass draws random numbers (dropout), Inductor is asked to draw them
+    with PyTorch's own operators (``fallback_random``), as the eager trial-point passes do; other
+    graphs are compiled with the defaults."""
+    options = []
+    monkeypatch.setattr(torch, "compile", lambda g, **kw: options.append(kw.get("options")) or g)
+    dropout = nn.Sequential(nn.Linear(3, 5), nn.Dropout(0.2), nn.Tanh(), nn.Linear(5, 2))
+    plain = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
     x, y = torch.randn(6, 3), torch.randn(6, 2)
-    with pytest.warns(UserWarning, match="compile=True does not apply .*random numbers"):
-        _steps(model, x, y, "mse", compile=True)
-    assert given == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # compiled, without a notice
+        _steps(dropout, x, y, "mse", compile=True)
+    assert options == [{"fallback_random": True}] * 2
+    options.clear()
+    _steps(plain, x, y, "mse", compile=True)
+    assert options == [None, None]
 
 
 def test_compile_needs_the_traced_engine_and_no_cuda_graphs():

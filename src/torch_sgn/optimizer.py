@@ -250,9 +250,9 @@ class SGN(torch.optim.Optimizer):
             chains of known layers): each batch shape is compiled at its first step, which
             takes seconds to minutes, and its products then cost less (on a CPU, 1.0-1.2
             gradients instead of 1.2-1.4 on a ResNet, a transformer and an LSTM model; see
-            ``docs/PERFORMANCE.md``). Not where the forward pass draws random numbers
-            (training-mode dropout), and not with ``cuda_graphs``; a compilation that fails
-            warns once and the graphs run uncompiled. Default off.
+            ``docs/PERFORMANCE.md``). Dropout's masks are drawn as in eager passes (by
+            PyTorch's operators, Inductor's ``fallback_random``). Not with ``cuda_graphs``; a
+            compilation that fails warns once and the graphs run uncompiled. Default off.
         curvature_fraction: compute ``G v`` on a random subset of this fraction of each batch
             (drawn at step ``t`` from a generator seeded with ``t``), the loss and gradient on
             the whole batch (Martens, 2010). Default 1 (the whole batch, as the paper).

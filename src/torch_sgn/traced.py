@@ -222,14 +222,7 @@ class TracedEngine:
         """Sets ``traced.compiled`` where ``compile=True`` applies to the trace."""
         if not self.compile:
             return
-        why = _random_draw(traced.setup)
-        if why is not None:
-            self._warn(
-                f"compile=True does not apply (the forward pass draws random numbers ({why}), "
-                "which compiled code draws differently from the trial points' eager passes); "
-                "the traced engine runs uncompiled"
-            )
-            return
+        random = _random_draw(traced.setup) is not None
 
         def failed(reason: str) -> None:
             self._warn(
@@ -237,7 +230,10 @@ class TracedEngine:
                 "uncompiled"
             )
 
-        traced.compiled = (_compiled(traced.setup, failed), _compiled(traced.product, failed))
+        traced.compiled = (
+            _compiled(traced.setup, failed, random),
+            _compiled(traced.product, failed, random),
+        )
 
     def _replayed(self, traced: _Traced, inputs: tuple) -> Optional[_Replayed]:
         """The trace's captured graphs, captured now if new; ``None``: run eagerly."""
@@ -306,11 +302,16 @@ def _random_draw(graph: fx.GraphModule) -> Optional[str]:
     return next((n.target.name() for n in graph.graph.nodes if _draws_random(n)), None)
 
 
-def _compiled(graph: fx.GraphModule, failed: Callable[[str], None]) -> Callable:
+def _compiled(
+    graph: fx.GraphModule, failed: Callable[[str], None], random: bool = False
+) -> Callable:
     """``graph`` compiled by ``torch.compile`` (at its first call, for the shapes it was
     traced at); where compiling or the compiled code fails, ``graph`` itself from then on,
-    after ``failed(reason)``."""
-    compiled = torch.compile(graph, dynamic=False)
+    after ``failed(reason)``. With ``random`` (the forward pass draws random numbers: dropout)
+    the compiled code draws them with PyTorch's own operators, in the graph's order
+    (Inductor's ``fallback_random``), as the trial points' eager passes draw them."""
+    options = {"fallback_random": True} if random else None
+    compiled = torch.compile(graph, dynamic=False, options=options)
     broken = False
 
     def call(*args: Tensor) -> object:
