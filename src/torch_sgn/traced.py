@@ -222,7 +222,6 @@ class TracedEngine:
         """Sets ``traced.compiled`` where ``compile=True`` applies to the trace."""
         if not self.compile:
             return
-        random = _random_draw(traced.setup) is not None
 
         def failed(reason: str) -> None:
             self._warn(
@@ -230,10 +229,7 @@ class TracedEngine:
                 "uncompiled"
             )
 
-        traced.compiled = (
-            _compiled(traced.setup, failed, random),
-            _compiled(traced.product, failed, random),
-        )
+        traced.compiled = (_compiled(traced.setup, failed), _compiled(traced.product, failed))
 
     def _replayed(self, traced: _Traced, inputs: tuple) -> Optional[_Replayed]:
         """The trace's captured graphs, captured now if new; ``None``: run eagerly."""
@@ -302,15 +298,13 @@ def _random_draw(graph: fx.GraphModule) -> Optional[str]:
     return next((n.target.name() for n in graph.graph.nodes if _draws_random(n)), None)
 
 
-def _compiled(
-    graph: fx.GraphModule, failed: Callable[[str], None], random: bool = False
-) -> Callable:
+def _compiled(graph: fx.GraphModule, failed: Callable[[str], None]) -> Callable:
     """``graph`` compiled by ``torch.compile`` (at its first call, for the shapes it was
     traced at); where compiling or the compiled code fails, ``graph`` itself from then on,
-    after ``failed(reason)``. With ``random`` (the forward pass draws random numbers: dropout)
-    the compiled code draws them with PyTorch's own operators, in the graph's order
-    (Inductor's ``fallback_random``), as the trial points' eager passes draw them."""
-    options = {"fallback_random": True} if random else None
+    after ``failed(reason)``. A graph that draws random numbers (the set-up's dropout masks)
+    draws them with PyTorch's own operators in the graph's order (Inductor's
+    ``fallback_random``), as the trial points' eager passes draw them."""
+    options = {"fallback_random": True} if _random_draw(graph) is not None else None
     compiled = torch.compile(graph, dynamic=False, options=options)
     broken = False
 
