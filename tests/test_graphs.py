@@ -8,6 +8,7 @@ end checks real capture against eager steps.
 """
 
 import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -305,9 +306,18 @@ def test_traced_replayed_steps_equal_eager_steps(name, engine, cpu_graph_capture
             or "CUDA graphs" in str(w.message) or "engine" in str(w.message)] == []  # fmt: skip
     eager_infos, _ = _run(eager_model, "cross_entropy", batches, engine=engine)
     assert cpu_graph_captures == [3, 3]  # set-up, product, trial loss; once per batch shape
-    assert graph_infos == eager_infos
+    # The same operations on the same numbers; equal to the last bit with two threads, to
+    # rounding with one (the static copies' memory alignment can change a kernel's rounding).
+    for a, b in zip(graph_infos, eager_infos):
+        a, b = dataclasses.asdict(a), dataclasses.asdict(b)
+        assert a.keys() == b.keys()
+        for key in a:
+            if isinstance(a[key], float):
+                assert a[key] == pytest.approx(b[key], rel=1e-12, abs=1e-15), key
+            else:
+                assert a[key] == b[key], key
     for a, b in zip(graph_model.state_dict().values(), eager_model.state_dict().values()):
-        assert torch.equal(a, b)  # parameters and running statistics alike
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)  # parameters and statistics
 
 
 @pytest.mark.parametrize("engine", ["traced", "auto"])
