@@ -31,13 +31,14 @@ pytorch/pytorch#190063).
 
 from __future__ import annotations
 
-import types
 from contextlib import contextmanager
 from typing import Iterator, List, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .replaced_methods import replaced_methods
 
 __all__ = ["composite_lookups", "lookup_modules"]
 
@@ -63,15 +64,11 @@ def lookup_modules(model: nn.Module) -> List[Lookup]:
 def composite_lookups(modules: List[Lookup]) -> Iterator[None]:
     """Within this block, each of ``modules`` (from :func:`lookup_modules`) runs its
     composite forward pass; their own are back on exit."""
-    patched = [m for m in modules if "forward" not in m.__dict__]
-    for m in patched:
-        lookup = _bag_lookup if isinstance(m, nn.EmbeddingBag) else _lookup
-        m.forward = types.MethodType(lookup, m)
-    try:
+    forwards = [
+        (m, "forward", _bag_lookup if isinstance(m, nn.EmbeddingBag) else _lookup) for m in modules
+    ]
+    with replaced_methods(forwards):
         yield
-    finally:
-        for m in patched:
-            del m.forward
 
 
 def _weight(module: Lookup, indices: Tensor) -> Tensor:

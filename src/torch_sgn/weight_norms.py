@@ -14,12 +14,13 @@ for it fails on either kernel). The model's own forward passes are not changed.
 
 from __future__ import annotations
 
-import types
 from contextlib import contextmanager
 from typing import Iterator, List
 
 import torch
 from torch import Tensor, nn
+
+from .replaced_methods import replaced_methods
 
 __all__ = ["composite_weight_norms", "weight_norm_modules"]
 
@@ -80,16 +81,11 @@ def _compute_weight(self, module: nn.Module) -> Tensor:
 def composite_weight_norms(norms: List[object]) -> Iterator[None]:
     """Within this block, each of ``norms`` (from :func:`weight_norm_modules`) computes its
     weight by differentiable operators; their own computation is back on exit."""
-    patched = []
-    for norm in norms:
-        name = "compute_weight" if hasattr(norm, "compute_weight") else "forward"
-        if name in norm.__dict__:  # patched already (an enclosing block)
-            continue
-        method = _compute_weight if name == "compute_weight" else _parametrization
-        setattr(norm, name, types.MethodType(method, norm))
-        patched.append((norm, name))
-    try:
+    methods = [
+        (n, "compute_weight", _compute_weight)  # the older pre-hook
+        if hasattr(n, "compute_weight")
+        else (n, "forward", _parametrization)
+        for n in norms
+    ]
+    with replaced_methods(methods):
         yield
-    finally:
-        for norm, name in patched:
-            delattr(norm, name)
