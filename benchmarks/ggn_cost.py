@@ -15,7 +15,9 @@ stages of residual blocks with batch norm in training mode, widths 16-32-64, bat
 batch 32, vocabulary 64, cross-entropy per position); ``lstm``, an embedding, one LSTM layer of
 width 128 and a linear read-out per position (same data shape); ``bilstm``, the same with two
 bidirectional LSTM layers and dropout 0.1 between them (a tagger; training mode); ``tcn``, a
-temporal convolutional network with weight-normalized convolutions (:class:`TCN`). Engines
+temporal convolutional network with weight-normalized convolutions (:class:`TCN`);
+``transformer_pad``, the transformer with a scaled word embedding with a padding row
+(:class:`ScaledEmbedding`, a subclass with a forward of its own). Engines
 that do not apply to a model (``fast`` and ``graphs`` on these) are left out of its rows;
 ``traced_graphs`` is the traced engine with ``cuda_graphs=True`` (CUDA only),
 ``traced_compiled`` with ``compile=True`` (its first call compiles, and is timed apart).
@@ -162,6 +164,21 @@ class TCN(nn.Module):
         return self.head(h)
 
 
+class ScaledEmbedding(nn.Embedding):
+    """A word embedding scaled by the square root of its width, with a padding row: a subclass
+    with a forward of its own, as sequence-to-sequence models have."""
+
+    def forward(self, idx):
+        return super().forward(idx) * self.embedding_dim**0.5
+
+
+def scaled_padding_transformer() -> CausalTransformer:
+    """:class:`CausalTransformer` with a :class:`ScaledEmbedding` (padding row 0)."""
+    model = CausalTransformer()
+    model.embed = ScaledEmbedding(64, 128, padding_idx=0)
+    return model
+
+
 #: name -> (build, input shape with the batch, vocabulary size or None for real inputs)
 ANY_MODELS = {
     "resnet_bn": (ResNetBN, (128, 3, 32, 32), None),
@@ -169,6 +186,7 @@ ANY_MODELS = {
     "lstm": (LSTMModel, (32, 64), 64),
     "bilstm": (partial(LSTMModel, layers=2, bidirectional=True, dropout=0.1), (32, 64), 64),
     "tcn": (TCN, (32, 64), 64),
+    "transformer_pad": (scaled_padding_transformer, (32, 64), 64),
 }
 
 

@@ -1,8 +1,9 @@
-"""Embedding modules whose own kernels break a Gauss-Newton product (``padding_idx``,
+"""Embedding lookups whose own kernels break a Gauss-Newton product (``padding_idx``,
 ``max_norm``, ``sparse``, ``scale_grad_by_freq``, ``nn.EmbeddingBag``): their composites
 against the modules themselves, and the products against a dense ``J^T H J`` built by reverse
 mode alone through the model's own parameters and forward pass
-(``cases.dense_ggn_of_module``), in float64; padding outside the modules' own forward."""
+(``cases.dense_ggn_of_module``), in float64; lookups outside ``nn.Embedding``'s own forward
+(a subclass, ``F.embedding`` in ``forward``)."""
 
 from __future__ import annotations
 
@@ -20,12 +21,15 @@ from torch_sgn import GGN, SGN
 from torch_sgn.forward_mode import missing_rule
 from torch_sgn.functional import FunctionalEngine, FunctionalModel
 from torch_sgn.linearization import Batch
-from torch_sgn.lookups import composite_lookups, lookup_modules
+from torch_sgn.lookups import composite_lookups, embedding_bags
 from torch_sgn.losses import resolve_loss
 
 D = torch.float64
 TOKENS = torch.tensor([0, 2, 5, 1, 1, 3, 2, 2, 4, 0, 1])
 OFFSETS = torch.tensor([0, 3, 3, 6, 8])  # bag 1 is empty
+
+
+CASES = ["padding", "max-norm", "bags", "sparse", "subclass", "in-forward"]
 
 
 def _bag_input(layout):
@@ -64,7 +68,7 @@ def test_bag_composite_matches_the_module(mode, padding, max_norm, layout, weigh
     composite = copy.deepcopy(own)
     x, offsets = _bag_input(layout)
     w = torch.rand(x.shape, dtype=D) if weighted else None
-    with composite_lookups(lookup_modules(composite)):
+    with composite_lookups(embedding_bags(composite)):
         out = composite(x, offsets, w)
     expected = own(x, offsets, w)  # renormalises own's rows in place
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-14)
@@ -95,7 +99,7 @@ def test_embedding_composite_matches_the_module(options, rows):
         own.weight.normal_().mul_(2.0)
     composite = copy.deepcopy(own)
     x = torch.tensor([[0, 1, 2, 1], [0, 0, 4, 1]])
-    with composite_lookups(lookup_modules(composite)):
+    with composite_lookups(embedding_bags(composite)):
         out = composite(x)
     torch.testing.assert_close(out, own(x), rtol=0, atol=1e-14)
     u = torch.randn(out.shape, dtype=D)
@@ -103,6 +107,29 @@ def test_embedding_composite_matches_the_module(options, rows):
     (grad_own,) = torch.autograd.grad(own(x), own.weight, u)
     grad_own = grad_own.to_dense() if grad_own.is_sparse else grad_own
     torch.testing.assert_close(grad, grad_own, rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("options", [
+    dict(padding_idx=-1), dict(max_norm=1.0, norm_type=1.0), dict(scale_grad_by_freq=True),
+    dict(sparse=True), dict(padding_idx=2, max_norm=1.5, scale_grad_by_freq=True),
+])  # fmt: skip
+def test_embedding_called_in_forward_matches_pytorchs(options):
+    """``F.embedding`` called directly: the composite's values and gradient are PyTorch's
+    (whose ``max_norm`` renormalises the table in place, the composite's out of place)."""
+    torch.manual_seed(0)
+    table = (2.0 * torch.randn(5, 3, dtype=D)).requires_grad_(True)
+    own = table.detach().clone().requires_grad_(True)
+    x = torch.tensor([[0, 4, 2, 4], [2, 2, 1, 3]])
+    with composite_lookups([]):
+        out = F.embedding(x, table, **options)
+    torch.testing.assert_close(out, F.embedding(x, own, **options), rtol=0, atol=1e-14)
+    u = torch.randn(out.shape, dtype=D)
+    (grad,) = torch.autograd.grad(out, table, u)
+    (grad_own,) = torch.autograd.grad(F.embedding(x, own, **options), own, u)
+    grad_own = grad_own.to_dense() if grad_own.is_sparse else grad_own
+    torch.testing.assert_close(grad, grad_own, rtol=0, atol=1e-14)
+    if "max_norm" in options:
+        assert table.norm(dim=1).max() > 2.0 * own.norm(dim=1).max()  # not written
 
 
 @pytest.mark.parametrize("rows", [5, 9], ids=["table-smaller", "table-larger"])
@@ -123,7 +150,7 @@ def test_padding_entries_have_no_derivative_in_either_mode(max_norm, freq, rows)
     def f(w):
         return torch.func.functional_call(module, {"weight": w}, (x,))
 
-    with composite_lookups(lookup_modules(module)):
+    with composite_lookups(embedding_bags(module)):
         _, jv = torch.func.jvp(f, (weight,), (v,))
         _, vjp = torch.func.vjp(f, weight)
         (jtu,) = vjp(u)
@@ -165,6 +192,36 @@ class Sparse(PaddedTokens):
         self.embed = nn.Embedding(5, 4, sparse=True)
 
 
+class ScaledEmbedding(nn.Embedding):
+    """An embedding subclass with a forward of its own, as sequence-to-sequence models scale
+    their word embeddings."""
+
+    def forward(self, tokens):
+        return super().forward(tokens) * 2.0
+
+
+class ScaledPadding(PaddedTokens):
+    """A subclass's lookup with padding and its gradient scaled by frequency."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = ScaledEmbedding(5, 4, padding_idx=0, scale_grad_by_freq=True)
+
+
+class LookupInForward(PaddedTokens):
+    """``F.embedding`` called in ``forward`` on a parameter: padding counted from the end
+    (row 0) and rows renormalised to ``max_norm`` (in place, by PyTorch's own kernel)."""
+
+    def __init__(self):
+        super().__init__()
+        del self.embed
+        self.table = nn.Parameter(3.0 * torch.randn(5, 4))
+
+    def forward(self, tokens):
+        h = F.embedding(tokens, self.table, padding_idx=-5, max_norm=1.0)
+        return self.out(h + torch.tanh(self.hidden(h))).mean(1)
+
+
 class Bags(nn.Module):
     """Bags of tokens with offsets (an empty bag among them), by maximum and by weighted sum
     with renormalised rows."""
@@ -191,7 +248,13 @@ def _case(name, dtype=D):
     else:
         x = torch.randint(0, 5, (6, 3), generator=g)
         x[:, -1] = 0  # padding (or, with max_norm, the row below the bound) in every sequence
-        build = {"padding": PaddedTokens, "max-norm": RenormedEmbedding, "sparse": Sparse}
+        build = {
+            "padding": PaddedTokens,
+            "max-norm": RenormedEmbedding,
+            "sparse": Sparse,
+            "subclass": ScaledPadding,
+            "in-forward": LookupInForward,
+        }
         model, n = build[name](), 6
     return model.to(dtype), x, torch.randn(n, 3, generator=g, dtype=dtype)
 
@@ -206,7 +269,7 @@ class _Inputs(nn.Module):
 
 
 @pytest.mark.parametrize("engine", ["auto", "traced", "functional", "double-backward"])
-@pytest.mark.parametrize("name", ["padding", "max-norm", "bags", "sparse"])
+@pytest.mark.parametrize("name", CASES)
 def test_products_match_the_dense_reference(name, engine):
     model, x, y = _case(name)
     reference = copy.deepcopy(model)
@@ -232,9 +295,10 @@ def test_products_match_the_dense_reference(name, engine):
     # SGN's passes renormalise out of place: the model's weights are not written
     assert all(torch.equal(w, p) for w, p in zip(weights, model.parameters()))
     assert not any("forward" in m.__dict__ for m in model.modules())  # their own are back
-    if name == "max-norm":
+    if name in ("max-norm", "in-forward"):
+        table = "table" if name == "in-forward" else "embed.weight"
         assert weights[0].norm(dim=1).max() > 2.0  # the case renormalises...
-        assert reference.embed.weight.norm(dim=1).max() <= 1.0  # ...as the reference did
+        assert reference.get_parameter(table).norm(dim=1).max() <= 1.0  # ...as the reference did
 
 
 def _on(device, tree):
@@ -258,7 +322,7 @@ def _products_on(device, name, engine, cuda_graphs=False):
 @pytest.mark.parametrize(
     "engine,graphs", [("traced", False), ("traced", True), ("functional", False)]
 )
-@pytest.mark.parametrize("name", ["padding", "max-norm", "bags", "sparse"])
+@pytest.mark.parametrize("name", CASES)
 def test_products_on_cuda_match_the_cpus(name, engine, graphs):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. graphs that do not apply, with the reason
@@ -267,7 +331,7 @@ def test_products_on_cuda_match_the_cpus(name, engine, graphs):
 
 
 @pytest.mark.parametrize("engine", ["auto", "functional"])
-@pytest.mark.parametrize("name", ["padding", "max-norm", "bags", "sparse"])
+@pytest.mark.parametrize("name", CASES)
 def test_sgn_steps_decrease_the_loss_in_float32(name, engine):
     model, x, y = _case(name, torch.float32)
     args = x if isinstance(x, tuple) else (x,)
@@ -281,42 +345,6 @@ def test_sgn_steps_decrease_the_loss_in_float32(name, engine):
         assert model.embed.weight.norm(dim=1).max() <= 1.0  # the model's own forward did
     if name == "padding":
         assert torch.equal(model.embed.weight[0], padding)  # as a gradient method keeps it
-
-
-class _OwnEmbedding(nn.Embedding):
-    """An embedding subclass with a forward of its own: SGN runs it as it is."""
-
-    def forward(self, tokens):
-        return super().forward(tokens) * 2.0
-
-
-class _FunctionalPadding(PaddedTokens):
-    """``F.embedding`` with ``padding_idx`` called in ``forward``, not through the module."""
-
-    def forward(self, tokens):
-        h = F.embedding(tokens, self.embed.weight, padding_idx=0)
-        return self.out(h + torch.tanh(self.hidden(h))).mean(1)
-
-
-@pytest.mark.parametrize("engine", ["auto", "functional"])
-@pytest.mark.parametrize("form", ["subclass", "function"])
-def test_padding_outside_the_module_goes_by_double_backward(form, engine):
-    """Where no composite applies, the padding row (no gradient, a tangent) sends ``J v`` to
-    reverse mode: ``G`` is exact and symmetric all the same."""
-    model, x, y = _case("padding")
-    if form == "subclass":
-        own = _OwnEmbedding(5, 4, padding_idx=0).to(D)
-        own.load_state_dict(model.embed.state_dict())
-        model.embed = own
-    else:
-        model.__class__ = _FunctionalPadding
-    assert lookup_modules(model) == ([] if form == "subclass" else [model.embed])
-    G_ref, g_ref = dense_ggn_of_module(copy.deepcopy(model), "mse", x, y)
-    with pytest.warns(UserWarning, match="padding row .*double backward"):
-        G = GGN(model, "mse", x, y, engine=engine)
-        dense = G.to_dense()
-    torch.testing.assert_close(G.gradient, g_ref, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(dense, G_ref, rtol=1e-9, atol=1e-11)
 
 
 def test_functional_embedding_bag_is_refused_clearly_and_loses_nothing():
@@ -337,28 +365,28 @@ def test_functional_embedding_bag_is_refused_clearly_and_loses_nothing():
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
 
-class _WritesItsWeight(nn.Module):
-    """``F.embedding`` with ``max_norm`` called in ``forward``: it renormalises the parameter's
-    rows in place."""
+class _ClampsItsWeight(nn.Module):
+    """A forward pass that writes into its parameter (``clamp_``)."""
 
     def __init__(self):
         super().__init__()
-        self.table = nn.Parameter(3.0 * torch.randn(7, 4))
-        self.out = nn.Linear(4, 3)
+        self.a = nn.Linear(4, 3)
 
-    def forward(self, tokens):
-        return self.out(F.embedding(tokens, self.table, max_norm=1.0)).mean(1)
+    def forward(self, x):
+        with torch.no_grad():
+            self.a.weight.clamp_(-0.3, 0.3)
+        return self.a(x)
 
 
 @pytest.mark.parametrize("engine", ["auto", "functional"])
 def test_a_forward_that_writes_a_parameter_is_refused_clearly_and_loses_nothing(engine):
     torch.manual_seed(0)
-    model = _WritesItsWeight()
+    model = _ClampsItsWeight()
     before = [p.detach().clone() for p in model.parameters()]
-    x, y = torch.randint(0, 7, (4, 3)), torch.randn(4, 3)
+    x, y = torch.randn(5, 4), torch.randn(5, 3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the traced engine's hand-over to the functional one
-        with pytest.raises(RuntimeError, match="writes into a parameter in place.*nn.Embedding"):
+        with pytest.raises(RuntimeError, match="writes into a parameter in place"):
             SGN(model, "mse", engine=engine).step(x, y)
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
@@ -370,18 +398,12 @@ def test_missing_derivatives_are_read_from_either_error_type():
     assert missing_rule(plain) == "foo_backward"
 
 
-def test_only_the_modules_that_need_it_are_replaced():
-    class Sub(nn.Embedding):
+def test_only_the_bags_are_replaced():
+    class Sub(nn.EmbeddingBag):
         def forward(self, x):
             return super().forward(x) * 2
 
     model = nn.ModuleList([
-        nn.Embedding(3, 2),
-        nn.Embedding(3, 2, padding_idx=1),
-        nn.Embedding(3, 2, max_norm=1.0),
-        nn.Embedding(3, 2, sparse=True),
-        nn.Embedding(3, 2, scale_grad_by_freq=True),
-        nn.EmbeddingBag(3, 2),
-        Sub(3, 2, padding_idx=1),
+        nn.Embedding(3, 2, padding_idx=1), nn.EmbeddingBag(3, 2), Sub(3, 2), nn.Linear(2, 2)
     ])  # fmt: skip
-    assert lookup_modules(model) == list(model[1:6])
+    assert embedding_bags(model) == [model[1]]

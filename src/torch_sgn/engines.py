@@ -22,7 +22,6 @@ from .diagnostics import warn
 from .functional import FunctionalEngine, FunctionalModel
 from .layerwise import LayerwiseEngine
 from .linearization import Batch, Engine, Linearization
-from .lookups import lookup_modules
 from .losses import OutputLoss
 from .traced import TracedEngine
 
@@ -44,7 +43,6 @@ def select_engine(
     the traced engine runs its graphs compiled by ``torch.compile``."""
     if engine not in ENGINES:
         raise ValueError(f"invalid engine={engine!r}: must be one of {ENGINES}")
-    _warn_frequency_scaling(fmodel.model)
     if engine == "functional":  # SGN refuses cuda_graphs with it
         return FunctionalEngine(fmodel, loss)
     if engine == "traced":
@@ -60,30 +58,6 @@ def select_engine(
             "engine runs by hand, uncompiled"
         )
     return chosen
-
-
-def _warn_frequency_scaling(model: torch.nn.Module) -> None:
-    """Warns where a trained embedding scales its gradient by the words' frequencies in a
-    forward pass of its own (a subclass; PyTorch's modules run as composites that scale the
-    tangent too, see :mod:`torch_sgn.lookups`): the reverse pass then scales ``J^T`` and the
-    tangent does not scale ``J``, so the products are those of ``D J^T H J``, which is not
-    symmetric (``D`` the scaling)."""
-    replaced = {id(m) for m in lookup_modules(model)}
-    names = [
-        f"{type(module).__name__} {name!r}"
-        for name, module in model.named_modules()
-        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag))
-        and module.scale_grad_by_freq
-        and module.weight.requires_grad
-        and id(module) not in replaced
-    ]
-    if names:
-        warn(
-            f"{names[0]} has scale_grad_by_freq=True: its gradient is scaled by "
-            "the inverse frequencies of the indices and its tangent is not, so the Gauss-Newton "
-            "matrix is not symmetric and conjugate gradient does not solve its system exactly; "
-            "build the embedding with scale_grad_by_freq=False"
-        )
 
 
 def curvature_subset(engine: Engine, loss: OutputLoss, fraction: float, seed: int = 0) -> Engine:

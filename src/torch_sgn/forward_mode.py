@@ -10,9 +10,8 @@ then takes ``J v`` by **double backward**, for any operator whose backward is di
 ``J^T u`` is linear in ``u``, so ``J v = d/du [(J^T u) . v]``. The graph of ``u -> J^T u`` is
 recorded once per step (the gradient's backward pass, with ``create_graph``), and each ``J v``
 is one backward pass through it (:func:`jvp_by_double_backward`). The same route serves a
-model whose forward pass computes from the parameters under ``torch.no_grad``, or looks up an
-embedding's padding row outside :mod:`torch_sgn.lookups` (:func:`gradient_stop`): the gradient
-takes such values as constants, forward mode does not.
+model whose forward pass computes from the parameters under ``torch.no_grad``
+(:func:`gradient_stop`): the gradient takes such values as constants, forward mode does not.
 
 Some kernels' backward is not differentiable in turn (the fused attention kernels' is not);
 those have a twin kernel whose backward is, and :func:`kernels` runs the model with it
@@ -34,7 +33,6 @@ from contextlib import ExitStack, contextmanager
 from typing import Callable, Dict, FrozenSet, Iterator, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
@@ -220,15 +218,13 @@ def gradient_stop(run: Callable[[], object]) -> Optional[str]:
     """Where ``run()`` differentiates otherwise in reverse mode than in forward mode, said as
     "the forward pass ...", or ``None``.
 
-    Two cases: an operation computed from tensors that require grad while autograd is off
-    (``torch.no_grad``), whose result reaches an operation with autograd on as a constant; and
-    ``F.embedding`` with ``padding_idx`` outside :mod:`torch_sgn.lookups`' composites (an
-    embedding subclass with a forward of its own, or the function called directly), whose
-    padding row gets no gradient but a tangent. The gradient takes such values as constants,
-    forward mode does not, so its ``J v`` is of another matrix than the gradient's ``J^T u``
-    and ``G`` would not be symmetric. Where this finds one, ``J v`` is taken in reverse mode.
-    A custom ``autograd.Function``'s forward also runs with autograd off, but its result
-    requires grad again: not a stop. ``run`` is called once, with autograd on.
+    An operation computed from tensors that require grad while autograd is off
+    (``torch.no_grad``), whose result reaches an operation with autograd on as a constant:
+    the gradient takes such values as constants, forward mode does not, so its ``J v`` would
+    be of another matrix than the gradient's ``J^T u`` and ``G`` not symmetric. Where this
+    finds one, ``J v`` is taken in reverse mode. A custom ``autograd.Function``'s forward also
+    runs with autograd off, but its result requires grad again: not a stop. ``run`` is called
+    once, with autograd on.
     """
     mode = _GradientStops()
     with torch.enable_grad(), mode:
@@ -263,12 +259,6 @@ class _GradientStops(TorchFunctionMode):
         out = func(*args, **kwargs)
         if self.found is not None:
             return out
-        if func is F.embedding:
-            options = dict(zip(("input", "weight", "padding_idx"), args), **kwargs)
-            weight, padding = options.get("weight"), options.get("padding_idx")
-            if padding is not None and isinstance(weight, Tensor) and weight.requires_grad:
-                self.found = "looks up an embedding's padding row (F.embedding with padding_idx)"
-                return out
         inputs = list(_tensors((args, kwargs)))
         if on:  # a stopped value used as a constant where autograd records
             for t in inputs:

@@ -29,7 +29,7 @@ from .forward_mode import (
     switch_for,
 )
 from .linearization import Batch, Inputs, Linearization, loss_and_output_gradient
-from .lookups import composite_lookups, lookup_modules
+from .lookups import composite_lookups, embedding_bags
 from .losses import OutputLoss
 from .weight_norms import composite_weight_norms, weight_norm_modules
 
@@ -102,9 +102,9 @@ class FunctionalModel:
         #: pointers on CUDA, which ``torch.func``'s tensors do not have.
         recurrent = any(isinstance(m, nn.RNNBase) for m in model.modules())
         self.switches: FrozenSet[str] = frozenset({"no_cudnn"} if recurrent else ())
-        #: embedding modules and weight norms every forward pass runs as composites (see
+        #: embedding bags and weight norms every forward pass runs as composites (see
         #: :mod:`torch_sgn.lookups` and :mod:`torch_sgn.weight_norms`)
-        self.lookups = lookup_modules(model)
+        self.bags = embedding_bags(model)
         self.weight_norms = weight_norm_modules(model)
         self._rng_state: dict | None = None
         self._after_first: dict | None = None
@@ -113,9 +113,9 @@ class FunctionalModel:
 
     @contextmanager
     def composites(self) -> Iterator[None]:
-        """Within this block, the model's embeddings and weight norms that SGN's passes cannot
-        differentiate as they are run as composites of differentiable operators."""
-        with composite_lookups(self.lookups), composite_weight_norms(self.weight_norms):
+        """Within this block, the model's embedding lookups and weight norms that SGN's passes
+        cannot differentiate as they are run as composites of differentiable operators."""
+        with composite_lookups(self.bags), composite_weight_norms(self.weight_norms):
             yield
 
     # --- parameters as one vector -------------------------------------------------------------
@@ -171,8 +171,7 @@ class FunctionalModel:
                     "the model's forward pass writes into a parameter in place; SGN evaluates "
                     "the model at parameters that are views of one vector, which cannot be "
                     "written. Move the write out of forward (clamp or renormalise the weights "
-                    "after each step), or call nn.Embedding(max_norm=...) rather than "
-                    f"F.embedding(..., max_norm=...). ({str(error).splitlines()[0]})"
+                    f"after each step). ({str(error).splitlines()[0]})"
                 ) from error
         if not isinstance(out, Tensor):
             raise TypeError(

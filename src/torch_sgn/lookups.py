@@ -16,63 +16,78 @@ Gauss-Newton product:
 * ``scale_grad_by_freq``: the gradient of each row is divided by the row's count in the
   batch, the tangent is not; ``J v`` and ``J^T u`` would be of two different matrices.
 
-Within :func:`composite_lookups` such modules run a composite of differentiable operators
+Within :func:`composite_lookups` every call of :func:`torch.nn.functional.embedding` with one
+of these options (from ``nn.Embedding``, a subclass of it with a forward of its own, or
+``forward`` itself) and every ``nn.EmbeddingBag`` run a composite of differentiable operators
 instead (a plain lookup, then the bags' sums, means or maxima by ``index_add`` and
 ``scatter_reduce``): the same values, and in both modes the derivatives autograd's reverse
-mode gives the module's own kernels, dense. Padding entries are cut from the derivatives (and
+mode gives PyTorch's own kernels, dense. Padding entries are cut from the derivatives (and
 from the bags). Rows beyond ``max_norm`` are renormalised out of place, with the derivative of
-a plain lookup; the module's weight is not written (the model's own next forward pass
-renormalises its stored rows as before). With ``scale_grad_by_freq`` each row's derivative is
-divided by its count in both modes: ``J`` is the lookup's times that scaling ``D``, and ``G``
-the symmetric ``D J^T H J D`` whose gradient ``D J^T dz`` is the module's own (as documented:
+a plain lookup; the weight is not written (the model's own next forward pass renormalises its
+stored rows as before). With ``scale_grad_by_freq`` each row's derivative is divided by its
+count in both modes: ``J`` is the lookup's times that scaling ``D``, and ``G`` the symmetric
+``D J^T H J D`` whose gradient ``D J^T dz`` is PyTorch's own (as documented:
 ``nn.EmbeddingBag``'s CPU kernel of torch 2.13 divides some rows by another row's count,
 pytorch/pytorch#190063).
 """
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
-from typing import Iterator, List, Optional, Union
+from typing import Iterator, List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from .replaced_methods import replaced_methods
 
-__all__ = ["composite_lookups", "lookup_modules"]
+__all__ = ["composite_lookups", "embedding_bags"]
 
-Lookup = Union[nn.Embedding, nn.EmbeddingBag]
+_EMBEDDING = inspect.signature(F.embedding)
 
 
-def lookup_modules(model: nn.Module) -> List[Lookup]:
-    """The modules of ``model`` that :func:`composite_lookups` replaces: embeddings with
-    ``padding_idx``, ``max_norm``, ``sparse`` or ``scale_grad_by_freq``, and embedding bags
-    (not subclasses with a forward of their own)."""
-    found: List[Lookup] = []
-    for m in model.modules():
-        if type(m).forward is nn.Embedding.forward:
-            options = (m.padding_idx is not None, m.max_norm is not None, m.sparse)
-            if any(options) or m.scale_grad_by_freq:
-                found.append(m)
-        elif type(m).forward is nn.EmbeddingBag.forward:
-            found.append(m)
-    return found
+def embedding_bags(model: nn.Module) -> List[nn.EmbeddingBag]:
+    """The embedding bags of ``model`` that :func:`composite_lookups` replaces (not
+    subclasses with a forward of their own)."""
+    return [m for m in model.modules() if type(m).forward is nn.EmbeddingBag.forward]
 
 
 @contextmanager
-def composite_lookups(modules: List[Lookup]) -> Iterator[None]:
-    """Within this block, each of ``modules`` (from :func:`lookup_modules`) runs its
-    composite forward pass; their own are back on exit."""
-    forwards = [
-        (m, "forward", _bag_lookup if isinstance(m, nn.EmbeddingBag) else _lookup) for m in modules
-    ]
-    with replaced_methods(forwards):
+def composite_lookups(bags: List[nn.EmbeddingBag]) -> Iterator[None]:
+    """Within this block, calls of :func:`torch.nn.functional.embedding` with ``padding_idx``,
+    ``max_norm``, ``scale_grad_by_freq`` or ``sparse`` and each of ``bags`` (from
+    :func:`embedding_bags`) run as composites; the bags' own forward passes are back on exit."""
+    with _Lookups(), replaced_methods((m, "forward", _bag_lookup) for m in bags):
         yield
 
 
-def _weight(module: Lookup, indices: Tensor) -> Tensor:
-    """The weight with every row beyond ``max_norm`` renormalised, out of place, and with
+class _Lookups(TorchFunctionMode):
+    """Routes :func:`torch.nn.functional.embedding` with an option that breaks a
+    Gauss-Newton product through :func:`_lookup`; every other function runs as usual."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.embedding:
+            bound = _EMBEDDING.bind(*args, **kwargs)
+            bound.apply_defaults()
+            a = bound.arguments
+            options = (a["padding_idx"], a["max_norm"])
+            if any(o is not None for o in options) or a["scale_grad_by_freq"] or a["sparse"]:
+                return _lookup(**a)
+        return func(*args, **kwargs)
+
+
+def _weight(
+    weight: Tensor,
+    indices: Tensor,
+    max_norm: Optional[float],
+    norm_type: float,
+    scale_grad_by_freq: bool,
+) -> Tensor:
+    """``weight`` with every row beyond ``max_norm`` renormalised, out of place, and with
     ``scale_grad_by_freq`` each row's derivative divided by its count in ``indices``.
 
     ``embedding_renorm_``'s rule: a row whose norm exceeds ``max_norm`` is scaled by
@@ -80,13 +95,12 @@ def _weight(module: Lookup, indices: Tensor) -> Tensor:
     (reverse or forward mode) flows through it: as autograd's own, the derivative is a lookup's.
     Only looked-up rows reach the output, so renormalising all rows gives the same values.
     """
-    weight = module.weight
-    if module.max_norm is not None:
+    if max_norm is not None:
         fixed = weight.detach()
-        norms = torch.linalg.vector_norm(fixed, module.norm_type, dim=1, keepdim=True)
-        scale = torch.where(norms > module.max_norm, module.max_norm / (norms + 1e-7), 1.0)
+        norms = torch.linalg.vector_norm(fixed, norm_type, dim=1, keepdim=True)
+        scale = torch.where(norms > max_norm, max_norm / (norms + 1e-7), 1.0)
         weight = weight + fixed * (scale - 1.0)
-    if module.scale_grad_by_freq:
+    if scale_grad_by_freq:
         flat = indices.reshape(-1)  # counted by index_add: a shape known without the data
         counts = weight.new_zeros(weight.shape[0]).index_add(0, flat, weight.new_ones(len(flat)))
         fixed = weight.detach()
@@ -94,18 +108,31 @@ def _weight(module: Lookup, indices: Tensor) -> Tensor:
     return weight
 
 
-def _lookup(self: nn.Embedding, indices: Tensor) -> Tensor:
-    weight = _weight(self, indices)
-    if self.padding_idx is None:
+def _lookup(
+    input: Tensor,
+    weight: Tensor,
+    padding_idx: Optional[int],
+    max_norm: Optional[float],
+    norm_type: float,
+    scale_grad_by_freq: bool,
+    sparse: bool,
+) -> Tensor:
+    """:func:`torch.nn.functional.embedding` as a composite (``sparse`` is left out: the
+    derivatives are dense)."""
+    indices = input
+    weight = _weight(weight, indices, max_norm, norm_type, scale_grad_by_freq)
+    if padding_idx is None:
         return F.embedding(indices, weight)
+    if padding_idx < 0:
+        padding_idx += weight.shape[0]
     # The padding entries' values, without derivatives in either mode: through the table's
     # padding row where the table is the smaller (the lookup then still feeds a matrix
     # product directly, which the traced engine reorders), else through the looked-up rows.
     if weight.shape[0] <= indices.numel():
-        rows = torch.arange(weight.shape[0], device=weight.device) == self.padding_idx
+        rows = torch.arange(weight.shape[0], device=weight.device) == padding_idx
         return F.embedding(indices, torch.where(rows.unsqueeze(1), weight.detach(), weight))
     out = F.embedding(indices, weight)
-    return torch.where((indices == self.padding_idx).unsqueeze(-1), out.detach(), out)
+    return torch.where((indices == padding_idx).unsqueeze(-1), out.detach(), out)
 
 
 def _bag_lookup(
@@ -140,7 +167,10 @@ def _bag_lookup(
             f"{'no offsets' if offsets is None else f'{offsets.dim()}D offsets'}"
         )
     indices = input.reshape(-1)
-    rows = F.embedding(indices, _weight(self, indices))
+    rows = F.embedding(
+        indices,
+        _weight(self.weight, indices, self.max_norm, self.norm_type, self.scale_grad_by_freq),
+    )
     # entries at padding_idx are left out of their bags (and of a mean's count)
     keep = None if self.padding_idx is None else (indices != self.padding_idx).unsqueeze(1)
     width = rows.shape[1]
