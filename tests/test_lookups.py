@@ -21,7 +21,7 @@ from torch_sgn import GGN, SGN
 from torch_sgn.forward_mode import missing_rule
 from torch_sgn.functional import FunctionalEngine, FunctionalModel
 from torch_sgn.linearization import Batch
-from torch_sgn.lookups import composite_lookups, embedding_bags
+from torch_sgn.lookups import composite_lookups
 from torch_sgn.losses import resolve_loss
 
 D = torch.float64
@@ -29,7 +29,7 @@ TOKENS = torch.tensor([0, 2, 5, 1, 1, 3, 2, 2, 4, 0, 1])
 OFFSETS = torch.tensor([0, 3, 3, 6, 8])  # bag 1 is empty
 
 
-CASES = ["padding", "max-norm", "bags", "sparse", "subclass", "in-forward"]
+CASES = ["padding", "max-norm", "bags", "sparse", "subclass", "in-forward", "bags-in-forward"]
 
 
 def _bag_input(layout):
@@ -68,7 +68,7 @@ def test_bag_composite_matches_the_module(mode, padding, max_norm, layout, weigh
     composite = copy.deepcopy(own)
     x, offsets = _bag_input(layout)
     w = torch.rand(x.shape, dtype=D) if weighted else None
-    with composite_lookups(embedding_bags(composite)):
+    with composite_lookups():
         out = composite(x, offsets, w)
     expected = own(x, offsets, w)  # renormalises own's rows in place
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-14)
@@ -83,7 +83,6 @@ def test_bag_composite_matches_the_module(mode, padding, max_norm, layout, weigh
     torch.testing.assert_close(grad, grad_own, rtol=0, atol=1e-14)
     if max_norm is not None:  # the composite renormalised out of place
         assert composite.weight.norm(dim=1).max() > 2 * own.weight.norm(dim=1).max()
-    assert "forward" not in composite.__dict__
 
 
 @pytest.mark.parametrize("rows", [5, 9], ids=["table-smaller", "table-larger"])
@@ -99,7 +98,7 @@ def test_embedding_composite_matches_the_module(options, rows):
         own.weight.normal_().mul_(2.0)
     composite = copy.deepcopy(own)
     x = torch.tensor([[0, 1, 2, 1], [0, 0, 4, 1]])
-    with composite_lookups(embedding_bags(composite)):
+    with composite_lookups():
         out = composite(x)
     torch.testing.assert_close(out, own(x), rtol=0, atol=1e-14)
     u = torch.randn(out.shape, dtype=D)
@@ -120,7 +119,7 @@ def test_embedding_called_in_forward_matches_pytorchs(options):
     table = (2.0 * torch.randn(5, 3, dtype=D)).requires_grad_(True)
     own = table.detach().clone().requires_grad_(True)
     x = torch.tensor([[0, 4, 2, 4], [2, 2, 1, 3]])
-    with composite_lookups([]):
+    with composite_lookups():
         out = F.embedding(x, table, **options)
     torch.testing.assert_close(out, F.embedding(x, own, **options), rtol=0, atol=1e-14)
     u = torch.randn(out.shape, dtype=D)
@@ -150,7 +149,7 @@ def test_padding_entries_have_no_derivative_in_either_mode(max_norm, freq, rows)
     def f(w):
         return torch.func.functional_call(module, {"weight": w}, (x,))
 
-    with composite_lookups(embedding_bags(module)):
+    with composite_lookups():
         _, jv = torch.func.jvp(f, (weight,), (v,))
         _, vjp = torch.func.vjp(f, weight)
         (jtu,) = vjp(u)
@@ -239,12 +238,34 @@ class Bags(nn.Module):
         return self.out(torch.tanh(h))
 
 
+class OwnBag(nn.EmbeddingBag):
+    """An embedding-bag subclass with a forward of its own."""
+
+    def forward(self, tokens, offsets, weights):
+        return super().forward(tokens, offsets, per_sample_weights=weights) * 0.5
+
+
+class BagsInForward(nn.Module):
+    """``F.embedding_bag`` called in ``forward`` (means, padding counted from the end), beside
+    a bag subclass (weighted sums)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(6, 4))
+        self.sum = OwnBag(6, 4, mode="sum")
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, tokens, offsets, weights):
+        means = F.embedding_bag(tokens, self.table, offsets, mode="mean", padding_idx=-4)
+        return self.out(torch.tanh(means + self.sum(tokens, offsets, weights)))
+
+
 def _case(name, dtype=D):
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
-    if name == "bags":
+    if name in ("bags", "bags-in-forward"):
         x = (TOKENS, OFFSETS, torch.rand(len(TOKENS), generator=g, dtype=dtype))
-        model, n = Bags(), len(OFFSETS)
+        model, n = (Bags() if name == "bags" else BagsInForward()), len(OFFSETS)
     else:
         x = torch.randint(0, 5, (6, 3), generator=g)
         x[:, -1] = 0  # padding (or, with max_norm, the row below the bound) in every sequence
@@ -294,7 +315,6 @@ def test_products_match_the_dense_reference(name, engine):
     torch.testing.assert_close(GV, G_ref @ V, rtol=1e-9, atol=1e-11)
     # SGN's passes renormalise out of place: the model's weights are not written
     assert all(torch.equal(w, p) for w, p in zip(weights, model.parameters()))
-    assert not any("forward" in m.__dict__ for m in model.modules())  # their own are back
     if name in ("max-norm", "in-forward"):
         table = "table" if name == "in-forward" else "embed.weight"
         assert weights[0].norm(dim=1).max() > 2.0  # the case renormalises...
@@ -347,20 +367,25 @@ def test_sgn_steps_decrease_the_loss_in_float32(name, engine):
         assert torch.equal(model.embed.weight[0], padding)  # as a gradient method keeps it
 
 
-def test_functional_embedding_bag_is_refused_clearly_and_loses_nothing():
-    class Functional(nn.Module):
+def test_the_bag_operator_itself_is_refused_clearly_and_loses_nothing():
+    """``torch.embedding_bag``, the operator under ``F.embedding_bag``: its kernel has no
+    forward-mode rule and its backward no derivative."""
+
+    class Operator(nn.Module):
         def __init__(self):
             super().__init__()
             self.table = nn.Parameter(torch.randn(7, 4))
             self.out = nn.Linear(4, 3)
 
         def forward(self, tokens):
-            return self.out(F.embedding_bag(tokens, self.table, mode="mean"))
+            offsets = torch.arange(0, tokens.numel(), tokens.shape[1])
+            bags = torch.embedding_bag(self.table, tokens.reshape(-1), offsets, False, 1)[0]
+            return self.out(bags)
 
-    model = Functional()
+    model = Operator()
     before = [p.detach().clone() for p in model.parameters()]
     x, y = torch.randint(0, 7, (4, 3)), torch.randn(4, 3)
-    with pytest.raises(RuntimeError, match="call an nn.EmbeddingBag module"):
+    with pytest.raises(RuntimeError, match="call F.embedding_bag or nn.EmbeddingBag"):
         SGN(model, "mse", engine="functional").step(x, y)
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
@@ -396,14 +421,3 @@ def test_missing_derivatives_are_read_from_either_error_type():
     assert missing_rule(quoted) == "_embedding_bag_backward"
     plain = RuntimeError("the derivative for aten::foo_backward is not implemented")
     assert missing_rule(plain) == "foo_backward"
-
-
-def test_only_the_bags_are_replaced():
-    class Sub(nn.EmbeddingBag):
-        def forward(self, x):
-            return super().forward(x) * 2
-
-    model = nn.ModuleList([
-        nn.Embedding(3, 2, padding_idx=1), nn.EmbeddingBag(3, 2), Sub(3, 2), nn.Linear(2, 2)
-    ])  # fmt: skip
-    assert embedding_bags(model) == [model[1]]

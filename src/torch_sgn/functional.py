@@ -29,9 +29,9 @@ from .forward_mode import (
     switch_for,
 )
 from .linearization import Batch, Inputs, Linearization, loss_and_output_gradient
-from .lookups import composite_lookups, embedding_bags
+from .lookups import composite_lookups
 from .losses import OutputLoss
-from .weight_norms import composite_weight_norms, weight_norm_modules
+from .weight_norms import composite_weight_norms
 
 __all__ = ["FunctionalEngine", "FunctionalModel"]
 
@@ -102,10 +102,6 @@ class FunctionalModel:
         #: pointers on CUDA, which ``torch.func``'s tensors do not have.
         recurrent = any(isinstance(m, nn.RNNBase) for m in model.modules())
         self.switches: FrozenSet[str] = frozenset({"no_cudnn"} if recurrent else ())
-        #: embedding bags and weight norms every forward pass runs as composites (see
-        #: :mod:`torch_sgn.lookups` and :mod:`torch_sgn.weight_norms`)
-        self.bags = embedding_bags(model)
-        self.weight_norms = weight_norm_modules(model)
         self._rng_state: dict | None = None
         self._after_first: dict | None = None
         self._gradient_stop: Optional[str] = None
@@ -113,9 +109,10 @@ class FunctionalModel:
 
     @contextmanager
     def composites(self) -> Iterator[None]:
-        """Within this block, the model's embedding lookups and weight norms that SGN's passes
-        cannot differentiate as they are run as composites of differentiable operators."""
-        with composite_lookups(self.bags), composite_weight_norms(self.weight_norms):
+        """Within this block, embedding lookups and weight norms that SGN's passes cannot
+        differentiate as PyTorch computes them run as composites of differentiable operators
+        (:mod:`torch_sgn.lookups`, :mod:`torch_sgn.weight_norms`)."""
+        with composite_lookups(), composite_weight_norms():
             yield
 
     # --- parameters as one vector -------------------------------------------------------------
@@ -374,7 +371,10 @@ class FunctionalEngine:
             return f"{op} is not differentiable: the model runs with {SWITCHES[switch]}"
         hint = ""
         if "embedding_bag" in op:
-            hint = " (call an nn.EmbeddingBag module, which SGN runs as differentiable operators)"
+            hint = (
+                " (call F.embedding_bag or nn.EmbeddingBag, which SGN runs as differentiable "
+                "operators)"
+            )
         raise RuntimeError(
             "cannot take Gauss-Newton products: an operator has no forward-mode rule and its "
             f"backward is not differentiable either ({op}: {error}); replace that operation "

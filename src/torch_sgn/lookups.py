@@ -17,16 +17,16 @@ Gauss-Newton product:
   batch, the tangent is not; ``J v`` and ``J^T u`` would be of two different matrices.
 
 Within :func:`composite_lookups` every call of :func:`torch.nn.functional.embedding` with one
-of these options (from ``nn.Embedding``, a subclass of it with a forward of its own, or
-``forward`` itself) and every ``nn.EmbeddingBag`` run a composite of differentiable operators
-instead (a plain lookup, then the bags' sums, means or maxima by ``index_add`` and
-``scatter_reduce``): the same values, and in both modes the derivatives autograd's reverse
-mode gives PyTorch's own kernels, dense. Padding entries are cut from the derivatives (and
-from the bags). Rows beyond ``max_norm`` are renormalised out of place, with the derivative of
-a plain lookup; the weight is not written (the model's own next forward pass renormalises its
-stored rows as before). With ``scale_grad_by_freq`` each row's derivative is divided by its
-count in both modes: ``J`` is the lookup's times that scaling ``D``, and ``G`` the symmetric
-``D J^T H J D`` whose gradient ``D J^T dz`` is PyTorch's own (as documented:
+of these options and every call of :func:`torch.nn.functional.embedding_bag` (from the modules,
+subclasses of them with a forward of their own, or ``forward`` itself) run a composite of
+differentiable operators instead (a plain lookup, then the bags' sums, means or maxima by
+``index_add`` and ``scatter_reduce``): the same values, and in both modes the derivatives
+autograd's reverse mode gives PyTorch's own kernels, dense. Padding entries are cut from the
+derivatives (and from the bags). Rows beyond ``max_norm`` are renormalised out of place, with
+the derivative of a plain lookup; the weight is not written (the model's own next forward pass
+renormalises its stored rows as before). With ``scale_grad_by_freq`` each row's derivative is
+divided by its count in both modes: ``J`` is the lookup's times that scaling ``D``, and ``G``
+the symmetric ``D J^T H J D`` whose gradient ``D J^T dz`` is PyTorch's own (as documented:
 ``nn.EmbeddingBag``'s CPU kernel of torch 2.13 divides some rows by another row's count,
 pytorch/pytorch#190063).
 """
@@ -35,38 +35,33 @@ from __future__ import annotations
 
 import inspect
 from contextlib import contextmanager
-from typing import Iterator, List, Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from .replaced_methods import replaced_methods
-
-__all__ = ["composite_lookups", "embedding_bags"]
+__all__ = ["composite_lookups"]
 
 _EMBEDDING = inspect.signature(F.embedding)
-
-
-def embedding_bags(model: nn.Module) -> List[nn.EmbeddingBag]:
-    """The embedding bags of ``model`` that :func:`composite_lookups` replaces (not
-    subclasses with a forward of their own)."""
-    return [m for m in model.modules() if type(m).forward is nn.EmbeddingBag.forward]
+_EMBEDDING_BAG = inspect.signature(F.embedding_bag)
 
 
 @contextmanager
-def composite_lookups(bags: List[nn.EmbeddingBag]) -> Iterator[None]:
+def composite_lookups() -> Iterator[None]:
     """Within this block, calls of :func:`torch.nn.functional.embedding` with ``padding_idx``,
-    ``max_norm``, ``scale_grad_by_freq`` or ``sparse`` and each of ``bags`` (from
-    :func:`embedding_bags`) run as composites; the bags' own forward passes are back on exit."""
-    with _Lookups(), replaced_methods((m, "forward", _bag_lookup) for m in bags):
+    ``max_norm``, ``scale_grad_by_freq`` or ``sparse``, and of
+    :func:`torch.nn.functional.embedding_bag`, run as composites."""
+    with _Lookups():
         yield
 
 
 class _Lookups(TorchFunctionMode):
     """Routes :func:`torch.nn.functional.embedding` with an option that breaks a
-    Gauss-Newton product through :func:`_lookup`; every other function runs as usual."""
+    Gauss-Newton product through :func:`_lookup`, and
+    :func:`torch.nn.functional.embedding_bag` through :func:`_bag_lookup`; every other
+    function runs as usual."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -77,6 +72,11 @@ class _Lookups(TorchFunctionMode):
             options = (a["padding_idx"], a["max_norm"])
             if any(o is not None for o in options) or a["scale_grad_by_freq"] or a["sparse"]:
                 return _lookup(**a)
+        if func is F.embedding_bag:
+            bound = _EMBEDDING_BAG.bind(*args, **kwargs)
+            bound.apply_defaults()
+            if bound.arguments["weight"].is_floating_point():  # else the deprecated order
+                return _bag_lookup(**bound.arguments)
         return func(*args, **kwargs)
 
 
@@ -136,23 +136,39 @@ def _lookup(
 
 
 def _bag_lookup(
-    self: nn.EmbeddingBag,
     input: Tensor,
-    offsets: Optional[Tensor] = None,
-    per_sample_weights: Optional[Tensor] = None,
+    weight: Tensor,
+    offsets: Optional[Tensor],
+    max_norm: Optional[float],
+    norm_type: float,
+    scale_grad_by_freq: bool,
+    mode: str,
+    sparse: bool,
+    per_sample_weights: Optional[Tensor],
+    include_last_offset: bool,
+    padding_idx: Optional[int],
 ) -> Tensor:
-    if self.mode == "max" and self.scale_grad_by_freq:
-        raise ValueError("nn.EmbeddingBag: mode='max' cannot scale its gradient by frequency")
-    if per_sample_weights is not None and self.mode != "sum":
+    """:func:`torch.nn.functional.embedding_bag` as a composite (``sparse`` is left out: the
+    derivatives are dense)."""
+    if mode not in ("sum", "mean", "max"):
+        raise ValueError(f"embedding_bag: mode has to be 'sum', 'mean' or 'max', got {mode!r}")
+    if mode == "max" and scale_grad_by_freq:
+        raise ValueError("embedding_bag: mode='max' cannot scale its gradient by frequency")
+    if per_sample_weights is not None and mode != "sum":
         raise ValueError(
-            f"nn.EmbeddingBag takes per_sample_weights with mode='sum' only, got mode={self.mode!r}"
+            f"embedding_bag takes per_sample_weights with mode='sum' only, got mode={mode!r}"
+        )
+    if per_sample_weights is not None and per_sample_weights.shape != input.shape:
+        raise ValueError(
+            f"embedding_bag: per_sample_weights {tuple(per_sample_weights.shape)} must have "
+            f"the input's shape {tuple(input.shape)}"
         )
     count = input.numel()
     if input.dim() == 2 and offsets is None:  # one bag per row, all of one size
         bags = input.shape[0]
         bag = torch.arange(bags, device=input.device).repeat_interleave(input.shape[1])
     elif input.dim() == 1 and offsets is not None and offsets.dim() == 1:
-        if self.include_last_offset:
+        if include_last_offset:
             starts, ends = offsets[:-1], offsets[1:]
         else:
             starts, ends = offsets, torch.cat([offsets[1:], offsets.new_tensor([count])])
@@ -162,19 +178,18 @@ def _bag_lookup(
         )
     else:
         raise ValueError(
-            "nn.EmbeddingBag takes a 2D input (a bag per row) without offsets, or a 1D input "
+            "embedding_bag takes a 2D input (a bag per row) without offsets, or a 1D input "
             f"with 1D offsets; got a {input.dim()}D input and "
             f"{'no offsets' if offsets is None else f'{offsets.dim()}D offsets'}"
         )
+    if padding_idx is not None and padding_idx < 0:
+        padding_idx += weight.shape[0]
     indices = input.reshape(-1)
-    rows = F.embedding(
-        indices,
-        _weight(self.weight, indices, self.max_norm, self.norm_type, self.scale_grad_by_freq),
-    )
+    rows = F.embedding(indices, _weight(weight, indices, max_norm, norm_type, scale_grad_by_freq))
     # entries at padding_idx are left out of their bags (and of a mean's count)
-    keep = None if self.padding_idx is None else (indices != self.padding_idx).unsqueeze(1)
+    keep = None if padding_idx is None else (indices != padding_idx).unsqueeze(1)
     width = rows.shape[1]
-    if self.mode == "max":
+    if mode == "max":
         if keep is not None:
             rows = rows.masked_fill(~keep, float("-inf"))
         index = bag.unsqueeze(1).expand(count, width)
@@ -185,7 +200,7 @@ def _bag_lookup(
     if keep is not None:
         rows = rows * keep
     out = rows.new_zeros(bags, width).index_add(0, bag, rows)
-    if self.mode == "mean":
+    if mode == "mean":
         sizes = rows.new_ones(count, 1) if keep is None else keep.to(rows.dtype)
         sizes = rows.new_zeros(bags, 1).index_add(0, bag, sizes)
         out = out / sizes.clamp(min=1.0)  # empty bags are zeros

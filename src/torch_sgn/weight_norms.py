@@ -5,7 +5,8 @@
 whose fused kernel (``_weight_norm_interface``, taken where the norm runs over every dimension
 but the first or the last: the default) has no forward-mode rule. SGN would then take ``J v``
 by double backward (exact, about two backward passes a product, see
-:mod:`torch_sgn.forward_mode`). Within :func:`composite_weight_norms` such modules compute
+:mod:`torch_sgn.forward_mode`). Within :func:`composite_weight_norms` every call of
+``torch._weight_norm`` (from either module, a subclass of them or ``forward`` itself) computes
 ``w`` as PyTorch's unfused kernel does, ``v * (g / norm_except_dim(v, 2, dim))``: the same
 values, from operators with forward-mode rules and differentiable backward passes (a norm of
 the whole weight, ``dim=None``, by :func:`torch.linalg.vector_norm`: PyTorch's forward-mode rule
@@ -14,49 +15,45 @@ for it fails on either kernel). The model's own forward passes are not changed.
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
-from typing import Iterator, List
+from typing import Iterator
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
-from .replaced_methods import replaced_methods
+__all__ = ["composite_weight_norms"]
 
-__all__ = ["composite_weight_norms", "weight_norm_modules"]
-
-
-def _kinds() -> tuple:
-    """PyTorch's two weight-norm classes, the parametrization and the older forward pre-hook;
-    ``None`` for one this torch does not have."""
-    try:
-        from torch.nn.utils.parametrizations import _WeightNorm
-    except ImportError:
-        _WeightNorm = None
-    try:
-        from torch.nn.utils.weight_norm import WeightNorm
-    except ImportError:
-        WeightNorm = None
-    return _WeightNorm, WeightNorm
+# torch._weight_norm is a builtin without a signature to inspect: its schema's
+_WEIGHT_NORM = inspect.Signature(
+    [
+        inspect.Parameter("v", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("g", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("dim", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=0),
+    ]
+)
 
 
-def weight_norm_modules(model: nn.Module) -> List[object]:
-    """The weight-norm parametrizations and pre-hooks in ``model`` that
-    :func:`composite_weight_norms` replaces (not subclasses that compute the weight their own
-    way)."""
-    parametrization, hook_kind = _kinds()
-    found: List[object] = []
-    for module in model.modules():
-        if parametrization is not None and type(module).forward is parametrization.forward:
-            found.append(module)  # held by the parametrized module's `parametrizations`
-        if hook_kind is None:
-            continue
-        for hook in module._forward_pre_hooks.values():
-            if (
-                isinstance(hook, hook_kind)
-                and type(hook).compute_weight is hook_kind.compute_weight
-            ):
-                found.append(hook)
-    return found
+@contextmanager
+def composite_weight_norms() -> Iterator[None]:
+    """Within this block, ``torch._weight_norm`` computes the weight by differentiable
+    operators."""
+    with _WeightNorms():
+        yield
+
+
+class _WeightNorms(TorchFunctionMode):
+    """Routes ``torch._weight_norm`` through :func:`_normalized`; every other function runs as
+    usual."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch._weight_norm:
+            bound = _WEIGHT_NORM.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return _normalized(*bound.args)
+        return func(*args, **kwargs)
 
 
 def _normalized(v: Tensor, g: Tensor, dim: int) -> Tensor:
@@ -65,27 +62,3 @@ def _normalized(v: Tensor, g: Tensor, dim: int) -> Tensor:
     # different size"), with PyTorch's kernel as well: vector_norm gives the same value
     norm = torch.linalg.vector_norm(v) if dim == -1 else torch.norm_except_dim(v, 2, dim)
     return v * (g / norm)
-
-
-def _parametrization(self, weight_g: Tensor, weight_v: Tensor) -> Tensor:
-    return _normalized(weight_v, weight_g, self.dim)
-
-
-def _compute_weight(self, module: nn.Module) -> Tensor:
-    return _normalized(
-        getattr(module, self.name + "_v"), getattr(module, self.name + "_g"), self.dim
-    )
-
-
-@contextmanager
-def composite_weight_norms(norms: List[object]) -> Iterator[None]:
-    """Within this block, each of ``norms`` (from :func:`weight_norm_modules`) computes its
-    weight by differentiable operators; their own computation is back on exit."""
-    methods = [
-        (n, "compute_weight", _compute_weight)  # the older pre-hook
-        if hasattr(n, "compute_weight")
-        else (n, "forward", _parametrization)
-        for n in norms
-    ]
-    with replaced_methods(methods):
-        yield
