@@ -18,10 +18,10 @@ from torch import nn
 
 from cases import dense_ggn_of_module
 from torch_sgn import GGN, SGN
+from torch_sgn.composites import Composites
 from torch_sgn.forward_mode import missing_rule
 from torch_sgn.functional import FunctionalEngine, FunctionalModel
 from torch_sgn.linearization import Batch
-from torch_sgn.lookups import composite_lookups
 from torch_sgn.losses import resolve_loss
 
 D = torch.float64
@@ -68,7 +68,7 @@ def test_bag_composite_matches_the_module(mode, padding, max_norm, layout, weigh
     composite = copy.deepcopy(own)
     x, offsets = _bag_input(layout)
     w = torch.rand(x.shape, dtype=D) if weighted else None
-    with composite_lookups():
+    with Composites():
         out = composite(x, offsets, w)
     expected = own(x, offsets, w)  # renormalises own's rows in place
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-14)
@@ -98,7 +98,7 @@ def test_embedding_composite_matches_the_module(options, rows):
         own.weight.normal_().mul_(2.0)
     composite = copy.deepcopy(own)
     x = torch.tensor([[0, 1, 2, 1], [0, 0, 4, 1]])
-    with composite_lookups():
+    with Composites():
         out = composite(x)
     torch.testing.assert_close(out, own(x), rtol=0, atol=1e-14)
     u = torch.randn(out.shape, dtype=D)
@@ -119,7 +119,7 @@ def test_embedding_called_in_forward_matches_pytorchs(options):
     table = (2.0 * torch.randn(5, 3, dtype=D)).requires_grad_(True)
     own = table.detach().clone().requires_grad_(True)
     x = torch.tensor([[0, 4, 2, 4], [2, 2, 1, 3]])
-    with composite_lookups():
+    with Composites():
         out = F.embedding(x, table, **options)
     torch.testing.assert_close(out, F.embedding(x, own, **options), rtol=0, atol=1e-14)
     u = torch.randn(out.shape, dtype=D)
@@ -129,6 +129,59 @@ def test_embedding_called_in_forward_matches_pytorchs(options):
     torch.testing.assert_close(grad, grad_own, rtol=0, atol=1e-14)
     if "max_norm" in options:
         assert table.norm(dim=1).max() > 2.0 * own.norm(dim=1).max()  # not written
+    # forward mode: one J in both modes (no tangent where the gradient has no derivative)
+    weight, v = table.detach(), torch.randn(5, 3, dtype=D)
+    with Composites():
+        _, jv = torch.func.jvp(lambda w: F.embedding(x, w, **options), (weight,), (v,))
+    torch.testing.assert_close((jv * u).sum(), (v * grad).sum(), rtol=1e-13, atol=0)
+
+
+def test_bag_calls_match_pytorchs_at_the_edges():
+    """``F.embedding_bag`` called directly: padding counted from the end, the deprecated
+    argument order; a padding row outside the table is refused as PyTorch refuses it."""
+    torch.manual_seed(0)
+    table = torch.randn(6, 3, dtype=D, requires_grad=True)
+    offsets = torch.tensor([0, 3, 3, 6, 11])
+    calls = [
+        dict(offsets=offsets, include_last_offset=True, mode="sum"),
+        dict(offsets=offsets, include_last_offset=True, mode="max", padding_idx=-1),
+        dict(offsets=offsets[:-1], mode="mean", padding_idx=2),
+    ]
+    for options in calls:
+        with Composites() as mode:
+            out = F.embedding_bag(TOKENS, table, **options)
+        assert mode.routed
+        expected = F.embedding_bag(TOKENS, table, **options)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-14)
+        u = torch.randn(out.shape, dtype=D)
+        grads = [torch.autograd.grad(o, table, u)[0] for o in (out, expected)]
+        torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=1e-14)
+    with warnings.catch_warnings(), Composites():
+        warnings.simplefilter("ignore")  # PyTorch's own deprecation warning, where it runs
+        swapped = F.embedding_bag(table, TOKENS, OFFSETS)  # the deprecated order
+    torch.testing.assert_close(swapped, F.embedding_bag(TOKENS, table, OFFSETS))
+    for padding in (6, -7):
+        with pytest.raises(ValueError, match="outside the table's 6 rows"), Composites():
+            F.embedding_bag(TOKENS, table, OFFSETS, padding_idx=padding)
+        with pytest.raises(ValueError, match="outside the table's 6 rows"), Composites():
+            F.embedding(TOKENS, table, padding_idx=padding)
+
+
+def test_models_without_lookups_or_weight_norms_run_without_the_function_mode():
+    """The function mode costs every operator a Python call and keeps attention modules off
+    their fast paths: only models that need it run within it."""
+    plain = FunctionalModel(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    model = LookupInForward()  # no embedding module: found by the checked pass
+    found = FunctionalModel(model)
+    for fmodel, x in ((plain, torch.randn(5, 3)), (found, torch.randint(0, 5, (6, 3)))):
+        assert not fmodel.gradient_stop(fmodel.flat(), (x,))
+    assert not plain._composites and found._composites
+    modes = torch.overrides._get_current_function_mode_stack
+    with plain.composites():
+        assert not any(isinstance(m, Composites) for m in modes())
+    with found.composites():
+        assert any(isinstance(m, Composites) for m in modes())
+    assert FunctionalModel(PaddedTokens())._composites  # by its modules, before any pass
 
 
 @pytest.mark.parametrize("rows", [5, 9], ids=["table-smaller", "table-larger"])
@@ -149,7 +202,7 @@ def test_padding_entries_have_no_derivative_in_either_mode(max_norm, freq, rows)
     def f(w):
         return torch.func.functional_call(module, {"weight": w}, (x,))
 
-    with composite_lookups():
+    with Composites():
         _, jv = torch.func.jvp(f, (weight,), (v,))
         _, vjp = torch.func.vjp(f, weight)
         (jtu,) = vjp(u)

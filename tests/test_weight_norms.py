@@ -18,7 +18,7 @@ from torch.nn.utils.parametrizations import _WeightNorm, weight_norm
 
 from cases import dense_ggn_of_module
 from torch_sgn import GGN, SGN
-from torch_sgn.weight_norms import composite_weight_norms
+from torch_sgn.composites import Composites
 
 D = torch.float64
 
@@ -59,16 +59,16 @@ def _case(form, seed=0):
     return model, x, y
 
 
-@pytest.mark.parametrize("dim", [0, 1, 2, None])
+@pytest.mark.parametrize("dim", [0, 1, 2, 3, None])
 def test_composite_matches_pytorchs_kernel(dim):
     torch.manual_seed(1)
     module = weight_norm(nn.Conv2d(3, 4, (2, 5)), dim=dim).to(D)
     x = torch.randn(2, 3, 4, 6, dtype=D)
     expected = module(x)
-    with composite_weight_norms():
+    with Composites():
         torch.testing.assert_close(module(x), expected, rtol=1e-14, atol=1e-14)
         weight = module.weight
-    assert weight.grad_fn.name() == "MulBackward0"  # v * (g / norm), not the fused kernel
+    assert weight.grad_fn.name() == "MulBackward0"  # v * (g / norm), where 0 and 3 are fused
 
 
 @pytest.mark.parametrize("engine", ["auto", "traced", "functional"])

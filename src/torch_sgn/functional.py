@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from .composites import Composites, composite_modules
 from .diagnostics import warn
 from .forward_mode import (
     SWITCHES,
@@ -29,9 +30,7 @@ from .forward_mode import (
     switch_for,
 )
 from .linearization import Batch, Inputs, Linearization, loss_and_output_gradient
-from .lookups import composite_lookups
 from .losses import OutputLoss
-from .weight_norms import composite_weight_norms
 
 __all__ = ["FunctionalEngine", "FunctionalModel"]
 
@@ -106,14 +105,25 @@ class FunctionalModel:
         self._after_first: dict | None = None
         self._gradient_stop: Optional[str] = None
         self._stop_checked = False
+        #: whether forward passes run within :class:`~torch_sgn.composites.Composites`: where
+        #: the model has modules that call its functions, or the first, checked forward pass
+        #: (:meth:`gradient_stop`) called one
+        self._composites = composite_modules(model)
 
     @contextmanager
     def composites(self) -> Iterator[None]:
         """Within this block, embedding lookups and weight norms that SGN's passes cannot
         differentiate as PyTorch computes them run as composites of differentiable operators
-        (:mod:`torch_sgn.lookups`, :mod:`torch_sgn.weight_norms`)."""
-        with composite_lookups(), composite_weight_norms():
+        (:mod:`torch_sgn.composites`)."""
+        if self._stop_checked and not self._composites:
             yield
+            return
+        mode = Composites()
+        try:
+            with mode:
+                yield
+        finally:
+            self._composites = self._composites or mode.routed
 
     # --- parameters as one vector -------------------------------------------------------------
     def flat(self) -> Tensor:
@@ -180,7 +190,9 @@ class FunctionalModel:
     def gradient_stop(self, flat: Tensor, inputs: Inputs) -> Optional[str]:
         """Where the forward pass computes from the parameters with autograd off, or ``None``
         (see :func:`torch_sgn.forward_mode.gradient_stop`). Found once, by one forward pass at
-        ``flat`` on ``inputs`` that leaves the random state as it was; remembered after."""
+        ``flat`` on ``inputs`` that leaves the random state as it was; remembered after. The
+        same pass finds whether forward passes call a function that runs as a composite
+        (:meth:`composites`)."""
         if not self._stop_checked:
             rng = _get_rng(self.device)
             leaf = flat.detach().requires_grad_(True)

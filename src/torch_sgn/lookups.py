@@ -1,4 +1,4 @@
-"""Embedding lookups that SGN's passes can differentiate, for modules whose own cannot be.
+"""Embedding lookups that SGN's passes can differentiate, where PyTorch's own cannot be.
 
 PyTorch's embedding modules train by gradient, yet some of their options break a
 Gauss-Newton product:
@@ -16,68 +16,41 @@ Gauss-Newton product:
 * ``scale_grad_by_freq``: the gradient of each row is divided by the row's count in the
   batch, the tangent is not; ``J v`` and ``J^T u`` would be of two different matrices.
 
-Within :func:`composite_lookups` every call of :func:`torch.nn.functional.embedding` with one
-of these options and every call of :func:`torch.nn.functional.embedding_bag` (from the modules,
-subclasses of them with a forward of their own, or ``forward`` itself) run a composite of
-differentiable operators instead (a plain lookup, then the bags' sums, means or maxima by
-``index_add`` and ``scatter_reduce``): the same values, and in both modes the derivatives
-autograd's reverse mode gives PyTorch's own kernels, dense. Padding entries are cut from the
-derivatives (and from the bags). Rows beyond ``max_norm`` are renormalised out of place, with
-the derivative of a plain lookup; the weight is not written (the model's own next forward pass
-renormalises its stored rows as before). With ``scale_grad_by_freq`` each row's derivative is
-divided by its count in both modes: ``J`` is the lookup's times that scaling ``D``, and ``G``
-the symmetric ``D J^T H J D`` whose gradient ``D J^T dz`` is PyTorch's own (as documented:
-``nn.EmbeddingBag``'s CPU kernel of torch 2.13 divides some rows by another row's count,
-pytorch/pytorch#190063).
+Within :class:`torch_sgn.composites.Composites` every call of
+:func:`torch.nn.functional.embedding` with one of these options and every call of
+:func:`torch.nn.functional.embedding_bag` (from the modules, subclasses of them with a forward
+of their own, or ``forward`` itself) run a composite of differentiable operators instead (a
+plain lookup, then the bags' sums, means or maxima by ``index_add`` and ``scatter_reduce``):
+the same values, and in both modes the derivatives autograd's reverse mode gives PyTorch's own
+kernels, dense. Padding entries are cut from the derivatives (and from the bags). Rows beyond
+``max_norm`` are renormalised out of place, with the derivative of a plain lookup; the weight
+is not written (the model's own next forward pass renormalises its stored rows as before). With
+``scale_grad_by_freq`` each row's derivative is divided by its count in both modes: ``J`` is
+the lookup's times that scaling ``D``, and ``G`` the symmetric ``D J^T H J D`` whose gradient
+``D J^T dz`` is PyTorch's own (as documented: ``nn.EmbeddingBag``'s CPU kernel of torch 2.13
+divides some rows by another row's count, pytorch/pytorch#190063).
 """
 
 from __future__ import annotations
 
-import inspect
-from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
 
-__all__ = ["composite_lookups"]
-
-_EMBEDDING = inspect.signature(F.embedding)
-_EMBEDDING_BAG = inspect.signature(F.embedding_bag)
+__all__ = ["bag_lookup", "lookup"]
 
 
-@contextmanager
-def composite_lookups() -> Iterator[None]:
-    """Within this block, calls of :func:`torch.nn.functional.embedding` with ``padding_idx``,
-    ``max_norm``, ``scale_grad_by_freq`` or ``sparse``, and of
-    :func:`torch.nn.functional.embedding_bag`, run as composites."""
-    with _Lookups():
-        yield
-
-
-class _Lookups(TorchFunctionMode):
-    """Routes :func:`torch.nn.functional.embedding` with an option that breaks a
-    Gauss-Newton product through :func:`_lookup`, and
-    :func:`torch.nn.functional.embedding_bag` through :func:`_bag_lookup`; every other
-    function runs as usual."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.embedding:
-            bound = _EMBEDDING.bind(*args, **kwargs)
-            bound.apply_defaults()
-            a = bound.arguments
-            options = (a["padding_idx"], a["max_norm"])
-            if any(o is not None for o in options) or a["scale_grad_by_freq"] or a["sparse"]:
-                return _lookup(**a)
-        if func is F.embedding_bag:
-            bound = _EMBEDDING_BAG.bind(*args, **kwargs)
-            bound.apply_defaults()
-            if bound.arguments["weight"].is_floating_point():  # else the deprecated order
-                return _bag_lookup(**bound.arguments)
-        return func(*args, **kwargs)
+def _padding_row(padding_idx: Optional[int], weight: Tensor) -> Optional[int]:
+    """``padding_idx`` as a row of ``weight`` (counted from the end where negative), checked
+    as PyTorch checks it."""
+    if padding_idx is None:
+        return None
+    rows = weight.shape[0]
+    if not -rows <= padding_idx < rows:
+        raise ValueError(f"padding_idx {padding_idx} is outside the table's {rows} rows")
+    return padding_idx % rows
 
 
 def _weight(
@@ -108,7 +81,7 @@ def _weight(
     return weight
 
 
-def _lookup(
+def lookup(
     input: Tensor,
     weight: Tensor,
     padding_idx: Optional[int],
@@ -121,10 +94,9 @@ def _lookup(
     derivatives are dense)."""
     indices = input
     weight = _weight(weight, indices, max_norm, norm_type, scale_grad_by_freq)
+    padding_idx = _padding_row(padding_idx, weight)
     if padding_idx is None:
         return F.embedding(indices, weight)
-    if padding_idx < 0:
-        padding_idx += weight.shape[0]
     # The padding entries' values, without derivatives in either mode: through the table's
     # padding row where the table is the smaller (the lookup then still feeds a matrix
     # product directly, which the traced engine reorders), else through the looked-up rows.
@@ -135,7 +107,7 @@ def _lookup(
     return torch.where((indices == padding_idx).unsqueeze(-1), out.detach(), out)
 
 
-def _bag_lookup(
+def bag_lookup(
     input: Tensor,
     weight: Tensor,
     offsets: Optional[Tensor],
@@ -163,31 +135,39 @@ def _bag_lookup(
             f"embedding_bag: per_sample_weights {tuple(per_sample_weights.shape)} must have "
             f"the input's shape {tuple(input.shape)}"
         )
+    if weight.dim() != 2:
+        raise ValueError(f"embedding_bag: the weight has to be 2D, got {weight.dim()}D")
+    if mode == "max" and sparse:
+        raise ValueError("embedding_bag: mode='max' does not support sparse weights")
     count = input.numel()
+    inside = None  # the entries within a bag, where some may not be
     if input.dim() == 2 and offsets is None:  # one bag per row, all of one size
         bags = input.shape[0]
         bag = torch.arange(bags, device=input.device).repeat_interleave(input.shape[1])
     elif input.dim() == 1 and offsets is not None and offsets.dim() == 1:
-        if include_last_offset:
-            starts, ends = offsets[:-1], offsets[1:]
-        else:
-            starts, ends = offsets, torch.cat([offsets[1:], offsets.new_tensor([count])])
+        starts = offsets[:-1] if include_last_offset else offsets
         bags = starts.numel()
-        bag = torch.repeat_interleave(
-            torch.arange(bags, device=input.device), ends - starts, output_size=count
-        )
+        positions = torch.arange(count, device=input.device)
+        bag = torch.searchsorted(starts, positions, right=True) - 1  # the last start before
+        inside = bag >= 0
+        if include_last_offset:  # the last offset ends the last bag (the input's length,
+            inside = inside & (positions < offsets[-1])  # documented; past it, in no bag)
+        bag = bag.clamp(min=0)
     else:
         raise ValueError(
             "embedding_bag takes a 2D input (a bag per row) without offsets, or a 1D input "
             f"with 1D offsets; got a {input.dim()}D input and "
             f"{'no offsets' if offsets is None else f'{offsets.dim()}D offsets'}"
         )
-    if padding_idx is not None and padding_idx < 0:
-        padding_idx += weight.shape[0]
+    padding_idx = _padding_row(padding_idx, weight)
     indices = input.reshape(-1)
     rows = F.embedding(indices, _weight(weight, indices, max_norm, norm_type, scale_grad_by_freq))
-    # entries at padding_idx are left out of their bags (and of a mean's count)
-    keep = None if padding_idx is None else (indices != padding_idx).unsqueeze(1)
+    # entries at padding_idx are left out of their bags (and of a mean's count), as are
+    # entries outside every bag
+    keep = None if padding_idx is None else indices != padding_idx
+    if inside is not None:
+        keep = inside if keep is None else keep & inside
+    keep = None if keep is None else keep.unsqueeze(1)
     width = rows.shape[1]
     if mode == "max":
         if keep is not None:

@@ -5,7 +5,7 @@
 whose fused kernel (``_weight_norm_interface``, taken where the norm runs over every dimension
 but the first or the last: the default) has no forward-mode rule. SGN would then take ``J v``
 by double backward (exact, about two backward passes a product, see
-:mod:`torch_sgn.forward_mode`). Within :func:`composite_weight_norms` every call of
+:mod:`torch_sgn.forward_mode`). Within :class:`torch_sgn.composites.Composites` every call of
 ``torch._weight_norm`` (from either module, a subclass of them or ``forward`` itself) computes
 ``w`` as PyTorch's unfused kernel does, ``v * (g / norm_except_dim(v, 2, dim))``: the same
 values, from operators with forward-mode rules and differentiable backward passes (a norm of
@@ -15,48 +15,13 @@ for it fails on either kernel). The model's own forward passes are not changed.
 
 from __future__ import annotations
 
-import inspect
-from contextlib import contextmanager
-from typing import Iterator
-
 import torch
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
 
-__all__ = ["composite_weight_norms"]
-
-# torch._weight_norm is a builtin without a signature to inspect: its schema's
-_WEIGHT_NORM = inspect.Signature(
-    [
-        inspect.Parameter("v", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-        inspect.Parameter("g", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-        inspect.Parameter("dim", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=0),
-    ]
-)
+__all__ = ["normalized"]
 
 
-@contextmanager
-def composite_weight_norms() -> Iterator[None]:
-    """Within this block, ``torch._weight_norm`` computes the weight by differentiable
-    operators."""
-    with _WeightNorms():
-        yield
-
-
-class _WeightNorms(TorchFunctionMode):
-    """Routes ``torch._weight_norm`` through :func:`_normalized`; every other function runs as
-    usual."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch._weight_norm:
-            bound = _WEIGHT_NORM.bind(*args, **kwargs)
-            bound.apply_defaults()
-            return _normalized(*bound.args)
-        return func(*args, **kwargs)
-
-
-def _normalized(v: Tensor, g: Tensor, dim: int) -> Tensor:
+def normalized(v: Tensor, g: Tensor, dim: int) -> Tensor:
     # dim=-1 is one norm of the whole tensor, where norm_except_dim's forward-mode rule gives a
     # tangent of the wrong shape (torch 2.13: "Trying to set a forward gradient that has a
     # different size"), with PyTorch's kernel as well: vector_norm gives the same value

@@ -1,0 +1,99 @@
+"""Functions that SGN's passes run as composites of differentiable operators.
+
+Some of PyTorch's functions compute what a gradient method needs, yet break a Gauss-Newton
+product: their kernels have no forward-mode rule, or forward mode would differentiate what
+their gradient leaves out. Within :class:`Composites` (a function mode, entered by
+:meth:`~torch_sgn.functional.FunctionalModel.composites` around every forward pass of SGN's),
+each call of them, from PyTorch's modules, a subclass with a forward of its own or ``forward``
+itself, runs a composite that gives the same values and, in both modes, the derivatives of the
+function's gradient:
+
+* :func:`torch.nn.functional.embedding` with ``padding_idx``, ``max_norm``,
+  ``scale_grad_by_freq`` or ``sparse``, and :func:`torch.nn.functional.embedding_bag`
+  (:mod:`torch_sgn.lookups`);
+* ``torch._weight_norm``, which weight normalization calls (:mod:`torch_sgn.weight_norms`).
+
+Every other function runs as it is. A function mode passes every call of the forward pass
+through Python and keeps ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` off their
+fast paths, so :class:`~torch_sgn.functional.FunctionalModel` enters it only where the model
+has such modules or its first, checked forward pass called one of these functions
+(:attr:`Composites.routed`).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from .lookups import bag_lookup, lookup
+from .weight_norms import normalized
+
+__all__ = ["Composites", "composite_modules"]
+
+_EMBEDDING = inspect.signature(F.embedding)
+_EMBEDDING_BAG = inspect.signature(F.embedding_bag)
+# torch._weight_norm is a builtin without a signature to inspect: its schema's
+_WEIGHT_NORM = inspect.Signature(
+    [
+        inspect.Parameter("v", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("g", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("dim", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=0),
+    ]
+)
+
+
+class Composites(TorchFunctionMode):
+    """Routes the functions of this module's docstring through their composites; ``routed``
+    says whether any call was."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.routed = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.embedding:
+            a = _bind(_EMBEDDING, args, kwargs)
+            options = (a["padding_idx"], a["max_norm"])
+            if any(o is not None for o in options) or a["scale_grad_by_freq"] or a["sparse"]:
+                self.routed = True
+                return lookup(**a)
+        elif func is F.embedding_bag:
+            a = _bind(_EMBEDDING_BAG, args, kwargs)
+            if a["weight"].dtype == torch.long and a["input"].is_floating_point():
+                a["input"], a["weight"] = a["weight"], a["input"]  # the deprecated order
+            self.routed = True
+            return bag_lookup(**a)
+        elif func is torch._weight_norm:
+            self.routed = True
+            return normalized(**_bind(_WEIGHT_NORM, args, kwargs))
+        return func(*args, **kwargs)
+
+
+def composite_modules(model: nn.Module) -> bool:
+    """Whether ``model`` has modules whose forward passes call a function of
+    :class:`Composites`: embeddings, embedding bags, weight normalization."""
+    from torch.nn.utils import parametrize
+
+    try:
+        from torch.nn.utils.weight_norm import WeightNorm  # the older hook
+    except ImportError:  # pragma: no cover - a torch without it
+        WeightNorm = ()
+    for module in model.modules():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+            return True
+        if parametrize.is_parametrized(module):
+            return True  # weight_norm, or another parametrization that may call it
+        if any(isinstance(hook, WeightNorm) for hook in module._forward_pre_hooks.values()):
+            return True
+    return False
+
+
+def _bind(signature: inspect.Signature, args, kwargs) -> dict:
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
