@@ -424,6 +424,29 @@ def test_sgn_steps_decrease_the_loss_in_float32(name, engine):
         assert table.norm(dim=1).max() <= 1.0  # the model's own forward (F.embedding) did
 
 
+class OperatorLookup(PaddedTokens):
+    """The operator ``torch.embedding`` called in ``forward`` with a padding row and frequency
+    scaling (the arguments in its own order: weight first)."""
+
+    def forward(self, tokens):
+        h = torch.embedding(self.embed.weight, tokens, 0, True)
+        return self.out(h + torch.tanh(self.hidden(h))).mean(1)
+
+
+@pytest.mark.parametrize("engine", ["auto", "functional"])
+def test_the_embedding_operator_called_directly_runs_as_the_composite(engine):
+    model, x, y = _case("padding")
+    model.__class__ = OperatorLookup
+    G_ref, g_ref = dense_ggn_of_module(copy.deepcopy(model), "mse", x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no double backward, no other engine
+        G = GGN(model, "mse", x, y, engine=engine)
+        dense = G.to_dense()
+    torch.testing.assert_close(G.gradient, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(dense, G_ref, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(dense, dense.T, rtol=1e-12, atol=1e-14)
+
+
 def test_the_bag_operator_itself_is_refused_clearly_and_loses_nothing():
     """``torch.embedding_bag``, the operator under ``F.embedding_bag``: its kernel has no
     forward-mode rule and its backward no derivative."""

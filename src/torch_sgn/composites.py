@@ -9,8 +9,8 @@ itself, runs a composite that gives the same values and, in both modes, the deri
 function's gradient:
 
 * :func:`torch.nn.functional.embedding` with ``padding_idx``, ``max_norm``,
-  ``scale_grad_by_freq`` or ``sparse``, and :func:`torch.nn.functional.embedding_bag`
-  (:mod:`torch_sgn.lookups`);
+  ``scale_grad_by_freq`` or ``sparse`` (and the operator ``torch.embedding`` called directly
+  with one of them), and :func:`torch.nn.functional.embedding_bag` (:mod:`torch_sgn.lookups`);
 * ``torch._weight_norm``, which weight normalization calls (:mod:`torch_sgn.weight_norms`).
 
 Every other function runs as it is. A function mode passes every call of the forward pass
@@ -36,14 +36,18 @@ __all__ = ["Composites", "composite_modules"]
 
 _EMBEDDING = inspect.signature(F.embedding)
 _EMBEDDING_BAG = inspect.signature(F.embedding_bag)
-# torch._weight_norm is a builtin without a signature to inspect: its schema's
-_WEIGHT_NORM = inspect.Signature(
-    [
-        inspect.Parameter("v", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-        inspect.Parameter("g", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-        inspect.Parameter("dim", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=0),
-    ]
-)
+
+
+def _schema(*names: str, **defaults: object) -> inspect.Signature:
+    """The signature of a builtin operator, which has none to inspect: its schema's."""
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    parameters = [inspect.Parameter(n, kind) for n in names]
+    parameters += [inspect.Parameter(n, kind, default=d) for n, d in defaults.items()]
+    return inspect.Signature(parameters)
+
+
+_EMBEDDING_OP = _schema("weight", "indices", padding_idx=-1, scale_grad_by_freq=False, sparse=False)
+_WEIGHT_NORM = _schema("v", "g", dim=0)
 
 
 class Composites(TorchFunctionMode):
@@ -62,6 +66,14 @@ class Composites(TorchFunctionMode):
             if any(o is not None for o in options) or a["scale_grad_by_freq"] or a["sparse"]:
                 self.routed = True
                 return lookup(**a)
+        elif func is torch.embedding:  # the operator, called directly
+            a = _bind(_EMBEDDING_OP, args, kwargs)
+            if a["padding_idx"] >= 0 or a["scale_grad_by_freq"] or a["sparse"]:
+                self.routed = True
+                padding = a["padding_idx"] if a["padding_idx"] >= 0 else None
+                return lookup(
+                    a["indices"], a["weight"], padding, None, 2.0, a["scale_grad_by_freq"], False
+                )
         elif func is F.embedding_bag:
             a = _bind(_EMBEDDING_BAG, args, kwargs)
             if a["weight"].dtype == torch.long and a["input"].is_floating_point():
