@@ -182,6 +182,10 @@ def test_models_without_lookups_or_weight_norms_run_without_the_function_mode():
     with found.composites():
         assert any(isinstance(m, Composites) for m in modes())
     assert FunctionalModel(PaddedTokens())._composites  # by its modules, before any pass
+    lookup = FunctionalModel(nn.Sequential(nn.Embedding(5, 3), nn.Flatten(), nn.Linear(9, 2)))
+    assert not lookup._composites  # a plain lookup: nothing to route
+    assert not lookup.gradient_stop(lookup.flat(), (torch.randint(0, 5, (4, 3)),))
+    assert not lookup._composites
 
 
 @pytest.mark.parametrize("rows", [5, 9], ids=["table-smaller", "table-larger"])

@@ -88,7 +88,8 @@ class Composites(TorchFunctionMode):
 
 def composite_modules(model: nn.Module) -> bool:
     """Whether ``model`` has modules whose forward passes call a function of
-    :class:`Composites`: embeddings, embedding bags, weight normalization."""
+    :class:`Composites`: embeddings with one of the options, embedding bags, weight
+    normalization."""
     from torch.nn.utils import parametrize
 
     try:
@@ -96,8 +97,12 @@ def composite_modules(model: nn.Module) -> bool:
     except ImportError:  # pragma: no cover - a torch without it
         WeightNorm = ()
     for module in model.modules():
-        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        if isinstance(module, nn.EmbeddingBag):
             return True
+        if isinstance(module, nn.Embedding):
+            options = (module.padding_idx, module.max_norm)
+            if any(o is not None for o in options) or module.scale_grad_by_freq or module.sparse:
+                return True
         if parametrize.is_parametrized(module):
             return True  # weight_norm, or another parametrization that may call it
         if any(isinstance(hook, WeightNorm) for hook in module._forward_pre_hooks.values()):
