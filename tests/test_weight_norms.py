@@ -29,6 +29,19 @@ def _old_weight_norm(module, **kwargs):
         return nn.utils.weight_norm(module, **kwargs)
 
 
+class _OwnNorm(_WeightNorm):
+    """A weight-norm subclass with a forward of its own."""
+
+    def forward(self, weight_g, weight_v):
+        return super().forward(weight_g, weight_v) * 2.0
+
+
+def _own_weight_norm(module, **kwargs):
+    module = weight_norm(module, **kwargs)
+    module.parametrizations.weight[0].__class__ = _OwnNorm
+    return module
+
+
 class Net(nn.Module):
     """A weight-normalized convolution (norm over all dimensions but the first, or ``dim``) and
     linear layer (its norm over the second dimension: the last, also fused)."""
@@ -48,6 +61,7 @@ FORMS = {
     "parametrization-whole-tensor": {"conv_dim": None},  # one norm of the whole weight
     "parametrization-middle-dim": {"conv_dim": 1},  # PyTorch's unfused kernel
     "hook": {"norm": _old_weight_norm},
+    "subclass": {"norm": _own_weight_norm},
 }
 
 
@@ -101,26 +115,6 @@ def test_sgn_steps_train_the_direction_and_the_norm(form, engine):
     assert all(not torch.equal(p, b) for p, b in zip(params, before))  # g and v both move
     model(x)  # the model's own forward pass takes PyTorch's fused kernel again
     assert "WeightNorm" in model.hidden.weight.grad_fn.name()
-
-
-class _OwnNorm(_WeightNorm):
-    """A weight-norm subclass with a forward of its own."""
-
-    def forward(self, weight_g, weight_v):
-        return super().forward(weight_g, weight_v) * 2.0
-
-
-@pytest.mark.parametrize("engine", ["auto", "functional"])
-def test_a_subclass_of_weight_norm_runs_as_the_composite(engine):
-    model, x, y = _case("parametrization")
-    model.conv.parametrizations.weight[0].__class__ = _OwnNorm
-    G_ref, g_ref = dense_ggn_of_module(model, "mse", x, y)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        G = GGN(model, "mse", x, y, engine=engine)
-        dense = G.to_dense()
-    torch.testing.assert_close(G.gradient, g_ref, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(dense, G_ref, rtol=1e-9, atol=1e-11)
 
 
 def test_warnings_as_errors_do_not_turn_pytorchs_own_warnings_into_a_fallback():

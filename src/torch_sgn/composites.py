@@ -23,6 +23,7 @@ has such modules or its first, checked forward pass called one of these function
 from __future__ import annotations
 
 import inspect
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -62,15 +63,14 @@ class Composites(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.embedding:
             a = _bind(_EMBEDDING, args, kwargs)
-            options = (a["padding_idx"], a["max_norm"])
-            if any(o is not None for o in options) or a["scale_grad_by_freq"] or a["sparse"]:
+            if _has_options(a["padding_idx"], a["max_norm"], a["scale_grad_by_freq"], a["sparse"]):
                 self.routed = True
                 return lookup(**a)
-        elif func is torch.embedding:  # the operator, called directly
+        elif func is torch.embedding:  # the operator, called directly (no padding: -1)
             a = _bind(_EMBEDDING_OP, args, kwargs)
-            if a["padding_idx"] >= 0 or a["scale_grad_by_freq"] or a["sparse"]:
+            padding = a["padding_idx"] if a["padding_idx"] >= 0 else None
+            if _has_options(padding, None, a["scale_grad_by_freq"], a["sparse"]):
                 self.routed = True
-                padding = a["padding_idx"] if a["padding_idx"] >= 0 else None
                 return lookup(
                     a["indices"], a["weight"], padding, None, 2.0, a["scale_grad_by_freq"], False
                 )
@@ -99,15 +99,22 @@ def composite_modules(model: nn.Module) -> bool:
     for module in model.modules():
         if isinstance(module, nn.EmbeddingBag):
             return True
-        if isinstance(module, nn.Embedding):
-            options = (module.padding_idx, module.max_norm)
-            if any(o is not None for o in options) or module.scale_grad_by_freq or module.sparse:
-                return True
+        if isinstance(module, nn.Embedding) and _has_options(
+            module.padding_idx, module.max_norm, module.scale_grad_by_freq, module.sparse
+        ):
+            return True
         if parametrize.is_parametrized(module):
             return True  # weight_norm, or another parametrization that may call it
         if any(isinstance(hook, WeightNorm) for hook in module._forward_pre_hooks.values()):
             return True
     return False
+
+
+def _has_options(
+    padding_idx: Optional[int], max_norm: Optional[float], scale_grad_by_freq: bool, sparse: bool
+) -> bool:
+    """Whether an embedding lookup has an option that breaks a Gauss-Newton product."""
+    return padding_idx is not None or max_norm is not None or scale_grad_by_freq or sparse
 
 
 def _bind(signature: inspect.Signature, args, kwargs) -> dict:
