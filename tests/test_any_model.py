@@ -270,6 +270,46 @@ def test_huber_reports_its_missing_rule_once():
     assert loss.reverse_over_reverse
 
 
+def test_a_loss_without_a_second_derivative_is_refused_clearly():
+    # CTC's backward kernel has no derivative: neither route gives its Hessian
+    torch.manual_seed(0)
+    model = nn.Linear(5, 6)
+    x, targets = torch.randn(10, 2, 5), torch.randint(1, 6, (2, 4))
+
+    def ctc(outputs, t):
+        lengths = torch.full((2,), 10), torch.full((2,), 4)
+        return F.ctc_loss(outputs.log_softmax(-1), t, *lengths)
+
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = SGN(model, ctc, cg_iters=2)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match="'ctc' has no second derivative.*_ctc_loss_backward"):
+            opt.step(x, targets)
+    assert not any("double backward" in str(w.message) for w in record)  # no route to announce
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_data_parallel_wrapper_is_refused_with_what_to_do():
+    model = nn.DataParallel(nn.Linear(4, 3))
+    with pytest.raises(ValueError, match=r"nn.DataParallel.*model.module.*process_group"):
+        SGN(model, "mse")
+    with pytest.raises(ValueError, match="nn.DataParallel"):
+        GGN(model, "mse", torch.randn(2, 4), torch.randn(2, 3))
+
+
+def test_targets_of_the_wrong_shape_raise_without_a_trace_warning():
+    # per-position logits (N, L, C) with targets (N, L): the trace fails on the targets; the
+    # error to read is the loss's, not a warning that the model cannot be traced
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 10))
+    x, y = torch.randint(0, 10, (4, 6)), torch.randint(0, 10, (4, 6))
+    opt = SGN(model, "cross_entropy", cg_iters=2)  # engine "auto": the traced engine
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="movedim"):
+            opt.step(x, y)
+
+
 @pytest.mark.parametrize("engine", ["auto", "functional", "fast"])
 @pytest.mark.parametrize("name", SHARED)
 def test_sgn_keeps_shared_parameters_in_the_model(name, engine):

@@ -58,6 +58,13 @@ class FunctionalModel:
             getattr(model, "_orig_mod", None), nn.Module
         ):
             model = model._orig_mod
+        if isinstance(model, nn.DataParallel):
+            raise ValueError(
+                "SGN cannot evaluate a model wrapped in nn.DataParallel (torch.func's calls "
+                "refuse it): pass the module itself (model.module); to train on several "
+                "devices, run one process per device with SGN's own data parallelism "
+                "(SGN(..., process_group=...), see docs/DISTRIBUTED.md)"
+            )
         self.model = model
         load_decompositions()  # now, not inside a pass that warnings-as-errors would fail
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

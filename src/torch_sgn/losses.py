@@ -351,7 +351,18 @@ class _Generic(OutputLoss):
                 w, g = graph
                 if not g.requires_grad:  # linear in the outputs: H = 0
                     return torch.zeros_like(u)
-                (hu,) = torch.autograd.grad(g, w, u, retain_graph=True, allow_unused=True)
+                try:
+                    (hu,) = torch.autograd.grad(g, w, u, retain_graph=True, allow_unused=True)
+                except (NotImplementedError, RuntimeError) as error:
+                    op = missing_rule(error)
+                    if op is None:
+                        raise
+                    raise ValueError(
+                        f"the loss {self.name!r} has no second derivative in PyTorch ({op} "
+                        "cannot be differentiated): SGN needs the Hessian of the loss with "
+                        "respect to the model's outputs; give a loss that PyTorch can "
+                        "differentiate twice"
+                    ) from error
             return torch.zeros_like(u) if hu is None else hu
 
         def product(u: Tensor) -> Tensor:
@@ -363,11 +374,13 @@ class _Generic(OutputLoss):
                     op = missing_rule(error)
                     if op is None:
                         raise
+                    hu = by_double_backward(u)  # raises where the loss has no second derivative
                     self.reverse_over_reverse = True
                     warn(
                         f"forward-mode AD has no rule for {op} (in the loss {self.name!r}); its "
                         "Hessian products are taken by double backward in output space instead"
                     )
+                    return hu
             return by_double_backward(u)
 
         return product

@@ -168,6 +168,9 @@ class TracedEngine:
         else:
             self._cache.move_to_end(key)
         if isinstance(traced, Untraceable):
+            # the functional engine first: where the trace failed on bad input (targets of the
+            # wrong shape) its error is the one to read, without a warning about the trace
+            lin = self._functional(flat, batch, buffers_out)
             self._warn(
                 f"the traced curvature engine cannot trace this model ({traced}); using the "
                 "functional engine, which re-runs the forward pass at every G v product"
@@ -177,7 +180,7 @@ class TracedEngine:
                     "cuda_graphs=True does not apply (the functional engine captures no "
                     "CUDA graphs); running eagerly"
                 )
-            return self._functional(flat, batch, buffers_out)
+            return lin
         if traced.declined is not None:
             self._warn(
                 "the traced engine's tangent rules (torch_sgn.tangent_rules) failed on this "
