@@ -17,7 +17,8 @@ width 128 and a linear read-out per position (same data shape); ``bilstm``, the 
 bidirectional LSTM layers and dropout 0.1 between them (a tagger; training mode); ``tcn``, a
 temporal convolutional network with weight-normalized convolutions (:class:`TCN`);
 ``transformer_pad``, the transformer with a scaled word embedding with a padding row
-(:class:`ScaledEmbedding`, a subclass with a forward of its own). Engines
+(:class:`ScaledEmbedding`, a subclass with a forward of its own); ``gru``, the ``lstm`` model
+with a GRU layer. Engines
 that do not apply to a model (``fast`` and ``graphs`` on these) are left out of its rows;
 ``traced_graphs`` is the traced engine with ``cuda_graphs=True`` (CUDA only),
 ``traced_compiled`` with ``compile=True`` (its first call compiles, and is timed apart).
@@ -185,6 +186,7 @@ ANY_MODELS = {
     "transformer": (CausalTransformer, (32, 64), 64),
     "lstm": (LSTMModel, (32, 64), 64),
     "bilstm": (partial(LSTMModel, layers=2, bidirectional=True, dropout=0.1), (32, 64), 64),
+    "gru": (partial(LSTMModel, cell=nn.GRU), (32, 64), 64),
     "tcn": (TCN, (32, 64), 64),
     "transformer_pad": (scaled_padding_transformer, (32, 64), 64),
 }

@@ -443,12 +443,15 @@ class CausalTransformer(nn.Module):
 
 class LSTMModel(nn.Module):
     """An embedding, LSTM layers (one by default; ``bidirectional`` for a tagger that reads the
-    whole sequence, ``dropout`` between layers) and a linear head; logits ``(N, vocab, L)``."""
+    whole sequence, ``dropout`` between layers; ``cell=nn.GRU`` for GRU layers instead) and a
+    linear head; logits ``(N, vocab, L)``."""
 
-    def __init__(self, vocab=64, width=128, layers=1, bidirectional=False, dropout=0.0):
+    def __init__(
+        self, vocab=64, width=128, layers=1, bidirectional=False, dropout=0.0, cell=nn.LSTM
+    ):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
-        self.lstm = nn.LSTM(
+        self.lstm = cell(
             width, width, layers, batch_first=True, bidirectional=bidirectional, dropout=dropout
         )
         self.head = nn.Linear(width * (2 if bidirectional else 1), vocab)
