@@ -491,6 +491,65 @@ def test_a_forward_that_writes_a_parameter_is_refused_clearly_and_loses_nothing(
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
 
+class _StopsItsScale(nn.Module):
+    """Scales its output by its weight's mean taken under ``torch.no_grad`` (a gradient stop),
+    to be scripted."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            scale = self.lin.weight.mean()
+        return self.lin(x) * scale
+
+
+class ScriptedParts(nn.Module):
+    """A TorchScript embedding (with a padding row or without) and, optionally, a scripted
+    module with a gradient stop: code that SGN's function modes do not see."""
+
+    def __init__(self, padding_idx, stop):
+        super().__init__()
+        self.embed = torch.jit.script(nn.Embedding(5, 4, padding_idx=padding_idx))
+        self.mid = torch.jit.script(_StopsItsScale()) if stop else nn.Linear(4, 4)
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, tokens):
+        return self.out(torch.tanh(self.mid(self.embed(tokens).mean(1))))
+
+
+SCRIPTED = {"padding": (0, False), "no-grad": (None, True), "plain": (None, False)}
+
+
+@pytest.mark.parametrize("engine", ["auto", "traced", "functional"])
+@pytest.mark.parametrize("name", list(SCRIPTED))
+def test_scripted_submodules_give_exact_products(name, engine):
+    torch.manual_seed(0)
+    model = ScriptedParts(*SCRIPTED[name]).to(D)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 5, (6, 3), generator=g)
+    x[:, -1] = 0  # the padding row in every sequence
+    y = torch.randn(6, 3, generator=g, dtype=D)
+    G_ref, g_ref = dense_ggn_of_module(model, "mse", x, y)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        G = GGN(model, "mse", x, y, engine=engine)
+        dense = G.to_dense()
+    notices = [str(w.message) for w in record if "TorchScript" in str(w.message)]
+    # forward mode would take the padding row's tangent, or differentiate the stopped scale
+    assert len(notices) == (0 if name == "plain" else 1)
+    assert all("double backward" in n for n in notices)
+    torch.testing.assert_close(G.gradient, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(dense, G_ref, rtol=1e-9, atol=1e-11)
+
+
+def test_a_scripted_model_is_refused_with_what_to_do():
+    model = torch.jit.script(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    with pytest.raises(ValueError, match="TorchScript module as the model.*before torch.jit"):
+        SGN(model, "mse")
+
+
 def test_missing_derivatives_are_read_from_either_error_type():
     quoted = NotImplementedError("the derivative for '_embedding_bag_backward' is not implemented.")
     assert missing_rule(quoted) == "_embedding_bag_backward"

@@ -13,7 +13,11 @@ function's gradient:
   with one of them), and :func:`torch.nn.functional.embedding_bag` (:mod:`torch_sgn.lookups`);
 * ``torch._weight_norm``, which weight normalization calls (:mod:`torch_sgn.weight_norms`).
 
-Every other function runs as it is. A function mode passes every call of the forward pass
+Every other function runs as it is. TorchScript code runs in C++, out of the mode's sight:
+:func:`scripted_stop` finds scripted submodules that may hold such a lookup (or a
+``torch.no_grad`` block), for which ``J v`` is taken by double backward instead.
+
+A function mode passes every call of the forward pass
 through Python and keeps ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` off their
 fast paths, so :class:`~torch_sgn.functional.FunctionalModel` enters it only where the model
 has such modules or its first, checked forward pass called one of these functions
@@ -33,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 from .lookups import bag_lookup, lookup
 from .weight_norms import normalized
 
-__all__ = ["Composites", "composite_modules"]
+__all__ = ["Composites", "composite_modules", "scripted_stop"]
 
 _EMBEDDING = inspect.signature(F.embedding)
 _EMBEDDING_BAG = inspect.signature(F.embedding_bag)
@@ -108,6 +112,47 @@ def composite_modules(model: nn.Module) -> bool:
         if any(isinstance(hook, WeightNorm) for hook in module._forward_pre_hooks.values()):
             return True
     return False
+
+
+def scripted_stop(model: nn.Module) -> Optional[str]:
+    """Where ``model`` holds a TorchScript submodule with trainable parameters whose code may
+    look up embedding rows with one of the options above or compute under ``torch.no_grad``
+    (neither :class:`Composites` nor the gradient-stop check sees into scripted code; forward
+    mode would then differentiate what the gradient leaves out), said as "the forward pass
+    ..." for :func:`~torch_sgn.forward_mode.gradient_stop_notice`; else ``None``. A scripted
+    ``nn.Embedding`` is judged by its options; any other scripted module by whether its code
+    calls ``aten::embedding`` or enters a ``with`` block at all."""
+    seen: set = set()
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.jit.ScriptModule) or any(
+            name.startswith(outer + ".") for outer in seen
+        ):
+            continue
+        seen.add(name)
+        if not any(p.requires_grad for p in module.parameters()):
+            continue
+        if getattr(module, "original_name", None) == "Embedding":
+            if _has_options(
+                module.padding_idx, module.max_norm, module.scale_grad_by_freq, module.sparse
+            ):
+                return (
+                    f"looks up rows of the TorchScript embedding {name!r} with a padding row, "
+                    "max_norm or frequency scaling (scripted code runs without SGN's composite)"
+                )
+            continue
+        kinds = ("aten::embedding", "aten::embedding_renorm_", "prim::Enter")
+        try:
+            graph = module.inlined_graph
+            found = any(graph.findAllNodes(kind) for kind in kinds)
+        except (AttributeError, RuntimeError):  # no forward to read: assume the worst
+            found = True
+        if found:
+            return (
+                f"runs TorchScript module {name!r}, whose code looks up embedding rows or "
+                "enters a with-block (a padding row or torch.no_grad that SGN cannot see "
+                "into scripted code to check)"
+            )
+    return None
 
 
 def _has_options(

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from .composites import Composites, composite_modules
+from .composites import Composites, composite_modules, scripted_stop
 from .diagnostics import warn
 from .forward_mode import (
     SWITCHES,
@@ -64,6 +64,12 @@ class FunctionalModel:
                 "refuse it): pass the module itself (model.module); to train on several "
                 "devices, run one process per device with SGN's own data parallelism "
                 "(SGN(..., process_group=...), see docs/DISTRIBUTED.md)"
+            )
+        if isinstance(model, torch.jit.ScriptModule):
+            raise ValueError(
+                "SGN cannot evaluate a TorchScript module as the model (torch.func's calls "
+                "refuse it): pass the nn.Module before torch.jit.script (scripted submodules "
+                "inside it are fine)"
             )
         self.model = model
         load_decompositions()  # now, not inside a pass that warnings-as-errors would fail
@@ -209,6 +215,8 @@ class FunctionalModel:
                 self._gradient_stop = None
             finally:
                 _set_rng(self.device, rng)
+            if self._gradient_stop is None:  # scripted code, which that pass cannot see into
+                self._gradient_stop = scripted_stop(self.model)
             self._stop_checked = True
         return self._gradient_stop
 
