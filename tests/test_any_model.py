@@ -457,6 +457,36 @@ def test_values_computed_under_no_grad_are_constants_of_the_products_too(engine)
     _exact_then_trains(model, x, y, engine, "computes linear .* under torch.no_grad")
 
 
+class Hooked(nn.Module):
+    """A gradient hook that halves what flows back: on an intermediate tensor
+    (``register_hook`` in ``forward``), as a module's full backward hook or as its backward
+    pre-hook. The gradient runs it, forward mode would not."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 3)
+        if kind == "module":
+            self.b.register_full_backward_hook(lambda m, grad_in, grad_out: (grad_in[0] / 2,))
+        elif kind == "pre":
+            self.b.register_full_backward_pre_hook(lambda m, grad_out: (grad_out[0] / 2,))
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.kind == "tensor" and h.requires_grad:
+            h.register_hook(lambda grad: grad / 2)
+        return self.b(h)
+
+
+@pytest.mark.parametrize("engine", ["auto", "traced", "functional"])
+@pytest.mark.parametrize("kind", ["tensor", "module", "pre"])
+def test_backward_hooks_are_in_the_products_too(kind, engine):
+    torch.manual_seed(0)
+    model = Hooked(kind).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    _exact_then_trains(model, x, y, engine, "hook.*double backward")
+
+
 @pytest.mark.parametrize("engine", ["auto", "functional"])
 def test_no_grad_on_the_inputs_alone_keeps_forward_mode(engine):
     torch.manual_seed(0)
@@ -470,7 +500,10 @@ def test_no_grad_on_the_inputs_alone_keeps_forward_mode(engine):
     torch.testing.assert_close(GV, G_ref @ _probes(G.shape[0]), rtol=1e-9, atol=1e-11)
 
 
-STOP = "computes linear from the parameters under torch.no_grad"
+STOP = (
+    "computes linear from the parameters under torch.no_grad: the gradient takes it as a "
+    "constant, forward-mode AD would differentiate through it"
+)
 
 
 def test_the_gradient_stop_is_found_once_and_leaves_the_random_state():

@@ -137,7 +137,9 @@ def scripted_stop(model: nn.Module) -> Optional[str]:
             ):
                 return (
                     f"looks up rows of the TorchScript embedding {name!r} with a padding row, "
-                    "max_norm or frequency scaling (scripted code runs without SGN's composite)"
+                    "max_norm or frequency scaling: scripted code runs without SGN's "
+                    "composite, and forward-mode AD would differentiate what the gradient "
+                    "leaves out"
                 )
             continue
         kinds = ("aten::embedding", "aten::embedding_renorm_", "prim::Enter")
@@ -149,8 +151,9 @@ def scripted_stop(model: nn.Module) -> Optional[str]:
         if found:
             return (
                 f"runs TorchScript module {name!r}, whose code looks up embedding rows or "
-                "enters a with-block (a padding row or torch.no_grad that SGN cannot see "
-                "into scripted code to check)"
+                "enters a with-block: a padding row or torch.no_grad there, which SGN cannot "
+                "check in scripted code, would make forward-mode AD differentiate what the "
+                "gradient leaves out"
             )
     return None
 

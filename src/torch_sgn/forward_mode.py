@@ -11,7 +11,9 @@ then takes ``J v`` by **double backward**, for any operator whose backward is di
 recorded once per step (the gradient's backward pass, with ``create_graph``), and each ``J v``
 is one backward pass through it (:func:`jvp_by_double_backward`). The same route serves a
 model whose forward pass computes from the parameters under ``torch.no_grad``
-(:func:`gradient_stop`): the gradient takes such values as constants, forward mode does not.
+(:func:`gradient_stop`): the gradient takes such values as constants, forward mode does not;
+and one with backward hooks, on tensors (``Tensor.register_hook`` in ``forward``) or on modules
+(:func:`backward_hooks`): the gradient runs them, forward mode does not.
 
 Some kernels' backward is not differentiable in turn (the fused attention kernels' is not);
 those have a twin kernel whose backward is, and :func:`kernels` runs the model with it
@@ -38,6 +40,7 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = [
     "SWITCHES",
+    "backward_hooks",
     "gradient_stop",
     "gradient_stop_notice",
     "jvp_by_double_backward",
@@ -232,11 +235,31 @@ def gradient_stop(run: Callable[[], object]) -> Optional[str]:
     return mode.found
 
 
+def backward_hooks(model: torch.nn.Module) -> Optional[str]:
+    """Where ``model``'s modules (or every module, globally) have backward hooks, said as "the
+    forward pass ..." for :func:`gradient_stop_notice`; else ``None``. A hook may change the
+    gradient; forward mode does not run it, so ``J v`` is taken in reverse mode there too."""
+    from torch.nn.modules import module as module_
+
+    hooks = ("_global_backward_hooks", "_global_backward_pre_hooks")
+    if any(getattr(module_, name, None) for name in hooks):
+        return (
+            "runs modules with global backward hooks (register_module_full_backward_hook): "
+            "they may change the gradient, forward-mode AD does not run them"
+        )
+    for name, module in model.named_modules():
+        if getattr(module, "_backward_hooks", None) or getattr(module, "_backward_pre_hooks", None):
+            return (
+                f"runs module {name or 'model'!r}, which has backward hooks: they may change "
+                "the gradient, forward-mode AD does not run them"
+            )
+    return None
+
+
 def gradient_stop_notice(op: str) -> str:
     """The one-time warning for what :func:`gradient_stop` found, ``op``."""
     return (
-        f"the model's forward pass {op}: the gradient takes it as a constant, forward-mode AD "
-        "would differentiate through it, so J v is taken by double backward (reverse mode "
+        f"the model's forward pass {op}; so J v is taken by double backward (reverse mode "
         "alone). Products stay exact"
     )
 
@@ -260,6 +283,13 @@ class _GradientStops(TorchFunctionMode):
         if self.found is not None:
             return out
         inputs = list(_tensors((args, kwargs)))
+        if func is Tensor.register_hook and on and inputs and inputs[0].requires_grad:
+            # the hook may change the gradient; forward mode does not run it
+            self.found = (
+                "registers a gradient hook on a tensor (Tensor.register_hook): the hook may "
+                "change the gradient, forward-mode AD does not run it"
+            )
+            return out
         if on:  # a stopped value used as a constant where autograd records
             for t in inputs:
                 origin = self._origin(t)
@@ -271,7 +301,10 @@ class _GradientStops(TorchFunctionMode):
         origin = next((o for o in origins if o is not None), None)
         if origin is None and any(t.requires_grad for t in inputs):
             name = getattr(func, "__name__", None) or repr(func)
-            origin = f"computes {name} from the parameters under torch.no_grad"
+            origin = (
+                f"computes {name} from the parameters under torch.no_grad: the gradient takes "
+                "it as a constant, forward-mode AD would differentiate through it"
+            )
         if origin is not None:
             for t in _tensors(out):
                 if t.is_floating_point():

@@ -21,6 +21,7 @@ from .composites import Composites, composite_modules, scripted_stop
 from .diagnostics import warn
 from .forward_mode import (
     SWITCHES,
+    backward_hooks,
     gradient_stop,
     gradient_stop_notice,
     jvp_by_double_backward,
@@ -215,8 +216,8 @@ class FunctionalModel:
                 self._gradient_stop = None
             finally:
                 _set_rng(self.device, rng)
-            if self._gradient_stop is None:  # scripted code, which that pass cannot see into
-                self._gradient_stop = scripted_stop(self.model)
+            if self._gradient_stop is None:  # what that pass cannot see: hooks, scripted code
+                self._gradient_stop = backward_hooks(self.model) or scripted_stop(self.model)
             self._stop_checked = True
         return self._gradient_stop
 
