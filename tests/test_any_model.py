@@ -270,6 +270,29 @@ def test_huber_reports_its_missing_rule_once():
     assert loss.reverse_over_reverse
 
 
+def _focal(outputs, targets):
+    """A focal loss whose modulating weights are computed under ``torch.no_grad``: the
+    gradient takes them as constants."""
+    log_p = F.log_softmax(outputs, 1)
+    with torch.no_grad():
+        weights = (1 - log_p.exp()) ** 2
+    return -(weights * log_p).gather(1, targets[:, None]).mean()
+
+
+@pytest.mark.parametrize("engine", ["fast", "functional"])
+def test_a_loss_that_stops_the_gradient_gets_the_gradients_hessian(engine):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,))
+    G_ref, g_ref = dense_ggn_of_module(model, _focal, x, y)  # reverse mode alone
+    with pytest.warns(UserWarning, match="'_focal' computes .* from the outputs under torch"):
+        G = GGN(model, _focal, x, y, engine=engine)
+        dense = G.to_dense()
+    torch.testing.assert_close(G.gradient, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(dense, G_ref, rtol=1e-9, atol=1e-11)
+
+
 def test_a_loss_without_a_second_derivative_is_refused_clearly():
     # CTC's backward kernel has no derivative: neither route gives its Hessian
     torch.manual_seed(0)

@@ -217,7 +217,7 @@ def jvp_by_double_backward(
     return jtu.detach(), jvp
 
 
-def gradient_stop(run: Callable[[], object]) -> Optional[str]:
+def gradient_stop(run: Callable[[], object], inputs: str = "the parameters") -> Optional[str]:
     """Where ``run()`` differentiates otherwise in reverse mode than in forward mode, said as
     "the forward pass ...", or ``None``.
 
@@ -227,9 +227,9 @@ def gradient_stop(run: Callable[[], object]) -> Optional[str]:
     be of another matrix than the gradient's ``J^T u`` and ``G`` not symmetric. Where this
     finds one, ``J v`` is taken in reverse mode. A custom ``autograd.Function``'s forward also
     runs with autograd off, but its result requires grad again: not a stop. ``run`` is called
-    once, with autograd on.
+    once, with autograd on; ``inputs`` names the tensors it differentiates, for the message.
     """
-    mode = _GradientStops()
+    mode = _GradientStops(inputs)
     with torch.enable_grad(), mode:
         run()
     return mode.found
@@ -265,8 +265,9 @@ def gradient_stop_notice(op: str) -> str:
 
 
 class _GradientStops(TorchFunctionMode):
-    def __init__(self):
+    def __init__(self, inputs: str):
         super().__init__()
+        self.inputs = inputs  # what the tensors that require grad are, for the message
         self.found: Optional[str] = None
         # id -> (weak reference, the operation it came from): results computed from tensors
         # that require grad (or from such results) with autograd off
@@ -302,7 +303,7 @@ class _GradientStops(TorchFunctionMode):
         if origin is None and any(t.requires_grad for t in inputs):
             name = getattr(func, "__name__", None) or repr(func)
             origin = (
-                f"computes {name} from the parameters under torch.no_grad: the gradient takes "
+                f"computes {name} from {self.inputs} under torch.no_grad: the gradient takes "
                 "it as a constant, forward-mode AD would differentiate through it"
             )
         if origin is not None:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .diagnostics import warn
-from .forward_mode import missing_rule
+from .forward_mode import gradient_stop, missing_rule
 
 LossSpec = Union[str, nn.Module, Callable[[Tensor, Tensor], Tensor]]
 
@@ -325,8 +325,10 @@ class _Generic(OutputLoss):
             )
         return loss.reshape(())
 
-    #: products by reverse-over-reverse: set when the loss's backward lacks a forward rule
+    #: products by reverse-over-reverse: set when the loss's backward lacks a forward rule, or
+    #: where the loss computes from the outputs under ``torch.no_grad`` (see :meth:`hessian`)
     reverse_over_reverse = False
+    _stop_checked = False
 
     def hvp(self, outputs: Tensor, targets: Tensor, u: Tensor) -> Tensor:
         return self.hessian(outputs, targets)(u)
@@ -338,6 +340,17 @@ class _Generic(OutputLoss):
         # backward pass through it.
         z = outputs.detach()
         graph: list = []
+        if not self._stop_checked:  # once: a value the gradient takes as a constant
+            self._stop_checked = True
+            with torch.enable_grad():
+                w = z.clone().requires_grad_(True)
+                stop = gradient_stop(lambda: self.value(w, targets), "the outputs")
+            if stop is not None:
+                self.reverse_over_reverse = True
+                warn(
+                    f"the loss {self.name!r} {stop}; its Hessian products are taken by double "
+                    "backward in output space"
+                )
 
         def grad_fn(z_: Tensor) -> Tensor:
             return torch.func.grad(lambda w: self.value(w, targets))(z_)
