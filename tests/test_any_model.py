@@ -510,6 +510,24 @@ def test_backward_hooks_are_in_the_products_too(kind, engine):
     _exact_then_trains(model, x, y, engine, "hook.*double backward")
 
 
+@pytest.mark.parametrize("engine", ["traced", "functional"])
+def test_a_backward_hook_registered_between_steps_is_in_the_next_products(engine):
+    torch.manual_seed(0)
+    model = Hooked("none").double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    fmodel = FunctionalModel(model)
+    linearize = select_engine(fmodel, resolve_loss("mse"), engine)
+    V = _probes(fmodel.numel)
+    linearize(fmodel.flat(), Batch(x, y)).ggn_vp(V[:, 0])  # traced, stops checked: none
+    model.b.register_full_backward_hook(lambda m, grad_in, grad_out: (grad_in[0] / 2,))
+    G_ref, g_ref = dense_ggn_of_module(model, "mse", x, y)
+    with pytest.warns(UserWarning, match="backward hooks"):
+        lin = linearize(fmodel.flat(), Batch(x, y))
+        GV = torch.stack([lin.ggn_vp(v) for v in V.T], 1)
+    torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(GV, G_ref @ V, rtol=1e-9, atol=1e-11)
+
+
 @pytest.mark.parametrize("engine", ["auto", "functional"])
 def test_no_grad_on_the_inputs_alone_keeps_forward_mode(engine):
     torch.manual_seed(0)

@@ -287,6 +287,12 @@ def _hooked():
     return model
 
 
+def _backward_hooked():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    model[2].register_full_backward_hook(lambda m, grad_in, grad_out: (grad_in[0] / 2,))
+    return model
+
+
 @pytest.mark.parametrize(
     "build,why",
     [
@@ -294,9 +300,17 @@ def _hooked():
         (_Custom, "not an nn.Sequential"),
         (lambda: _OwnForward(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)), "overrides"),
         (_hooked, "hooks"),
+        (_backward_hooked, "backward hooks"),
         (lambda: nn.Sequential(nn.Linear(3, 4), nn.PReLU(), nn.Linear(4, 2)), "PReLU"),
     ],
-    ids=["batchnorm", "custom-module", "custom-forward", "hooks", "unknown-layer"],
+    ids=[
+        "batchnorm",
+        "custom-module",
+        "custom-forward",
+        "hooks",
+        "backward-hooks",
+        "unknown-layer",
+    ],
 )
 def test_models_the_fast_engine_cannot_plan_go_to_the_traced_engine_and_stay_exact(build, why):
     torch.manual_seed(0)
@@ -326,6 +340,14 @@ def test_model_changed_after_construction_is_planned_again():
     model[1].register_forward_hook(lambda m, i, o: o * 0)  # kills the gradient of model[0]
     lin = opt._engine(opt._fmodel.flat(), Batch(x, y))  # the traced engine runs the hook
     assert lin.grad[: 3 * 4 + 4].abs().max() == 0
+    model[1]._forward_hooks.clear()
+    model[2].register_full_backward_hook(lambda m, grad_in, grad_out: (grad_in[0] * 0,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the notice: J v by double backward
+        lin = opt._engine(opt._fmodel.flat(), Batch(x, y))  # planned again: the hook runs
+    # model[0] gets nothing through the hook; model[2]'s weight does (with the forward hook
+    # still in place it would not: its input would be zero)
+    assert lin.grad[: 3 * 4 + 4].abs().max() == 0 and lin.grad[16 : 16 + 8].abs().max() > 0
 
 
 def _flip(module, inputs, output):  # control flow on values: no engine can trace it

@@ -202,11 +202,14 @@ class FunctionalModel:
         return out
 
     def gradient_stop(self, flat: Tensor, inputs: Inputs) -> Optional[str]:
-        """Where the forward pass computes from the parameters with autograd off, or ``None``
-        (see :func:`torch_sgn.forward_mode.gradient_stop`). Found once, by one forward pass at
-        ``flat`` on ``inputs`` that leaves the random state as it was; remembered after. The
-        same pass finds whether forward passes call a function that runs as a composite
-        (:meth:`composites`)."""
+        """Where the gradient differs from what forward mode would differentiate, or ``None``:
+        the forward pass computes from the parameters with autograd off or registers a tensor
+        hook (see :func:`torch_sgn.forward_mode.gradient_stop`), scripted code that may do so
+        (:func:`~torch_sgn.composites.scripted_stop`), modules with backward hooks
+        (:func:`~torch_sgn.forward_mode.backward_hooks`). Found once, by one forward pass at
+        ``flat`` on ``inputs`` that leaves the random state as it was, and remembered; the
+        backward hooks are looked for at every call. The same pass finds whether forward
+        passes call a function that runs as a composite (:meth:`composites`)."""
         if not self._stop_checked:
             rng = _get_rng(self.device)
             leaf = flat.detach().requires_grad_(True)
@@ -216,10 +219,11 @@ class FunctionalModel:
                 self._gradient_stop = None
             finally:
                 _set_rng(self.device, rng)
-            if self._gradient_stop is None:  # what that pass cannot see: hooks, scripted code
-                self._gradient_stop = backward_hooks(self.model) or scripted_stop(self.model)
+            if self._gradient_stop is None:  # scripted code, which that pass cannot see into
+                self._gradient_stop = scripted_stop(self.model)
             self._stop_checked = True
-        return self._gradient_stop
+        # backward hooks, looked for at every call: one may be registered between steps
+        return self._gradient_stop or backward_hooks(self.model)
 
     @contextmanager
     def consistent(self) -> Iterator[None]:

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from . import graphs
 from .diagnostics import warn
+from .forward_mode import backward_hooks
 from .functional import FunctionalEngine, FunctionalModel
 from .layer_rules import RULES, LayerRule, Slot
 from .linearization import Batch, Engine, Linearization, SampleSpace, loss_and_output_gradient
@@ -74,6 +75,8 @@ def plan(fmodel: FunctionalModel) -> List[LayerRule]:
         )
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
         raise Unsupported("global forward hooks are registered")
+    if backward_hooks(model) is not None:  # the layer rules' products and gradient skip them
+        raise Unsupported("the model has backward hooks, which its layer rules would not run")
     index = {id(p): i for i, p in enumerate(fmodel.params)}
     steps: List[LayerRule] = []
     used = set()
@@ -109,6 +112,7 @@ def _structure(model: nn.Module) -> tuple:
         tuple(id(p) for p in model.parameters()),
         bool(nn.modules.module._global_forward_hooks),
         bool(nn.modules.module._global_forward_pre_hooks),
+        backward_hooks(model) is not None,
     )
 
 

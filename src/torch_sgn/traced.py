@@ -56,7 +56,7 @@ from torch.func import functional_call
 
 from . import graphs
 from .diagnostics import warn
-from .forward_mode import gradient_stop_notice, missing_rule
+from .forward_mode import backward_hooks, gradient_stop_notice, missing_rule
 from .functional import FunctionalEngine, FunctionalModel
 from .linearization import Batch, Linearization
 from .losses import OutputLoss
@@ -439,6 +439,7 @@ def _key(model: nn.Module, flat: Tensor, args: Sequence[Tensor], targets: Tensor
         tuple((name, id(b), spec(b)) for name, b in model.named_buffers()),
         bool(nn.modules.module._global_forward_hooks),
         bool(nn.modules.module._global_forward_pre_hooks),
+        backward_hooks(model) is not None,  # J v by double backward where there are any
         spec(flat),
         tuple(spec(a) for a in args),
         spec(targets),
