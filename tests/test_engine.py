@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from cases import MODELS, dense_ggn
@@ -350,6 +351,17 @@ def test_model_changed_after_construction_is_planned_again():
     # model[0] gets nothing through the hook; model[2]'s weight does (with the forward hook
     # still in place it would not: its input would be zero)
     assert lin.grad[: 3 * 4 + 4].abs().max() == 0 and lin.grad[16 : 16 + 8].abs().max() > 0
+
+
+def test_a_changed_layer_setting_is_planned_again():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.LeakyReLU(0.1), nn.Linear(4, 2)).to(D)
+    x, y = _batch(model, (3,), 8, "real")
+    opt = SGN(model, "mse", engine="fast")
+    for slope in (0.1, 0.5):
+        model[1].negative_slope = slope
+        lin = opt._engine(opt._fmodel.flat(), Batch(x, y))
+        assert torch.equal(lin.loss, F.mse_loss(model(x), y))
 
 
 def _flip(module, inputs, output):  # control flow on values: no engine can trace it

@@ -273,6 +273,77 @@ def test_one_trace_per_shape_and_mode():
     torch.testing.assert_close(lin.ggn_vp(v), G_ref @ v, rtol=1e-9, atol=1e-11)
 
 
+class _Annealed(nn.Module):
+    """Reads plain Python attributes in ``forward``: a temperature, a flag, a tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 3)
+        self.temperature, self.skip = 1.0, False
+        self.shift = torch.zeros(3, dtype=D)
+
+    def forward(self, x):
+        out = self.b(torch.tanh(self.a(x) / self.temperature)) + self.shift
+        return out + x[:, :3] if self.skip else out
+
+
+def test_a_changed_model_attribute_is_traced_again():
+    torch.manual_seed(0)
+    model = _Annealed().to(D)
+    x, y = torch.randn(6, 4, dtype=D), torch.randn(6, 3, dtype=D)
+    engine = _traced(model, "mse")
+    flat = engine.fmodel.flat()
+    changes = [
+        lambda: setattr(model, "temperature", 3.0),
+        lambda: setattr(model, "skip", True),
+        lambda: setattr(model, "shift", torch.ones(3, dtype=D)),  # another tensor
+        lambda: model.shift.fill_(2.0),  # the same tensor, changed in place: no new trace
+    ]
+    for change in [lambda: None] + changes:
+        change()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # each attribute changed once: no hand-over
+            lin = engine(flat, Batch(x, y))
+        assert torch.equal(lin.loss, F.mse_loss(model(x), y))
+        G_ref, g_ref = dense_reference(model, F.mse_loss, x, y)
+        v = torch.randn(engine.fmodel.numel, dtype=D)
+        torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(lin.ggn_vp(v), G_ref @ v, rtol=1e-9, atol=1e-11)
+    assert len(engine._cache) == 4
+
+
+def test_an_attribute_that_keeps_changing_hands_the_model_to_the_functional_engine():
+    torch.manual_seed(0)
+    model = _Annealed().to(D)
+    x, y = torch.randn(6, 4, dtype=D), torch.randn(6, 3, dtype=D)
+    engine = TracedEngine(FunctionalModel(model), resolve_loss("mse"))
+    flat = engine.fmodel.flat()
+    engine(flat, Batch(x, y))
+    with pytest.warns(UserWarning, match="attribute temperature changed at 3 steps.*buffer"):
+        for step in range(1, 5):
+            model.temperature = 1.0 + step
+            lin = engine(flat, Batch(x, y))
+            assert torch.equal(lin.loss, F.mse_loss(model(x), y))
+    assert len(engine._cache) == 3  # the fourth change ran on the functional engine
+    G_ref, _ = dense_reference(model, F.mse_loss, x, y)
+    v = torch.randn(engine.fmodel.numel, dtype=D)
+    torch.testing.assert_close(lin.ggn_vp(v), G_ref @ v, rtol=1e-9, atol=1e-11)
+
+
+def test_a_changed_attribute_of_a_loss_module_is_traced_again():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(D)
+    x, y = torch.randn(6, 4, dtype=D), torch.randn(6, 3, dtype=D)
+    huber = nn.HuberLoss(delta=0.1)
+    engine = TracedEngine(FunctionalModel(model), resolve_loss(huber))
+    flat = engine.fmodel.flat()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the Huber loss's double backward
+        for delta in (0.1, 2.0):
+            huber.delta = delta
+            assert torch.equal(engine(flat, Batch(x, y)).loss, huber(model(x), y))
+
+
 class _Branches(nn.Module):
     """Control flow on the values of a tensor: a trace would fix one branch."""
 

@@ -33,7 +33,47 @@ from .forward_mode import (
 from .linearization import Batch, Inputs, Linearization, loss_and_output_gradient
 from .losses import OutputLoss
 
-__all__ = ["FunctionalEngine", "FunctionalModel"]
+__all__ = ["FunctionalEngine", "FunctionalModel", "model_attributes"]
+
+
+#: what every module holds (parameters, buffers, submodules, hooks, the training flag), which
+#: the engines' keys cover apart
+_MODULE_STATE = frozenset(vars(nn.Module()))
+
+
+def model_attributes(model: nn.Module) -> tuple:
+    """The plain values the modules hold beside their parameters, buffers and submodules
+    (numbers, strings, flags, tensors by identity, tuples and lists of them), as
+    ``(("<module path>.<name>", value), ...)``: what an engine that records the forward pass
+    once (a trace, a plan of layer rules) takes as constants, to compare from step to step.
+    Other objects (configurations, functions) are left out, and so are tensors under private
+    names: caches of the module's own (``nn.LSTM._flat_weights`` holds whatever tensors its
+    weights were last set to, a new list after each of SGN's functional passes)."""
+    out = []
+    for path, module in model.named_modules():
+        for name, value in vars(module).items():
+            if name in _MODULE_STATE:
+                continue
+            frozen = _frozen(value, tensors=not name.startswith("_"))
+            if frozen is not _OPAQUE:
+                out.append((f"{path}.{name}" if path else name, frozen))
+    return tuple(out)
+
+
+_OPAQUE = object()
+_SIMPLE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def _frozen(value: object, depth: int = 0, tensors: bool = True) -> object:
+    """A hashable snapshot of ``value``, or ``_OPAQUE`` (a tensor too, unless ``tensors``)."""
+    if isinstance(value, _SIMPLE):
+        return value
+    if isinstance(value, Tensor):  # read by the trace as it is, in place changes included
+        return ("tensor", id(value)) if tensors else _OPAQUE
+    if isinstance(value, (tuple, list)) and depth < 2:
+        items = tuple(_frozen(v, depth + 1, tensors) for v in value)
+        return _OPAQUE if any(i is _OPAQUE for i in items) else (type(value).__name__, items)
+    return _OPAQUE
 
 
 class FunctionalModel:

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from . import graphs
 from .diagnostics import warn
 from .forward_mode import backward_hooks
-from .functional import FunctionalEngine, FunctionalModel
+from .functional import FunctionalEngine, FunctionalModel, model_attributes
 from .layer_rules import RULES, LayerRule, Slot
 from .linearization import Batch, Engine, Linearization, SampleSpace, loss_and_output_gradient
 from .losses import OutputLoss
@@ -113,6 +113,7 @@ def _structure(model: nn.Module) -> tuple:
         bool(nn.modules.module._global_forward_hooks),
         bool(nn.modules.module._global_forward_pre_hooks),
         backward_hooks(model) is not None,
+        model_attributes(model),  # the rules hold the layers' settings (stride, p, slope)
     )
 
 

@@ -57,7 +57,7 @@ from torch.func import functional_call
 from . import graphs
 from .diagnostics import warn
 from .forward_mode import backward_hooks, gradient_stop_notice, missing_rule
-from .functional import FunctionalEngine, FunctionalModel
+from .functional import FunctionalEngine, FunctionalModel, model_attributes
 from .linearization import Batch, Linearization
 from .losses import OutputLoss
 from .tangent_rules import TangentRules
@@ -94,6 +94,11 @@ ACCUMULATE_IN_PLACE = True
 #: directly): the product then has the table's rows, not the batch's tokens (the results agree
 #: to rounding)
 EMBEDDING_PRODUCTS = True
+
+#: a model attribute (a plain Python value a module holds, read by ``forward``: a temperature,
+#: a flag) that changed this many times, each time calling for a new trace, hands the model to
+#: the functional engine, with a warning that names it
+RETRACES_PER_ATTRIBUTE = 3
 
 
 class Untraceable(Exception):
@@ -145,14 +150,32 @@ class TracedEngine:
         self._cache: OrderedDict[tuple, object] = OrderedDict()
         self._warned: set = set()
         self._capture_failed: Optional[str] = None
+        self._attributes: Optional[tuple] = None  # the model's attributes at the last call
+        self._retraces: Dict[str, int] = {}  # traces each attribute's change called for
+        self._changing: Optional[str] = None  # the attribute that keeps changing, if one does
 
     def __call__(
         self, flat: Tensor, batch: Batch, buffers_out: Optional[dict] = None
     ) -> Linearization:
         fmodel, model = self.fmodel, self.fmodel.model
         args, targets = batch.args, batch.targets
-        key = _key(model, flat, args, targets)
+        if self._changing is not None:
+            return self._functional(flat, batch, buffers_out)
+        attributes = model_attributes(model)
+        if isinstance(getattr(self.loss, "fn", None), nn.Module):  # a loss module's too
+            attributes += tuple(("loss." + n, v) for n, v in model_attributes(self.loss.fn))
+        key = (_key(model, flat, args, targets), attributes)
         traced = self._cache.get(key)
+        if traced is None and self._retrace_for_attributes(attributes):
+            self._warn(
+                f"the model's attribute {self._changing} changed at {RETRACES_PER_ATTRIBUTE} "
+                "steps, and a trace takes such values as constants: the traced engine hands "
+                "the model to the functional engine, which re-runs the forward pass at every "
+                "G v product. Hold a value that changes during training in a tensor "
+                "(register_buffer), which traces take as an input"
+            )
+            return self._functional(flat, batch, buffers_out)
+        self._attributes = attributes
         if traced is None:
             try:
                 traced = _trace(fmodel, self.loss, flat, args, targets)
@@ -264,6 +287,20 @@ class TracedEngine:
             )
             return None
         return traced.replayed
+
+    def _retrace_for_attributes(self, attributes: tuple) -> bool:
+        """Counts the attributes that changed since the last call (a trace is due); whether
+        one has now changed :data:`RETRACES_PER_ATTRIBUTE` times (then :attr:`_changing` names
+        it)."""
+        if self._attributes is None or self._attributes == attributes:
+            return False
+        before = dict(self._attributes)
+        for name, value in attributes:
+            if name in before and before[name] is not value and before[name] != value:
+                self._retraces[name] = self._retraces.get(name, 0) + 1
+                if self._retraces[name] >= RETRACES_PER_ATTRIBUTE:
+                    self._changing = name
+        return self._changing is not None
 
     def _warn(self, message: str) -> None:
         if message not in self._warned:
