@@ -226,7 +226,9 @@ def gradient_stop(run: Callable[[], object], inputs: str = "the parameters") -> 
     the gradient takes such values as constants, forward mode does not, so its ``J v`` would
     be of another matrix than the gradient's ``J^T u`` and ``G`` not symmetric. Where this
     finds one, ``J v`` is taken in reverse mode. A custom ``autograd.Function``'s forward also
-    runs with autograd off, but its result requires grad again: not a stop. ``run`` is called
+    runs with autograd off, but its result requires grad again: not a stop. A gradient hook
+    registered in the pass (``Tensor.register_hook`` on a tensor that requires grad) is one
+    too: the gradient runs it, forward mode does not. ``run`` is called
     once, with autograd on; ``inputs`` names the tensors it differentiates, for the message.
     """
     mode = _GradientStops(inputs)

@@ -171,8 +171,9 @@ class TracedEngine:
                 f"the model's attribute {self._changing} changed at {RETRACES_PER_ATTRIBUTE} "
                 "steps, and a trace takes such values as constants: the traced engine hands "
                 "the model to the functional engine, which re-runs the forward pass at every "
-                "G v product. Hold a value that changes during training in a tensor "
-                "(register_buffer), which traces take as an input"
+                "G v product. Hold a value that changes during training in a buffer "
+                "(register_buffer) updated in place (fill_, copy_), or pass it to forward: "
+                "traces read both anew at every step"
             )
             return self._functional(flat, batch, buffers_out)
         self._attributes = attributes
