@@ -528,6 +528,23 @@ def test_a_backward_hook_registered_between_steps_is_in_the_next_products(engine
     torch.testing.assert_close(GV, G_ref @ V, rtol=1e-9, atol=1e-11)
 
 
+def test_a_flag_that_switches_a_gradient_stop_on_is_checked_again():
+    torch.manual_seed(0)
+    model = NoGradGate(gate=False).double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    fmodel = FunctionalModel(model)
+    linearize = select_engine(fmodel, resolve_loss("mse"), "traced")
+    linearize(fmodel.flat(), Batch(x, y))  # traced in forward mode: no stop
+    model.gated = True  # the gate now under torch.no_grad: a new trace, checked again
+    G_ref, g_ref = dense_ggn_of_module(model, "mse", x, y)
+    V = _probes(fmodel.numel)
+    with pytest.warns(UserWarning, match="under torch.no_grad"):
+        lin = linearize(fmodel.flat(), Batch(x, y))
+        GV = torch.stack([lin.ggn_vp(v) for v in V.T], 1)
+    torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(GV, G_ref @ V, rtol=1e-9, atol=1e-11)
+
+
 @pytest.mark.parametrize("engine", ["auto", "functional"])
 def test_no_grad_on_the_inputs_alone_keeps_forward_mode(engine):
     torch.manual_seed(0)

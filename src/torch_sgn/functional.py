@@ -179,6 +179,12 @@ class FunctionalModel:
         finally:
             self._composites = self._composites or mode.routed
 
+    def check_again(self) -> None:
+        """The model's attributes changed (a flag may have switched a ``torch.no_grad`` block
+        or a lookup on): the next :meth:`gradient_stop` runs its checked forward pass again."""
+        self._stop_checked = False
+        self._gradient_stop = None
+
     # --- parameters as one vector -------------------------------------------------------------
     def flat(self) -> Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self.params])
@@ -247,8 +253,8 @@ class FunctionalModel:
         hook (see :func:`torch_sgn.forward_mode.gradient_stop`), scripted code that may do so
         (:func:`~torch_sgn.composites.scripted_stop`), modules with backward hooks
         (:func:`~torch_sgn.forward_mode.backward_hooks`). Found once, by one forward pass at
-        ``flat`` on ``inputs`` that leaves the random state as it was, and remembered; the
-        backward hooks are looked for at every call. The same pass finds whether forward
+        ``flat`` on ``inputs`` that leaves the random state as it was, and remembered until
+        :meth:`check_again`; the backward hooks are looked for at every call. The same pass finds whether forward
         passes call a function that runs as a composite (:meth:`composites`)."""
         if not self._stop_checked:
             rng = _get_rng(self.device)

@@ -176,6 +176,8 @@ class TracedEngine:
                 "traces read both anew at every step"
             )
             return self._functional(flat, batch, buffers_out)
+        if traced is None and self._attributes not in (None, attributes):
+            fmodel.check_again()  # the route (forward mode or double backward) may differ now
         self._attributes = attributes
         if traced is None:
             try:
