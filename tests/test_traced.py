@@ -396,6 +396,29 @@ def test_a_model_compiled_by_torch_compile_is_traced_as_the_module_it_wraps():
     assert all(a is b for a, b in zip(compiled.parameters(), model.parameters()))
 
 
+class _CompiledBlock(nn.Module):
+    """A block compiled by ``torch.compile`` inside a module that is not."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = torch.compile(nn.Sequential(nn.Linear(4, 5), nn.Tanh()))
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(self.block(x))
+
+
+def test_compiled_submodules_are_traced_as_the_modules_they_wrap():
+    torch.manual_seed(0)
+    model = _CompiledBlock().to(D)
+    x, y = torch.randn(6, 4, dtype=D), torch.randn(6, 3, dtype=D)
+    _matches_dense_reference(model, x, y)  # strict: a failed trace would raise
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "cannot trace" hand-over
+        SGN(model, "mse", cg_iters=3).step(x, y)
+    assert torch.equal(model(x), model.head(model.block._orig_mod(x)))  # the user's own call
+
+
 def test_auto_takes_the_layerwise_engine_for_chains_and_the_traced_engine_else():
     chain = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
     loss = resolve_loss("mse")

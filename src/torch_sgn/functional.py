@@ -10,8 +10,8 @@ gradient's forward pass.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import FrozenSet, Iterator, Optional, Tuple
+from contextlib import ExitStack, contextmanager, nullcontext
+from typing import ContextManager, FrozenSet, Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -163,6 +163,9 @@ class FunctionalModel:
         #: the model has modules that call its functions, or the first, checked forward pass
         #: (:meth:`gradient_stop`) called one
         self._composites = composite_modules(model)
+        self._compiled_parts = any(
+            type(m).__name__ == "OptimizedModule" for m in model.modules() if m is not model
+        )
 
     @contextmanager
     def composites(self) -> Iterator[None]:
@@ -178,6 +181,23 @@ class FunctionalModel:
                 yield
         finally:
             self._composites = self._composites or mode.routed
+
+    def eager_compiled(self) -> ContextManager[object]:
+        """Submodules wrapped by ``torch.compile`` run as the modules they wrap, as the model
+        itself does (the engines trace or compile the passes themselves; compiled code cannot
+        be traced, and within ``torch.func``'s transforms compiles again for each kind of
+        input). Where the model has such submodules: ``torch.compiler.set_stance
+        ("force_eager")`` (torch 2.6 on), and under a trace dynamo's option to run the wrapped
+        function instead of refusing the trace."""
+        if not self._compiled_parts:
+            return nullcontext()
+        stack = ExitStack()
+        if hasattr(torch.compiler, "set_stance"):
+            stack.enter_context(torch.compiler.set_stance("force_eager"))
+        config = getattr(getattr(torch, "_dynamo", None), "config", None)
+        if config is not None and hasattr(config, "error_on_nested_fx_trace"):
+            stack.enter_context(config.patch(error_on_nested_fx_trace=False))
+        return stack
 
     def check_again(self) -> None:
         """The model's attributes changed (a flag may have switched a ``torch.no_grad`` block
@@ -227,7 +247,7 @@ class FunctionalModel:
         tensors = {name: buffers[id(b)] for name, b in _slots(self.model, "_buffers")}
         chunks = [c.view(s) for c, s in zip(flat.split(self.numels), self.shapes)]
         tensors.update((name, chunks[i]) for name, i in self._slots)
-        with self.replay_rng(), kernels(self.switches), self.composites():
+        with self.replay_rng(), kernels(self.switches), self.composites(), self.eager_compiled():
             # Every slot is named, tied ones included: no tying by functional_call.
             try:
                 out = functional_call(self.model, tensors, args, tie_weights=False)
@@ -254,8 +274,9 @@ class FunctionalModel:
         (:func:`~torch_sgn.composites.scripted_stop`), modules with backward hooks
         (:func:`~torch_sgn.forward_mode.backward_hooks`). Found once, by one forward pass at
         ``flat`` on ``inputs`` that leaves the random state as it was, and remembered until
-        :meth:`check_again`; the backward hooks are looked for at every call. The same pass finds whether forward
-        passes call a function that runs as a composite (:meth:`composites`)."""
+        :meth:`check_again`; the backward hooks are looked for at every call. The same pass
+        finds whether forward passes call a function that runs as a composite
+        (:meth:`composites`)."""
         if not self._stop_checked:
             rng = _get_rng(self.device)
             leaf = flat.detach().requires_grad_(True)

@@ -550,7 +550,7 @@ def _forward(fmodel: FunctionalModel) -> Callable:
         chunks = [c.view(s) for c, s in zip(theta.split(fmodel.numels), fmodel.shapes)]
         tensors = {name: buffers[i] for name, i in buffer_slots}
         tensors.update((name, chunks[i] if t else frozen[i]) for name, t, i in param_slots)
-        with fmodel.composites():
+        with fmodel.composites(), fmodel.eager_compiled():
             out = functional_call(model, tensors, tuple(inputs), tie_weights=False)
         if not isinstance(out, Tensor):
             raise Untraceable(
