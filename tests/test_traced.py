@@ -330,6 +330,39 @@ def test_an_attribute_that_keeps_changing_hands_the_model_to_the_functional_engi
     torch.testing.assert_close(lin.ggn_vp(v), G_ref @ v, rtol=1e-9, atol=1e-11)
 
 
+class _WritesItsAttributes(nn.Module):
+    """Writes attributes in ``forward`` (a count, the last hidden state), as the older
+    ``weight_norm`` hook writes ``weight``: state of the pass, not a setting."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 3)
+        self.calls, self.last = 0, None
+
+    def forward(self, x):
+        self.calls += 1
+        h = torch.tanh(self.a(x))
+        self.last = h.detach()
+        return self.b(h)
+
+
+def test_attributes_the_forward_pass_writes_do_not_call_for_new_traces():
+    torch.manual_seed(0)
+    model = _WritesItsAttributes().to(D)
+    x, y = torch.randn(6, 4, dtype=D), torch.randn(6, 3, dtype=D)
+    engine = TracedEngine(FunctionalModel(model), resolve_loss("mse"))
+    flat = engine.fmodel.flat()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no hand-over to the functional engine
+        for _ in range(5):
+            model(x)  # the user's own passes write them too
+            lin = engine(flat, Batch(x, y))
+    assert len(engine._cache) == 1
+    G_ref, g_ref = dense_reference(model, F.mse_loss, x, y)
+    v = torch.randn(engine.fmodel.numel, dtype=D)
+    torch.testing.assert_close(lin.ggn_vp(v), G_ref @ v, rtol=1e-9, atol=1e-11)
+
+
 def test_a_changed_attribute_of_a_loss_module_is_traced_again():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(D)

@@ -151,6 +151,7 @@ class TracedEngine:
         self._warned: set = set()
         self._capture_failed: Optional[str] = None
         self._attributes: Optional[tuple] = None  # the model's attributes at the last call
+        self._written: set = set()  # attributes the forward pass writes (weight_norm's hook)
         self._retraces: Dict[str, int] = {}  # traces each attribute's change called for
         self._changing: Optional[str] = None  # the attribute that keeps changing, if one does
 
@@ -161,9 +162,7 @@ class TracedEngine:
         args, targets = batch.args, batch.targets
         if self._changing is not None:
             return self._functional(flat, batch, buffers_out)
-        attributes = model_attributes(model)
-        if isinstance(getattr(self.loss, "fn", None), nn.Module):  # a loss module's too
-            attributes += tuple(("loss." + n, v) for n, v in model_attributes(self.loss.fn))
+        attributes = self._attributes_now()
         key = (_key(model, flat, args, targets), attributes)
         traced = self._cache.get(key)
         if traced is None and self._retrace_for_attributes(attributes):
@@ -188,6 +187,11 @@ class TracedEngine:
                 traced = why
             else:
                 self._compile(traced)
+            after = self._attributes_now()
+            if after != attributes:  # written by the forward pass itself: not a setting
+                self._written.update(_changed(attributes, after))
+                self._attributes = attributes = self._attributes_now()
+                key = (key[0], attributes)
             self._cache[key] = traced
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
@@ -291,24 +295,36 @@ class TracedEngine:
             return None
         return traced.replayed
 
+    def _attributes_now(self) -> tuple:
+        """The model's attributes and a loss module's (:func:`~torch_sgn.functional.
+        model_attributes`), less those the forward pass writes."""
+        attributes = model_attributes(self.fmodel.model)
+        if isinstance(getattr(self.loss, "fn", None), nn.Module):
+            attributes += tuple(("loss." + n, v) for n, v in model_attributes(self.loss.fn))
+        return tuple((n, v) for n, v in attributes if n not in self._written)
+
     def _retrace_for_attributes(self, attributes: tuple) -> bool:
         """Counts the attributes that changed since the last call (a trace is due); whether
         one has now changed :data:`RETRACES_PER_ATTRIBUTE` times (then :attr:`_changing` names
         it)."""
         if self._attributes is None or self._attributes == attributes:
             return False
-        before = dict(self._attributes)
-        for name, value in attributes:
-            if name in before and before[name] is not value and before[name] != value:
-                self._retraces[name] = self._retraces.get(name, 0) + 1
-                if self._retraces[name] >= RETRACES_PER_ATTRIBUTE:
-                    self._changing = name
+        for name in _changed(self._attributes, attributes):
+            self._retraces[name] = self._retraces.get(name, 0) + 1
+            if self._retraces[name] >= RETRACES_PER_ATTRIBUTE:
+                self._changing = name
         return self._changing is not None
 
     def _warn(self, message: str) -> None:
         if message not in self._warned:
             self._warned.add(message)
             warn(message)
+
+
+def _changed(before: tuple, after: tuple) -> List[str]:
+    """The names whose values differ between two :func:`model_attributes` snapshots."""
+    old = dict(before)
+    return [n for n, v in after if n in old and old[n] is not v and old[n] != v]
 
 
 def _capture_obstacle(traced: _Traced, args: Sequence[object]) -> Optional[str]:
