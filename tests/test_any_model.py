@@ -5,6 +5,7 @@ through the model's own parameters (``cases.dense_ggn_of_module``), in float64."
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
 
@@ -528,12 +529,13 @@ def test_a_backward_hook_registered_between_steps_is_in_the_next_products(engine
     torch.testing.assert_close(GV, G_ref @ V, rtol=1e-9, atol=1e-11)
 
 
-def test_a_flag_that_switches_a_gradient_stop_on_is_checked_again():
+@pytest.mark.parametrize("engine", ["traced", "functional"])
+def test_a_flag_that_switches_a_gradient_stop_on_is_checked_again(engine):
     torch.manual_seed(0)
     model = NoGradGate(gate=False).double()
     x, y = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
     fmodel = FunctionalModel(model)
-    linearize = select_engine(fmodel, resolve_loss("mse"), "traced")
+    linearize = select_engine(fmodel, resolve_loss("mse"), engine)
     linearize(fmodel.flat(), Batch(x, y))  # traced in forward mode: no stop
     model.gated = True  # the gate now under torch.no_grad: a new trace, checked again
     G_ref, g_ref = dense_ggn_of_module(model, "mse", x, y)
@@ -542,6 +544,73 @@ def test_a_flag_that_switches_a_gradient_stop_on_is_checked_again():
         lin = linearize(fmodel.flat(), Batch(x, y))
         GV = torch.stack([lin.ggn_vp(v) for v in V.T], 1)
     torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(GV, G_ref @ V, rtol=1e-9, atol=1e-11)
+
+
+def test_a_second_backward_hook_registered_between_steps_is_in_the_next_products():
+    torch.manual_seed(0)
+    model = Hooked("module").double()  # one hook on b
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    fmodel = FunctionalModel(model)
+    linearize = select_engine(fmodel, resolve_loss("mse"), "traced")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the notice of double backward
+        linearize(fmodel.flat(), Batch(x, y))
+        model.a.register_full_backward_pre_hook(lambda m, grad_out: (grad_out[0] * 3,))
+        lin = linearize(fmodel.flat(), Batch(x, y))
+    G_ref, g_ref = dense_ggn_of_module(model, "mse", x, y)
+    V = _probes(fmodel.numel)
+    torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(torch.stack([lin.ggn_vp(v) for v in V.T], 1), G_ref @ V)
+
+
+def test_a_stop_switched_on_after_the_hand_over_to_the_functional_engine_is_found():
+    torch.manual_seed(0)
+    model = NoGradGate(gate=False).double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    fmodel = FunctionalModel(model)
+    linearize = select_engine(fmodel, resolve_loss("mse"), "traced")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(5):  # a counter the model holds: the functional engine after three
+            model.seen = step
+            linearize(fmodel.flat(), Batch(x, y))
+        model.gated = True
+        lin = linearize(fmodel.flat(), Batch(x, y))
+    G_ref, _ = dense_ggn_of_module(model, "mse", x, y)
+    V = _probes(fmodel.numel)
+    torch.testing.assert_close(torch.stack([lin.ggn_vp(v) for v in V.T], 1), G_ref @ V)
+
+
+class _Focal(nn.Module):
+    """A focal loss whose weights a flag puts under ``torch.no_grad``."""
+
+    def __init__(self):
+        super().__init__()
+        self.stop = False
+
+    def forward(self, outputs, targets):
+        log_p = F.log_softmax(outputs, 1)
+        with torch.no_grad() if self.stop else contextlib.nullcontext():
+            weights = (1 - log_p.exp()) ** 2
+        return -(weights * log_p).gather(1, targets[:, None]).mean()
+
+
+@pytest.mark.parametrize("engine", ["traced", "functional"])
+def test_a_loss_flag_that_switches_a_stop_on_is_checked_again(engine):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,))
+    loss = _Focal()
+    linearize = select_engine(FunctionalModel(model), resolve_loss(loss), engine)
+    linearize(FunctionalModel(model).flat(), Batch(x, y))
+    loss.stop = True
+    with pytest.warns(UserWarning, match="under torch.no_grad"):
+        lin = linearize(FunctionalModel(model).flat(), Batch(x, y))
+        V = _probes(len(lin.grad))
+        GV = torch.stack([lin.ggn_vp(v) for v in V.T], 1)
+    G_ref, _ = dense_ggn_of_module(model, loss, x, y)
     torch.testing.assert_close(GV, G_ref @ V, rtol=1e-9, atol=1e-11)
 
 
@@ -564,16 +633,21 @@ STOP = (
 )
 
 
-def test_the_gradient_stop_is_found_once_and_leaves_the_random_state():
+def test_the_gradient_stop_is_found_once_per_setting_and_leaves_the_random_state(monkeypatch):
     torch.manual_seed(0)
     model = nn.Sequential(NoGradGate(), nn.Dropout(0.5))
     fmodel, x = FunctionalModel(model), torch.randn(5, 4)
+    passes = []
+    forward = NoGradGate.forward
+    monkeypatch.setattr(NoGradGate, "forward", lambda *a: passes.append(1) or forward(*a))
     state = torch.get_rng_state()
     assert fmodel.gradient_stop(fmodel.flat(), x) == STOP
+    assert fmodel.gradient_stop(fmodel.flat(), x) == STOP  # remembered: no second pass
+    assert len(passes) == 1
     assert torch.equal(torch.get_rng_state(), state)
-    model[0].gated = False  # remembered, not looked for again
-    assert fmodel.gradient_stop(fmodel.flat(), x) == STOP
-    assert FunctionalModel(model).gradient_stop(fmodel.flat(), x) is None
+    model[0].gated = False  # a setting changed: looked for again
+    assert fmodel.gradient_stop(fmodel.flat(), x) is None
+    assert len(passes) == 2
 
 
 class PaddedEncoder(nn.Module):

@@ -11,7 +11,7 @@ from torch import nn
 from cases import MODELS, dense_ggn
 from torch_sgn import GGN, SGN
 from torch_sgn.experiments.models import PRESETS
-from torch_sgn.functional import FunctionalModel
+from torch_sgn.functional import FunctionalEngine, FunctionalModel
 from torch_sgn.layer_rules import RULES
 from torch_sgn.layerwise import LayerwiseEngine, Unsupported, plan
 from torch_sgn.linearization import Batch
@@ -362,6 +362,11 @@ def test_a_changed_layer_setting_is_planned_again():
         model[1].negative_slope = slope
         lin = opt._engine(opt._fmodel.flat(), Batch(x, y))
         assert torch.equal(lin.loss, F.mse_loss(model(x), y))
+        reference = FunctionalEngine(opt._fmodel, resolve_loss("mse"))(
+            opt._fmodel.flat(), Batch(x, y)
+        )
+        v = torch.randn(opt._fmodel.numel, dtype=D)
+        torch.testing.assert_close(lin.ggn_vp(v), reference.ggn_vp(v), rtol=1e-9, atol=1e-11)
 
 
 def _flip(module, inputs, output):  # control flow on values: no engine can trace it

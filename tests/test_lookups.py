@@ -544,6 +544,34 @@ def test_scripted_submodules_give_exact_products(name, engine):
     torch.testing.assert_close(dense, G_ref, rtol=1e-9, atol=1e-11)
 
 
+class Embedding(nn.Module):
+    """A user's own class named ``Embedding`` (tokens and positions), to be scripted."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(5, 4, padding_idx=0), nn.Embedding(3, 4)
+
+    def forward(self, x):
+        return self.tokens(x) + self.positions(torch.arange(x.shape[1]))
+
+
+@pytest.mark.parametrize("how", ["scripted-own-class", "traced-module"])
+def test_scripted_modules_named_embedding_without_its_options_are_read_as_code(how):
+    torch.manual_seed(0)
+    x = torch.randint(0, 5, (6, 3), generator=torch.Generator().manual_seed(0))
+    x[:, -1] = 0
+    if how == "scripted-own-class":
+        embed = torch.jit.script(Embedding().to(D))
+    else:
+        embed = torch.jit.trace(nn.Embedding(5, 4, padding_idx=0).to(D), (x,))
+    model = nn.Sequential(embed, nn.Flatten(), nn.Linear(12, 3)).to(D)
+    y = torch.randn(6, 3, generator=torch.Generator().manual_seed(1), dtype=D)
+    G_ref, _ = dense_ggn_of_module(model, "mse", x, y)
+    with pytest.warns(UserWarning, match="TorchScript module '0'.*double backward"):
+        dense = GGN(model, "mse", x, y).to_dense()
+    torch.testing.assert_close(dense, G_ref, rtol=1e-9, atol=1e-11)
+
+
 def test_a_scripted_model_is_refused_with_what_to_do():
     model = torch.jit.script(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
     with pytest.raises(ValueError, match="TorchScript module as the model.*before torch.jit"):

@@ -374,7 +374,11 @@ def test_a_changed_attribute_of_a_loss_module_is_traced_again():
         warnings.simplefilter("ignore")  # the Huber loss's double backward
         for delta in (0.1, 2.0):
             huber.delta = delta
-            assert torch.equal(engine(flat, Batch(x, y)).loss, huber(model(x), y))
+            lin = engine(flat, Batch(x, y))
+            assert torch.equal(lin.loss, huber(model(x), y))
+            G_ref, _ = dense_reference(model, huber, x, y)
+            v = torch.randn(engine.fmodel.numel, dtype=D)
+            torch.testing.assert_close(lin.ggn_vp(v), G_ref @ v, rtol=1e-9, atol=1e-11)
 
 
 class _Branches(nn.Module):
@@ -450,6 +454,14 @@ def test_compiled_submodules_are_traced_as_the_modules_they_wrap():
         warnings.simplefilter("error", UserWarning)  # no "cannot trace" hand-over
         SGN(model, "mse", cg_iters=3).step(x, y)
     assert torch.equal(model(x), model.head(model.block._orig_mod(x)))  # the user's own call
+
+
+def test_a_submodule_compiled_in_place_is_traced_as_it_is():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(D)
+    model[0].compile()  # nn.Module.compile: the module itself, its calls compiled
+    x, y = torch.randn(6, 4, dtype=D), torch.randn(6, 3, dtype=D)
+    _matches_dense_reference(model, x, y)  # strict: a failed trace would raise
 
 
 def test_auto_takes_the_layerwise_engine_for_chains_and_the_traced_engine_else():

@@ -131,10 +131,13 @@ def scripted_stop(model: nn.Module) -> Optional[str]:
         seen.add(name)
         if not any(p.requires_grad for p in module.parameters()):
             continue
-        if getattr(module, "original_name", None) == "Embedding":
-            if _has_options(
-                module.padding_idx, module.max_norm, module.scale_grad_by_freq, module.sparse
-            ):
+        options = [getattr(module, o, None) for o in _OPTIONS]
+        # a scripted nn.Embedding holds its options (a traced one, or another class of that
+        # name, need not: their code is read below)
+        if getattr(module, "original_name", None) == "Embedding" and all(
+            isinstance(flag, bool) for flag in options[2:]
+        ):
+            if _has_options(*options):
                 return (
                     f"looks up rows of the TorchScript embedding {name!r} with a padding row, "
                     "max_norm or frequency scaling: scripted code runs without SGN's "
@@ -156,6 +159,9 @@ def scripted_stop(model: nn.Module) -> Optional[str]:
                 "gradient leaves out"
             )
     return None
+
+
+_OPTIONS = ("padding_idx", "max_norm", "scale_grad_by_freq", "sparse")
 
 
 def _has_options(

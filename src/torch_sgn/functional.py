@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from .attributes import changed_attributes, model_attributes
 from .composites import Composites, composite_modules, scripted_stop
 from .diagnostics import warn
 from .forward_mode import (
@@ -33,47 +34,7 @@ from .forward_mode import (
 from .linearization import Batch, Inputs, Linearization, loss_and_output_gradient
 from .losses import OutputLoss
 
-__all__ = ["FunctionalEngine", "FunctionalModel", "model_attributes"]
-
-
-#: what every module holds (parameters, buffers, submodules, hooks, the training flag), which
-#: the engines' keys cover apart
-_MODULE_STATE = frozenset(vars(nn.Module()))
-
-
-def model_attributes(model: nn.Module) -> tuple:
-    """The plain values the modules hold beside their parameters, buffers and submodules
-    (numbers, strings, flags, tensors by identity, tuples and lists of them), as
-    ``(("<module path>.<name>", value), ...)``: what an engine that records the forward pass
-    once (a trace, a plan of layer rules) takes as constants, to compare from step to step.
-    Other objects (configurations, functions) are left out, and so are tensors under private
-    names: caches of the module's own (``nn.LSTM._flat_weights`` holds whatever tensors its
-    weights were last set to, a new list after each of SGN's functional passes)."""
-    out = []
-    for path, module in model.named_modules():
-        for name, value in vars(module).items():
-            if name in _MODULE_STATE:
-                continue
-            frozen = _frozen(value, tensors=not name.startswith("_"))
-            if frozen is not _OPAQUE:
-                out.append((f"{path}.{name}" if path else name, frozen))
-    return tuple(out)
-
-
-_OPAQUE = object()
-_SIMPLE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
-
-
-def _frozen(value: object, depth: int = 0, tensors: bool = True) -> object:
-    """A hashable snapshot of ``value``, or ``_OPAQUE`` (a tensor too, unless ``tensors``)."""
-    if isinstance(value, _SIMPLE):
-        return value
-    if isinstance(value, Tensor):  # read by the trace as it is, in place changes included
-        return ("tensor", id(value)) if tensors else _OPAQUE
-    if isinstance(value, (tuple, list)) and depth < 2:
-        items = tuple(_frozen(v, depth + 1, tensors) for v in value)
-        return _OPAQUE if any(i is _OPAQUE for i in items) else (type(value).__name__, items)
-    return _OPAQUE
+__all__ = ["FunctionalEngine", "FunctionalModel"]
 
 
 class FunctionalModel:
@@ -109,8 +70,8 @@ class FunctionalModel:
         if isinstance(model, torch.jit.ScriptModule):
             raise ValueError(
                 "SGN cannot evaluate a TorchScript module as the model (torch.func's calls "
-                "refuse it): pass the nn.Module before torch.jit.script (scripted submodules "
-                "inside it are fine)"
+                "refuse it): pass the nn.Module before torch.jit.script or torch.jit.trace "
+                "(scripted submodules inside it are fine)"
             )
         self.model = model
         load_decompositions()  # now, not inside a pass that warnings-as-errors would fail
@@ -159,12 +120,18 @@ class FunctionalModel:
         self._after_first: dict | None = None
         self._gradient_stop: Optional[str] = None
         self._stop_checked = False
+        self._stop_settings: Optional[tuple] = None  # the settings the stop was checked at
+        #: attributes that forward passes write themselves (``weight_norm``'s hook writes
+        #: ``weight``): state of a pass, not settings (see :meth:`settings`)
+        self.written: set = set()
         #: whether forward passes run within :class:`~torch_sgn.composites.Composites`: where
         #: the model has modules that call its functions, or the first, checked forward pass
         #: (:meth:`gradient_stop`) called one
         self._composites = composite_modules(model)
-        self._compiled_parts = any(
-            type(m).__name__ == "OptimizedModule" for m in model.modules() if m is not model
+        self._compiled_parts = any(  # torch.compile(module), or module.compile() in place
+            type(m).__name__ == "OptimizedModule"
+            or getattr(m, "_compiled_call_impl", None) is not None
+            for m in model.modules()
         )
 
     @contextmanager
@@ -199,11 +166,10 @@ class FunctionalModel:
             stack.enter_context(config.patch(error_on_nested_fx_trace=False))
         return stack
 
-    def check_again(self) -> None:
-        """The model's attributes changed (a flag may have switched a ``torch.no_grad`` block
-        or a lookup on): the next :meth:`gradient_stop` runs its checked forward pass again."""
-        self._stop_checked = False
-        self._gradient_stop = None
+    def settings(self) -> tuple:
+        """The model's :func:`~torch_sgn.attributes.model_attributes`, less those forward
+        passes write (:attr:`written`): the values a recorded pass takes as constants."""
+        return tuple((n, v) for n, v in model_attributes(self.model) if n not in self.written)
 
     # --- parameters as one vector -------------------------------------------------------------
     def flat(self) -> Tensor:
@@ -272,24 +238,27 @@ class FunctionalModel:
         the forward pass computes from the parameters with autograd off or registers a tensor
         hook (see :func:`torch_sgn.forward_mode.gradient_stop`), scripted code that may do so
         (:func:`~torch_sgn.composites.scripted_stop`), modules with backward hooks
-        (:func:`~torch_sgn.forward_mode.backward_hooks`). Found once, by one forward pass at
-        ``flat`` on ``inputs`` that leaves the random state as it was, and remembered until
-        :meth:`check_again`; the backward hooks are looked for at every call. The same pass
-        finds whether forward passes call a function that runs as a composite
-        (:meth:`composites`)."""
-        if not self._stop_checked:
+        (:func:`~torch_sgn.forward_mode.backward_hooks`, looked for at every call). Found by
+        one forward pass at ``flat`` on ``inputs`` that leaves the random state as it was, run
+        again where the model's :meth:`settings` changed since (a flag may switch a
+        ``torch.no_grad`` block on). The same pass finds whether forward passes call a
+        function that runs as a composite (:meth:`composites`) and which attributes they
+        write."""
+        settings = self.settings()
+        if not self._stop_checked or settings != self._stop_settings:
             rng = _get_rng(self.device)
             leaf = flat.detach().requires_grad_(True)
+            before = model_attributes(self.model)
             try:
                 self._gradient_stop = gradient_stop(lambda: self(leaf, inputs))
             except Exception:  # noqa: BLE001 - the engine's own forward pass reports it
                 self._gradient_stop = None
             finally:
                 _set_rng(self.device, rng)
+            self.written.update(changed_attributes(before, model_attributes(self.model)))
             if self._gradient_stop is None:  # scripted code, which that pass cannot see into
                 self._gradient_stop = scripted_stop(self.model)
-            self._stop_checked = True
-        # backward hooks, looked for at every call: one may be registered between steps
+            self._stop_checked, self._stop_settings = True, self.settings()
         return self._gradient_stop or backward_hooks(self.model)
 
     @contextmanager

@@ -258,7 +258,7 @@ _ACTIVATIONS: Dict[Type[nn.Module], Callable[[nn.Module], tuple]] = {
     nn.Tanh: lambda m: (torch.tanh, lambda z, y: 1 - y * y),
     nn.LeakyReLU: lambda m: (
         lambda z: F.leaky_relu(z, m.negative_slope),
-        lambda z, y: torch.where(z > 0, 1.0, m.negative_slope).to(z.dtype),
+        lambda z, y: torch.where(z > 0, z.new_ones(()), z.new_full((), m.negative_slope)),
     ),
     nn.ELU: lambda m: (
         lambda z: F.elu(z, m.alpha),

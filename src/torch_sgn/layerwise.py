@@ -36,9 +36,10 @@ import torch
 from torch import Tensor, nn
 
 from . import graphs
+from .attributes import model_attributes
 from .diagnostics import warn
 from .forward_mode import backward_hooks
-from .functional import FunctionalEngine, FunctionalModel, model_attributes
+from .functional import FunctionalEngine, FunctionalModel
 from .layer_rules import RULES, LayerRule, Slot
 from .linearization import Batch, Engine, Linearization, SampleSpace, loss_and_output_gradient
 from .losses import OutputLoss

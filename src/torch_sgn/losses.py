@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .attributes import model_attributes
 from .diagnostics import warn
 from .forward_mode import gradient_stop, missing_rule
 
@@ -328,7 +329,7 @@ class _Generic(OutputLoss):
     #: products by reverse-over-reverse: set when the loss's backward lacks a forward rule, or
     #: where the loss computes from the outputs under ``torch.no_grad`` (see :meth:`hessian`)
     reverse_over_reverse = False
-    _stop_checked = False
+    _stop_settings: object = None  # the loss module's attributes when last checked
 
     def hvp(self, outputs: Tensor, targets: Tensor, u: Tensor) -> Tensor:
         return self.hessian(outputs, targets)(u)
@@ -340,8 +341,11 @@ class _Generic(OutputLoss):
         # backward pass through it.
         z = outputs.detach()
         graph: list = []
-        if not self._stop_checked:  # once: a value the gradient takes as a constant
-            self._stop_checked = True
+        settings = model_attributes(self.fn) if isinstance(self.fn, nn.Module) else ()
+        if not self.reverse_over_reverse and settings != self._stop_settings:
+            # a value the gradient takes as a constant: checked once, and again where the loss
+            # module's attributes changed (a flag may switch the block on)
+            self._stop_settings = settings
             with torch.enable_grad():
                 w = z.clone().requires_grad_(True)
                 stop = gradient_stop(lambda: self.value(w, targets), "the outputs")

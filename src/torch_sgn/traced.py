@@ -55,9 +55,10 @@ from torch import Tensor, fx, nn
 from torch.func import functional_call
 
 from . import graphs
+from .attributes import changed_attributes, model_attributes
 from .diagnostics import warn
-from .forward_mode import backward_hooks, gradient_stop_notice, missing_rule
-from .functional import FunctionalEngine, FunctionalModel, model_attributes
+from .forward_mode import gradient_stop_notice, missing_rule
+from .functional import FunctionalEngine, FunctionalModel
 from .linearization import Batch, Linearization
 from .losses import OutputLoss
 from .tangent_rules import TangentRules
@@ -151,7 +152,6 @@ class TracedEngine:
         self._warned: set = set()
         self._capture_failed: Optional[str] = None
         self._attributes: Optional[tuple] = None  # the model's attributes at the last call
-        self._written: set = set()  # attributes the forward pass writes (weight_norm's hook)
         self._retraces: Dict[str, int] = {}  # traces each attribute's change called for
         self._changing: Optional[str] = None  # the attribute that keeps changing, if one does
 
@@ -166,8 +166,11 @@ class TracedEngine:
         key = (_key(model, flat, args, targets), attributes)
         traced = self._cache.get(key)
         if traced is None and self._retrace_for_attributes(attributes):
+            name, owner = self._changing, "the model"
+            if name.startswith("loss."):
+                name, owner = name[len("loss.") :], "the loss"
             self._warn(
-                f"the model's attribute {self._changing} changed at {RETRACES_PER_ATTRIBUTE} "
+                f"{owner}'s attribute {name} changed at {RETRACES_PER_ATTRIBUTE} "
                 "steps, and a trace takes such values as constants: the traced engine hands "
                 "the model to the functional engine, which re-runs the forward pass at every "
                 "G v product. Hold a value that changes during training in a buffer "
@@ -175,8 +178,6 @@ class TracedEngine:
                 "traces read both anew at every step"
             )
             return self._functional(flat, batch, buffers_out)
-        if traced is None and self._attributes not in (None, attributes):
-            fmodel.check_again()  # the route (forward mode or double backward) may differ now
         self._attributes = attributes
         if traced is None:
             try:
@@ -189,7 +190,7 @@ class TracedEngine:
                 self._compile(traced)
             after = self._attributes_now()
             if after != attributes:  # written by the forward pass itself: not a setting
-                self._written.update(_changed(attributes, after))
+                fmodel.written.update(changed_attributes(attributes, after))
                 self._attributes = attributes = self._attributes_now()
                 key = (key[0], attributes)
             self._cache[key] = traced
@@ -296,12 +297,15 @@ class TracedEngine:
         return traced.replayed
 
     def _attributes_now(self) -> tuple:
-        """The model's attributes and a loss module's (:func:`~torch_sgn.functional.
-        model_attributes`), less those the forward pass writes."""
-        attributes = model_attributes(self.fmodel.model)
+        """The model's settings (:meth:`~torch_sgn.functional.FunctionalModel.settings`) and
+        a loss module's attributes (as ``loss.<name>``)."""
+        attributes = self.fmodel.settings()
         if isinstance(getattr(self.loss, "fn", None), nn.Module):
-            attributes += tuple(("loss." + n, v) for n, v in model_attributes(self.loss.fn))
-        return tuple((n, v) for n, v in attributes if n not in self._written)
+            own = model_attributes(self.loss.fn)
+            attributes += tuple(
+                ("loss." + n, v) for n, v in own if "loss." + n not in self.fmodel.written
+            )
+        return attributes
 
     def _retrace_for_attributes(self, attributes: tuple) -> bool:
         """Counts the attributes that changed since the last call (a trace is due); whether
@@ -309,7 +313,7 @@ class TracedEngine:
         it)."""
         if self._attributes is None or self._attributes == attributes:
             return False
-        for name in _changed(self._attributes, attributes):
+        for name in changed_attributes(self._attributes, attributes):
             self._retraces[name] = self._retraces.get(name, 0) + 1
             if self._retraces[name] >= RETRACES_PER_ATTRIBUTE:
                 self._changing = name
@@ -321,10 +325,19 @@ class TracedEngine:
             warn(message)
 
 
-def _changed(before: tuple, after: tuple) -> List[str]:
-    """The names whose values differ between two :func:`model_attributes` snapshots."""
-    old = dict(before)
-    return [n for n, v in after if n in old and old[n] is not v and old[n] != v]
+def _backward_hook_handles(model: nn.Module) -> tuple:
+    """Which backward hooks the model's modules and every module have (a trace records the
+    hooks it ran)."""
+    module = nn.modules.module
+    return (
+        tuple(module._global_backward_hooks),
+        tuple(getattr(module, "_global_backward_pre_hooks", ())),
+        tuple(
+            (id(m), tuple(m._backward_hooks), tuple(getattr(m, "_backward_pre_hooks", ())))
+            for m in model.modules()
+            if m._backward_hooks or getattr(m, "_backward_pre_hooks", None)
+        ),
+    )
 
 
 def _capture_obstacle(traced: _Traced, args: Sequence[object]) -> Optional[str]:
@@ -495,7 +508,7 @@ def _key(model: nn.Module, flat: Tensor, args: Sequence[Tensor], targets: Tensor
         tuple((name, id(b), spec(b)) for name, b in model.named_buffers()),
         bool(nn.modules.module._global_forward_hooks),
         bool(nn.modules.module._global_forward_pre_hooks),
-        backward_hooks(model) is not None,  # J v by double backward where there are any
+        _backward_hook_handles(model),  # J v by double backward, through these hooks
         spec(flat),
         tuple(spec(a) for a in args),
         spec(targets),
