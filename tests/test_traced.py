@@ -354,10 +354,13 @@ def test_attributes_the_forward_pass_writes_do_not_call_for_new_traces():
     flat = engine.fmodel.flat()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no hand-over to the functional engine
+        engine(flat, Batch(x, y))
+        assert model.calls == 0 and model.last is None  # the trace's writes (fakes) undone
         for _ in range(5):
-            model(x)  # the user's own passes write them too
+            model(x)  # the user's own passes write them
             lin = engine(flat, Batch(x, y))
     assert len(engine._cache) == 1
+    assert type(model.last) is torch.Tensor and model.calls == 5
     G_ref, g_ref = dense_reference(model, F.mse_loss, x, y)
     v = torch.randn(engine.fmodel.numel, dtype=D)
     torch.testing.assert_close(lin.ggn_vp(v), G_ref @ v, rtol=1e-9, atol=1e-11)

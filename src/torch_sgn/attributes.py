@@ -14,7 +14,7 @@ from typing import List
 import torch
 from torch import Tensor, nn
 
-__all__ = ["changed_attributes", "model_attributes"]
+__all__ = ["changed_attributes", "model_attributes", "module_state", "restore_module_state"]
 
 #: what every module holds (parameters, buffers, submodules, hooks, the training flag), which
 #: the engines' keys cover apart
@@ -60,3 +60,23 @@ def changed_attributes(before: tuple, after: tuple) -> List[str]:
     """The names whose values differ between two :func:`model_attributes` snapshots."""
     old = dict(before)
     return [n for n, v in after if n in old and old[n] is not v and old[n] != v]
+
+
+def module_state(model: nn.Module) -> list:
+    """Every module's own attributes (beside parameters, buffers, submodules and hooks), as
+    they are: what :func:`restore_module_state` puts back after a pass that must leave no
+    trace in them (a trace's forward pass writes fake tensors where ``forward`` stores one)."""
+    return [
+        (m, {k: v for k, v in vars(m).items() if k not in _MODULE_STATE}) for m in model.modules()
+    ]
+
+
+def restore_module_state(state: list) -> None:
+    """Puts back the attributes :func:`module_state` took (and drops those added since)."""
+    for module, before in state:
+        own = vars(module)
+        for name in [k for k in own if k not in _MODULE_STATE and k not in before]:
+            del own[name]
+        for name, value in before.items():
+            if own.get(name, _OPAQUE) is not value:
+                own[name] = value

@@ -55,7 +55,12 @@ from torch import Tensor, fx, nn
 from torch.func import functional_call
 
 from . import graphs
-from .attributes import changed_attributes, model_attributes
+from .attributes import (
+    changed_attributes,
+    model_attributes,
+    module_state,
+    restore_module_state,
+)
 from .diagnostics import warn
 from .forward_mode import gradient_stop_notice, missing_rule
 from .functional import FunctionalEngine, FunctionalModel
@@ -180,15 +185,18 @@ class TracedEngine:
             return self._functional(flat, batch, buffers_out)
         self._attributes = attributes
         if traced is None:
+            state = module_state(model)  # the trace writes fake tensors where forward stores one
             try:
                 traced = _trace(fmodel, self.loss, flat, args, targets)
             except Untraceable as why:
-                if self.strict:
-                    raise ValueError(f"engine='traced' cannot trace this model: {why}") from None
                 traced = why
             else:
                 self._compile(traced)
-            after = self._attributes_now()
+            finally:
+                after = self._attributes_now()
+                restore_module_state(state)
+            if isinstance(traced, Untraceable) and self.strict:
+                raise ValueError(f"engine='traced' cannot trace this model: {traced}") from None
             if after != attributes:  # written by the forward pass itself: not a setting
                 fmodel.written.update(changed_attributes(attributes, after))
                 self._attributes = attributes = self._attributes_now()
