@@ -556,7 +556,7 @@ def test_a_second_backward_hook_registered_between_steps_is_in_the_next_products
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the notice of double backward
         linearize(fmodel.flat(), Batch(x, y))
-        model.a.register_full_backward_pre_hook(lambda m, grad_out: (grad_out[0] * 3,))
+        model.b.register_full_backward_pre_hook(lambda m, grad_out: (grad_out[0] * 3,))
         lin = linearize(fmodel.flat(), Batch(x, y))
     G_ref, g_ref = dense_ggn_of_module(model, "mse", x, y)
     V = _probes(fmodel.numel)
