@@ -271,24 +271,36 @@ def test_huber_reports_its_missing_rule_once():
     assert loss.reverse_over_reverse
 
 
-def _focal(outputs, targets):
-    """A focal loss whose modulating weights are computed under ``torch.no_grad``: the
-    gradient takes them as constants."""
-    log_p = F.log_softmax(outputs, 1)
-    with torch.no_grad():
-        weights = (1 - log_p.exp()) ** 2
-    return -(weights * log_p).gather(1, targets[:, None]).mean()
+class _Focal(nn.Module):
+    """A focal loss whose weights a flag puts under ``torch.no_grad``."""
+
+    def __init__(self):
+        super().__init__()
+        self.stop = False
+
+    def forward(self, outputs, targets):
+        log_p = F.log_softmax(outputs, 1)
+        with torch.no_grad() if self.stop else contextlib.nullcontext():
+            weights = (1 - log_p.exp()) ** 2
+        return -(weights * log_p).gather(1, targets[:, None]).mean()
 
 
-@pytest.mark.parametrize("engine", ["fast", "functional"])
-def test_a_loss_that_stops_the_gradient_gets_the_gradients_hessian(engine):
+def _focal_batch():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,))
-    G_ref, g_ref = dense_ggn_of_module(model, _focal, x, y)  # reverse mode alone
-    with pytest.warns(UserWarning, match="'_focal' computes .* from the outputs under torch"):
-        G = GGN(model, _focal, x, y, engine=engine)
+    return model, x, y
+
+
+@pytest.mark.parametrize("engine", ["fast", "functional"])
+def test_a_loss_that_stops_the_gradient_gets_the_gradients_hessian(engine):
+    model, x, y = _focal_batch()
+    focal = _Focal()
+    focal.stop = True
+    G_ref, g_ref = dense_ggn_of_module(model, focal, x, y)  # reverse mode alone
+    with pytest.warns(UserWarning, match="'_Focal' computes .* from the outputs under torch"):
+        G = GGN(model, focal, x, y, engine=engine)
         dense = G.to_dense()
     torch.testing.assert_close(G.gradient, g_ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(dense, G_ref, rtol=1e-9, atol=1e-11)
@@ -582,26 +594,9 @@ def test_a_stop_switched_on_after_the_hand_over_to_the_functional_engine_is_foun
     torch.testing.assert_close(torch.stack([lin.ggn_vp(v) for v in V.T], 1), G_ref @ V)
 
 
-class _Focal(nn.Module):
-    """A focal loss whose weights a flag puts under ``torch.no_grad``."""
-
-    def __init__(self):
-        super().__init__()
-        self.stop = False
-
-    def forward(self, outputs, targets):
-        log_p = F.log_softmax(outputs, 1)
-        with torch.no_grad() if self.stop else contextlib.nullcontext():
-            weights = (1 - log_p.exp()) ** 2
-        return -(weights * log_p).gather(1, targets[:, None]).mean()
-
-
 @pytest.mark.parametrize("engine", ["traced", "functional"])
 def test_a_loss_flag_that_switches_a_stop_on_is_checked_again(engine):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,))
+    model, x, y = _focal_batch()
     loss = _Focal()
     linearize = select_engine(FunctionalModel(model), resolve_loss(loss), engine)
     linearize(FunctionalModel(model).flat(), Batch(x, y))

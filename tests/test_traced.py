@@ -312,12 +312,17 @@ def test_a_changed_model_attribute_is_traced_again():
     assert len(engine._cache) == 4
 
 
-def test_an_attribute_that_keeps_changing_hands_the_model_to_the_functional_engine():
+def _lenient(build):
+    """A model of ``build``, a batch and a traced engine that hands over (not strict)."""
     torch.manual_seed(0)
-    model = _Annealed().to(D)
+    model = build().to(D)
     x, y = torch.randn(6, 4, dtype=D), torch.randn(6, 3, dtype=D)
     engine = TracedEngine(FunctionalModel(model), resolve_loss("mse"))
-    flat = engine.fmodel.flat()
+    return model, x, y, engine, engine.fmodel.flat()
+
+
+def test_an_attribute_that_keeps_changing_hands_the_model_to_the_functional_engine():
+    model, x, y, engine, flat = _lenient(_Annealed)
     engine(flat, Batch(x, y))
     with pytest.warns(UserWarning, match="attribute temperature changed at 3 steps.*buffer"):
         for step in range(1, 5):
@@ -347,11 +352,7 @@ class _WritesItsAttributes(nn.Module):
 
 
 def test_attributes_the_forward_pass_writes_do_not_call_for_new_traces():
-    torch.manual_seed(0)
-    model = _WritesItsAttributes().to(D)
-    x, y = torch.randn(6, 4, dtype=D), torch.randn(6, 3, dtype=D)
-    engine = TracedEngine(FunctionalModel(model), resolve_loss("mse"))
-    flat = engine.fmodel.flat()
+    model, x, y, engine, flat = _lenient(_WritesItsAttributes)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no hand-over to the functional engine
         engine(flat, Batch(x, y))
