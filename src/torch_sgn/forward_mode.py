@@ -249,12 +249,17 @@ def backward_hooks(model: torch.nn.Module) -> Optional[str]:
             "runs modules with global backward hooks (register_module_full_backward_hook): "
             "they may change the gradient, forward-mode AD does not run them"
         )
-    for name, module in model.named_modules():
-        if getattr(module, "_backward_hooks", None) or getattr(module, "_backward_pre_hooks", None):
-            return (
-                f"runs module {name or 'model'!r}, which has backward hooks: they may change "
-                "the gradient, forward-mode AD does not run them"
-            )
+    hooked = [
+        m
+        for m in model.modules()
+        if getattr(m, "_backward_hooks", None) or getattr(m, "_backward_pre_hooks", None)
+    ]
+    if hooked:  # (names looked up only then: this runs at every step)
+        name = next(n for n, m in model.named_modules() if m is hooked[0])
+        return (
+            f"runs module {name or 'model'!r}, which has backward hooks: they may change "
+            "the gradient, forward-mode AD does not run them"
+        )
     return None
 
 
