@@ -40,6 +40,7 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = [
     "SWITCHES",
+    "backward_hook_handles",
     "backward_hooks",
     "gradient_stop",
     "gradient_stop_notice",
@@ -237,30 +238,40 @@ def gradient_stop(run: Callable[[], object], inputs: str = "the parameters") -> 
     return mode.found
 
 
-def backward_hooks(model: torch.nn.Module) -> Optional[str]:
-    """Where ``model``'s modules (or every module, globally) have backward hooks, said as "the
-    forward pass ..." for :func:`gradient_stop_notice`; else ``None``. A hook may change the
-    gradient; forward mode does not run it, so ``J v`` is taken in reverse mode there too."""
-    from torch.nn.modules import module as module_
+def backward_hook_handles(model: torch.nn.Module) -> tuple:
+    """The backward hooks the model's gradient runs, by their handles: the global ones', then
+    ``(id(module), hooks, pre-hooks)`` of each module that has any; ``()`` where there are
+    none. What a recorded pass depends on (it runs the hooks it saw)."""
+    registry = torch.nn.modules.module
+    global_ = tuple(registry._global_backward_hooks) + tuple(
+        getattr(registry, "_global_backward_pre_hooks", ())
+    )
+    modules = tuple(
+        (id(m), tuple(m._backward_hooks), tuple(getattr(m, "_backward_pre_hooks", ())))
+        for m in model.modules()
+        if m._backward_hooks or getattr(m, "_backward_pre_hooks", None)
+    )
+    return (global_, modules) if global_ or modules else ()
 
-    hooks = ("_global_backward_hooks", "_global_backward_pre_hooks")
-    if any(getattr(module_, name, None) for name in hooks):
+
+def backward_hooks(model: torch.nn.Module) -> Optional[str]:
+    """Where the model's gradient runs backward hooks (:func:`backward_hook_handles`), said as
+    "the forward pass ..." for :func:`gradient_stop_notice`; else ``None``. A hook may change
+    the gradient; forward mode does not run it, so ``J v`` is taken in reverse mode there too."""
+    handles = backward_hook_handles(model)
+    if not handles:
+        return None
+    global_, modules = handles
+    if global_:
         return (
             "runs modules with global backward hooks (register_module_full_backward_hook): "
             "they may change the gradient, forward-mode AD does not run them"
         )
-    hooked = [
-        m
-        for m in model.modules()
-        if getattr(m, "_backward_hooks", None) or getattr(m, "_backward_pre_hooks", None)
-    ]
-    if hooked:  # (names looked up only then: this runs at every step)
-        name = next(n for n, m in model.named_modules() if m is hooked[0])
-        return (
-            f"runs module {name or 'model'!r}, which has backward hooks: they may change "
-            "the gradient, forward-mode AD does not run them"
-        )
-    return None
+    name = next(n for n, m in model.named_modules() if id(m) == modules[0][0])
+    return (
+        f"runs module {name or 'model'!r}, which has backward hooks: they may change "
+        "the gradient, forward-mode AD does not run them"
+    )
 
 
 def gradient_stop_notice(op: str) -> str:

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from . import graphs
 from .attributes import model_attributes
 from .diagnostics import warn
-from .forward_mode import backward_hooks
+from .forward_mode import backward_hook_handles
 from .functional import FunctionalEngine, FunctionalModel
 from .layer_rules import RULES, LayerRule, Slot
 from .linearization import Batch, Engine, Linearization, SampleSpace, loss_and_output_gradient
@@ -76,7 +76,7 @@ def plan(fmodel: FunctionalModel) -> List[LayerRule]:
         )
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
         raise Unsupported("global forward hooks are registered")
-    if backward_hooks(model) is not None:  # the layer rules' products and gradient skip them
+    if backward_hook_handles(model):  # the layer rules' products and gradient skip them
         raise Unsupported("the model has backward hooks, which its layer rules would not run")
     index = {id(p): i for i, p in enumerate(fmodel.params)}
     steps: List[LayerRule] = []
@@ -113,7 +113,7 @@ def _structure(model: nn.Module) -> tuple:
         tuple(id(p) for p in model.parameters()),
         bool(nn.modules.module._global_forward_hooks),
         bool(nn.modules.module._global_forward_pre_hooks),
-        backward_hooks(model) is not None,
+        bool(backward_hook_handles(model)),
         model_attributes(model),  # the rules hold the layers' settings (stride, p, slope)
     )
 

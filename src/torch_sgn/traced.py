@@ -62,7 +62,7 @@ from .attributes import (
     restore_module_state,
 )
 from .diagnostics import warn
-from .forward_mode import gradient_stop_notice, missing_rule
+from .forward_mode import backward_hook_handles, gradient_stop_notice, missing_rule
 from .functional import FunctionalEngine, FunctionalModel
 from .linearization import Batch, Linearization
 from .losses import OutputLoss
@@ -333,21 +333,6 @@ class TracedEngine:
             warn(message)
 
 
-def _backward_hook_handles(model: nn.Module) -> tuple:
-    """Which backward hooks the model's modules and every module have (a trace records the
-    hooks it ran)."""
-    module = nn.modules.module
-    return (
-        tuple(module._global_backward_hooks),
-        tuple(getattr(module, "_global_backward_pre_hooks", ())),
-        tuple(
-            (id(m), tuple(m._backward_hooks), tuple(getattr(m, "_backward_pre_hooks", ())))
-            for m in model.modules()
-            if m._backward_hooks or getattr(m, "_backward_pre_hooks", None)
-        ),
-    )
-
-
 def _capture_obstacle(traced: _Traced, args: Sequence[object]) -> Optional[str]:
     """Why a trace's graphs cannot be captured; ``None`` if they can be tried."""
     if not all(isinstance(a, Tensor) for a in args):
@@ -516,7 +501,7 @@ def _key(model: nn.Module, flat: Tensor, args: Sequence[Tensor], targets: Tensor
         tuple((name, id(b), spec(b)) for name, b in model.named_buffers()),
         bool(nn.modules.module._global_forward_hooks),
         bool(nn.modules.module._global_forward_pre_hooks),
-        _backward_hook_handles(model),  # J v by double backward, through these hooks
+        backward_hook_handles(model),  # J v by double backward, through these hooks
         spec(flat),
         tuple(spec(a) for a in args),
         spec(targets),
