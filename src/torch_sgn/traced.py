@@ -239,8 +239,13 @@ class TracedEngine:
         self.loss.check_targets(_shaped_like(traced, flat), targets)  # reads targets eagerly
         inputs = (flat, buffers, frozen, args, targets)
         replayed = self._replayed(traced, inputs)
-        if replayed is not None:  # (it writes into no buffer: nothing for buffers_out)
-            value, grad, outputs = replayed.set_up(inputs)
+        if replayed is not None:
+            value, grad, outputs, after = replayed.set_up(inputs)
+            if buffers_out is not None and after:  # (training mode: see _capture_obstacle)
+                after_of = {id(buffers[i]): t for i, t in after.items()}
+                buffers_out.update(
+                    (n, after_of[id(b)]) for n, b in model.named_buffers() if id(b) in after_of
+                )
             return Linearization(
                 value, grad, replayed.ggn_vp(), replayed.value_at(), outputs=outputs
             )
@@ -281,7 +286,8 @@ class TracedEngine:
         if traced.replayed is not None:
             return traced.replayed
         if traced.not_captured is None:  # decided once per trace: it reads the whole graph
-            why = graphs.device_obstacle(flat.device) or _capture_obstacle(traced, args)
+            training = self.fmodel.model.training
+            why = graphs.device_obstacle(flat.device) or _capture_obstacle(traced, inputs, training)
             traced.not_captured = why or ""
         if traced.not_captured:
             self._warn(
@@ -333,21 +339,21 @@ class TracedEngine:
             warn(message)
 
 
-def _capture_obstacle(traced: _Traced, args: Sequence[object]) -> Optional[str]:
+def _capture_obstacle(traced: _Traced, inputs: tuple, training: bool) -> Optional[str]:
     """Why a trace's graphs cannot be captured; ``None`` if they can be tried."""
+    flat, buffers, frozen, args, targets = inputs
     if not all(isinstance(a, Tensor) for a in args):
         return "the model takes inputs that are not tensors"
-    written = _written_memory(traced.setup.graph)
-    if any(isinstance(m, fx.Node) and m.op == "placeholder" for m in written):
-        # With the trial loss captured as well (and the passes writing into copies of the
-        # buffers made inside the graphs), replays left wrong running statistics on a GPU
-        # (H200, torch 2.11) while the steps matched the eager ones; the set-up and product
-        # alone had kept them exact there. Not explained: such models run eagerly
-        # (benchmarks/results/2026-11-27_h200_traced_graphs).
+    written = _written_inputs(traced.setup)
+    if any(not 1 <= i <= len(buffers) for i in written):
         return (
-            "the forward pass writes into the model's buffers (batch normalization's "
-            "running statistics in training mode), which replayed graphs do not yet keep "
-            "exact"
+            "the forward pass writes into its inputs or parameters, which a replayed graph "
+            "would write into its own copies of them"
+        )
+    if written and not training:  # eager passes write into the model's own buffers then
+        return (
+            "the forward pass writes into the model's buffers in evaluation mode, which a "
+            "replayed graph would write into its own copies of them"
         )
     why = _random_draw(traced.setup)
     if why is not None:
@@ -356,6 +362,24 @@ def _capture_obstacle(traced: _Traced, args: Sequence[object]) -> Optional[str]:
             "example), which a replayed graph would not draw as the trial points do"
         )
     return None
+
+
+def _written_inputs(graph: fx.GraphModule) -> List[int]:
+    """The positions of the inputs of ``graph`` that an operator of it writes into, running
+    statistics included (:func:`_statistics_written`)."""
+    nodes = graph.graph.nodes
+    written = {_memory_of(w) for n in nodes for w in _written(n) + _statistics_written(n)}
+    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    return [i for i, node in enumerate(placeholders) if node in written]
+
+
+def _copies_of_written(
+    tensors: List[Tensor], written: List[int]
+) -> Tuple[List[Tensor], Dict[int, Tensor]]:
+    """``tensors`` with those at the positions ``written`` replaced by copies, and the copies by
+    position (a graph that writes into them is replayed after copying the originals in)."""
+    copies = {i: tensors[i].clone() for i in written}
+    return [copies.get(i, t) for i, t in enumerate(tensors)], copies
 
 
 def _random_draw(graph: fx.GraphModule) -> Optional[str]:
@@ -397,18 +421,25 @@ class _Replayed:
     vector in and replays the product's graph, each trial point its parameters and the loss's
     graph (a forward pass and the loss, traced apart). They run hundreds of kernels where a
     model is small or recurrent, each launched once per replay instead of once per operator
-    call. The passes write into no buffer (:func:`_capture_obstacle`). A linearization's
-    products and losses are valid until the next set-up of the same trace replaces what they
-    read; one called later raises.
+    call. Buffers that a training-mode pass writes into (batch normalization's running
+    statistics) are copied inside the set-up's and the loss's graphs first, as an eager pass
+    writes into copies of the model's: the set-up's copies are the step's buffers afterwards,
+    the loss's are dropped. A linearization's products and losses are valid until the next
+    set-up of the same trace replaces what they read; one called later raises.
     """
 
     def __init__(self, traced: _Traced, value: fx.GraphModule, inputs):
         flat, buffers, frozen, args, targets = inputs
         self.static = [t.detach().clone() for t in (flat, *buffers, *frozen, *args, targets)]
+        self.v, self.point = torch.zeros_like(self.static[0]), self.static[0].clone()
+        # Each graph's inputs: the static ones, those it writes into replaced by copies.
+        setup_in, self.written = _copies_of_written(self.static, _written_inputs(traced.setup))
+        trial_in, trial_copies = _copies_of_written(
+            [self.point, *self.static[1:]], _written_inputs(value)
+        )
         # the loss's graph takes them as it was traced: (theta, buffers, frozen, inputs, targets)
         n, m = len(buffers), len(buffers) + len(frozen)
-        parts = self.static[1 : 1 + n], self.static[1 + n : 1 + m], self.static[1 + m : -1]
-        self.v, self.point = torch.zeros_like(self.static[0]), self.static[0].clone()
+        parts = trial_in[1 : 1 + n], trial_in[1 + n : 1 + m], trial_in[1 + m : -1]
         self.generation = 0
         self.out: List[Tensor] = []
         self.gv: Optional[Tensor] = None
@@ -418,7 +449,9 @@ class _Replayed:
         # uncaptured run, whose outputs would otherwise stay alive through it.
         def set_up() -> None:
             self.out, self.gv = [], None
-            self.out = traced.setup(*self.static)
+            for i, copy in self.written.items():
+                copy.copy_(self.static[i])
+            self.out = traced.setup(*setup_in)
 
         def product() -> None:
             self.gv = None
@@ -426,16 +459,19 @@ class _Replayed:
 
         def trial() -> None:
             self.value = None
-            self.value = value(self.point, *parts, self.static[-1])
+            for i, copy in trial_copies.items():
+                copy.copy_(self.static[i])
+            self.value = value(self.point, *parts, trial_in[-1])
 
         with torch.no_grad():
             replays = graphs.capture([set_up, product, trial], flat.device)
         self._set_up, self._product, self._trial = replays
 
-    def set_up(self, inputs) -> Tuple[Tensor, Tensor, Tensor]:
+    def set_up(self, inputs) -> Tuple[Tensor, Tensor, Tensor, Dict[int, Tensor]]:
         """Replays the set-up at ``inputs`` (flat parameters, buffers, frozen parameters,
-        inputs, targets): ``(loss, grad, outputs)``, copies that the next replay does not
-        overwrite."""
+        inputs, targets): ``(loss, grad, outputs, buffers)``, copies that the next replay does
+        not overwrite; ``buffers`` maps the position in ``inputs``' buffers of each buffer the
+        pass wrote into to its value afterwards."""
         flat, buffers, frozen, args, targets = inputs
         with torch.no_grad():
             for static, t in zip(self.static, (flat, *buffers, *frozen, *args, targets)):
@@ -443,7 +479,7 @@ class _Replayed:
             self._set_up()
         self.generation += 1
         value, grad, outputs = (t.clone() for t in self.out[:3])
-        return value, grad, outputs
+        return value, grad, outputs, {i - 1: t.clone() for i, t in self.written.items()}
 
     def _check(self, generation: int) -> None:
         if self.generation != generation:
@@ -719,6 +755,30 @@ def _draws_random(node: fx.Node) -> bool:
         and isinstance(target, torch._ops.OpOverload)
         and torch.Tag.nondeterministic_seeded in target.tags
     )
+
+
+#: Operators that update running statistics in place although their schemas do not mark those
+#: arguments as written: the arguments' positions, and the position of the flag that says
+#: whether they are updated (``None``: always).
+_UNMARKED_WRITES = {
+    _aten.native_batch_norm.default: ((3, 4), 5),
+    _aten.cudnn_batch_norm.default: ((3, 4), 5),
+    _aten.miopen_batch_norm.default: ((3, 4), 5),
+    _aten.batch_norm_update_stats.default: ((1, 2), None),
+}
+
+
+def _statistics_written(node: fx.Node) -> List[fx.Node]:
+    """The argument nodes that ``node`` writes running statistics into where its schema does
+    not say so (:data:`_UNMARKED_WRITES`; :func:`_written` reads the schemas). In training mode
+    a product's tangent formula may take the running statistics as arguments without reading
+    them, so only the graphs' static inputs (:func:`_written_inputs`) count these writes."""
+    if node.op != "call_function" or node.target not in _UNMARKED_WRITES:
+        return []
+    positions, flag = _UNMARKED_WRITES[node.target]
+    if flag is not None and (len(node.args) <= flag or node.args[flag] is False):
+        return []
+    return [n for i in positions if i < len(node.args) for n in _flat_nodes(node.args[i])]
 
 
 def _written(node: fx.Node) -> List[fx.Node]:
