@@ -19,6 +19,7 @@ from torch import nn
 from cases import dense_ggn_of_module
 from torch_sgn import GGN, SGN
 from torch_sgn.composites import Composites
+from torch_sgn.engines import select_engine
 from torch_sgn.forward_mode import missing_rule
 from torch_sgn.functional import FunctionalEngine, FunctionalModel
 from torch_sgn.linearization import Batch
@@ -402,10 +403,14 @@ def _products_on(device, name, engine, cuda_graphs=False):
     model, x, y = _case(name)
     V = torch.randn(sum(p.numel() for p in model.parameters()), 3, dtype=D)
     expected = GGN(copy.deepcopy(model), "mse", x, y, engine=engine) @ V
-    options = {"cuda_graphs": True} if cuda_graphs else {}
     model = copy.deepcopy(model).to(device)
-    G = GGN(model, "mse", _on(device, x), y.to(device), engine=engine, **options)
-    return (G @ V.to(device)).cpu(), expected
+    if not cuda_graphs:
+        G = GGN(model, "mse", _on(device, x), y.to(device), engine=engine)
+        return (G @ V.to(device)).cpu(), expected
+    fmodel = FunctionalModel(model)  # (GGN captures no graphs: the engine SGN steps with)
+    linearize = select_engine(fmodel, resolve_loss("mse"), engine, cuda_graphs=True)
+    lin = linearize(fmodel.flat(), Batch(_on(device, x), y.to(device)))
+    return torch.stack([lin.ggn_vp(v) for v in V.to(device).T], dim=1).cpu(), expected
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
