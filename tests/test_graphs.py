@@ -386,21 +386,168 @@ def test_traced_graphs_do_not_apply_where_an_evaluation_mode_pass_writes_buffers
         assert torch.equal(a, b)
 
 
-def test_traced_graphs_do_not_apply_to_a_forward_pass_that_draws_random_numbers(
-    cpu_graph_captures,
-):
-    model = nn.Sequential(nn.Linear(4, 6), nn.Dropout(0.3), nn.Tanh(), nn.Linear(6, 1))
-    reference = copy.deepcopy(model)
+class _Encoder(nn.Module):
+    """A transformer encoder layer with dropout (in its attention too) and a read-out."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.2, batch_first=True)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.out(self.layer(x)).sum(1)
+
+
+@pytest.mark.parametrize("name", ["mlp", "encoder"])
+def test_traced_graphs_draw_dropouts_masks_as_eager_steps_do(name, cpu_graph_captures):
+    # the masks are drawn eagerly before each set-up, from the step's random state, and the
+    # set-up and trial-point graphs read them: the same steps, and the same random state after
+    def build():
+        torch.manual_seed(0)
+        if name == "mlp":
+            return nn.Sequential(nn.Linear(4, 6), nn.Dropout(0.3), nn.Tanh(), nn.Linear(6, 1))
+        return _Encoder()
+
+    g = torch.Generator().manual_seed(1)
+    shape = (4,) if name == "mlp" else (3, 8)
+    batches = [(torch.randn(n, *shape, generator=g), torch.randn(n, 1, generator=g))
+               for n in (6, 6, 4, 6)]  # fmt: skip
+    model, reference = build().double(), build().double()
+    batches = [(x.double(), y.double()) for x, y in batches]
+    torch.manual_seed(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # graphs apply: no warning
+        infos, _ = _run(model, "mse", batches, cuda_graphs=True, engine="traced")
+    state = torch.get_rng_state()
+    torch.manual_seed(2)
+    expected, _ = _run(reference, "mse", batches, engine="traced")
+    assert cpu_graph_captures == [3, 3]
+    assert torch.equal(state, torch.get_rng_state())
+    for a, b in zip(infos, expected):
+        a, b = dataclasses.asdict(a), dataclasses.asdict(b)
+        for key in a:
+            if isinstance(a[key], float):
+                assert a[key] == pytest.approx(b[key], rel=1e-12, abs=1e-15), key
+            else:
+                assert a[key] == b[key], key
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["mlp", "encoder"])
+def test_captured_cuda_dropout_steps_match_eager_cuda_steps(name):
+    # CUDA's dropout records native_dropout, whose masks are drawn before each replay
+    def build():
+        torch.manual_seed(0)
+        if name == "mlp":
+            model = nn.Sequential(nn.Linear(4, 6), nn.Dropout(0.3), nn.Tanh(), nn.Linear(6, 1))
+        else:
+            model = _Encoder()
+        return model.to(device="cuda", dtype=torch.float64)
+
+    g = torch.Generator().manual_seed(1)
+    shape = (4,) if name == "mlp" else (3, 8)
+    kw = dict(device="cuda", dtype=torch.float64)
+    batches = [(torch.randn(n, *shape, generator=g), torch.randn(n, 1, generator=g))
+               for n in (16, 16, 8, 16, 8, 16)]  # fmt: skip
+    batches = [(x.to(**kw), y.to(**kw)) for x, y in batches]
+    model, reference = build(), build()
+    torch.manual_seed(2)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        infos, opt = _run(model, "mse", batches, cuda_graphs=True, engine="traced")
+    assert [str(w.message) for w in record if "cuda_graphs" in str(w.message)
+            or "CUDA graphs" in str(w.message)] == []  # fmt: skip
+    state = torch.cuda.get_rng_state()
+    torch.manual_seed(2)
+    expected, _ = _run(reference, "mse", batches, engine="traced")
+    assert torch.equal(state, torch.cuda.get_rng_state())
+    assert len([t for t in opt._engine._cache.values() if t.replayed is not None]) == 2
+    for a, b in zip(infos, expected):
+        assert a.cg_iters == b.cg_iters
+        assert a.loss == pytest.approx(b.loss, rel=1e-10)
+        assert a.loss_after == pytest.approx(b.loss_after, rel=1e-10)
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_traced_graphs_draw_from_the_random_state_the_step_replays(cpu_graph_captures):
+    from torch_sgn.engines import select_engine
+    from torch_sgn.functional import FunctionalModel
+    from torch_sgn.linearization import Batch
+    from torch_sgn.losses import resolve_loss
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Dropout(0.5), nn.Tanh(), nn.Linear(6, 1))
+    g = torch.Generator().manual_seed(1)
+    batch = Batch(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g))
+    v = torch.randn(sum(p.numel() for p in model.parameters()), generator=g)
+    results = []
+    for graphs_on in (True, False):
+        fmodel = FunctionalModel(model)
+        engine = select_engine(fmodel, resolve_loss("mse"), "traced", cuda_graphs=graphs_on)
+        torch.manual_seed(5)
+        fmodel.freeze_rng()
+        torch.rand(100)  # drawn after the state was frozen: the step's passes replay it
+        lin = engine(fmodel.flat(), batch)
+        results.append((lin.loss, lin.ggn_vp(v)))
+    assert cpu_graph_captures == [3]
+    torch.testing.assert_close(results[0], results[1], rtol=1e-6, atol=0)
+
+
+def test_traced_graphs_do_not_apply_to_other_random_draws(cpu_graph_captures):
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.linear(x + 0.1 * torch.randn_like(x))
+
+    torch.manual_seed(0)
+    model, reference = Noisy(), Noisy()
+    reference.load_state_dict(model.state_dict())
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(6, 4, generator=g), torch.randn(6, 1, generator=g)) for _ in range(3)]
     torch.manual_seed(2)
-    with pytest.warns(UserWarning, match="cuda_graphs=True does not apply.*random numbers"):
+    with pytest.warns(UserWarning, match="cuda_graphs=True does not apply.*randn_like"):
         _run(model, "mse", batches, cuda_graphs=True, engine="traced")
     torch.manual_seed(2)
     _run(reference, "mse", batches, engine="traced")
     assert cpu_graph_captures == []
     for a, b in zip(model.parameters(), reference.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("op", ["native_dropout", "bernoulli_"])
+def test_draws_taken_out_of_a_graph_are_those_it_would_draw(op):
+    # CUDA's dropout records native_dropout, the CPU's bernoulli_ into a new tensor
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from torch_sgn.traced import _draws_as_inputs
+
+    def f(x):
+        y = torch.tanh(x)
+        if op == "native_dropout":
+            out, mask = torch.ops.aten.native_dropout(y, 0.3, True)
+            return out * 2, mask
+        keep = torch.empty_like(y).bernoulli_(0.7)
+        return y * keep / 0.7, keep
+
+    x = torch.randn(5, 7, dtype=torch.float64)
+    graph = make_fx(f)(x)
+    rewritten, draws = _draws_as_inputs(graph)
+    assert len(draws) == 1 and draws[0].shape == (5, 7) and draws[0].op == op
+    assert not any("dropout" == n.target.__name__.split(".")[0] or "bernoulli_" in str(n.target)
+                   for n in rewritten.graph.nodes if n.op == "call_function")  # fmt: skip
+    torch.manual_seed(3)
+    expected = f(x)
+    torch.manual_seed(3)
+    drawn = draws[0](x.device)
+    got = rewritten(x, drawn)
+    assert torch.equal(got[1].bool(), expected[1].bool())
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-15, atol=0)
 
 
 def test_traced_products_of_a_replaced_point_raise(cpu_graph_captures):

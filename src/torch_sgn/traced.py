@@ -297,7 +297,7 @@ class TracedEngine:
             return None
         try:
             value = _trace_value(self.fmodel, self.loss, inputs)
-            traced.replayed = _Replayed(traced, value, inputs)
+            traced.replayed = _Replayed(traced, value, inputs, self.fmodel)
         except (RuntimeError, Untraceable) as error:  # an operation that cannot be captured
             self._capture_failed = _reason(error)
             for other in self._cache.values():  # frees the graphs captured before
@@ -355,11 +355,13 @@ def _capture_obstacle(traced: _Traced, inputs: tuple, training: bool) -> Optiona
             "the forward pass writes into the model's buffers in evaluation mode, which a "
             "replayed graph would write into its own copies of them"
         )
-    why = _random_draw(traced.setup)
+    why = next(
+        (n.target.name() for n in _random_nodes(traced.setup) if n.target not in _DRAWS), None
+    )
     if why is not None:
         return (
-            f"the forward pass draws random numbers ({why}, dropout in training mode for "
-            "example), which a replayed graph would not draw as the trial points do"
+            f"the forward pass draws random numbers by {why}, which a replayed graph would "
+            "not draw as the trial points do (dropout's draws are taken out of the graphs)"
         )
     return None
 
@@ -428,18 +430,26 @@ class _Replayed:
     set-up of the same trace replaces what they read; one called later raises.
     """
 
-    def __init__(self, traced: _Traced, value: fx.GraphModule, inputs):
+    def __init__(self, traced: _Traced, value: fx.GraphModule, inputs, fmodel: FunctionalModel):
         flat, buffers, frozen, args, targets = inputs
+        self.fmodel = fmodel
         self.static = [t.detach().clone() for t in (flat, *buffers, *frozen, *args, targets)]
         self.v, self.point = torch.zeros_like(self.static[0]), self.static[0].clone()
-        # Each graph's inputs: the static ones, those it writes into replaced by copies.
-        setup_in, self.written = _copies_of_written(self.static, _written_inputs(traced.setup))
-        trial_in, trial_copies = _copies_of_written(
-            [self.point, *self.static[1:]], _written_inputs(value)
-        )
-        # the loss's graph takes them as it was traced: (theta, buffers, frozen, inputs, targets)
-        n, m = len(buffers), len(buffers) + len(frozen)
-        parts = trial_in[1 : 1 + n], trial_in[1 + n : 1 + m], trial_in[1 + m : -1]
+        # Random draws (dropout's masks) become inputs that each set-up draws eagerly, so that
+        # the set-up and the trial points see the same ones, as eager passes do.
+        setup, self.draws = _draws_as_inputs(traced.setup)
+        value, trial_draws = _draws_as_inputs(value)
+        if trial_draws != self.draws:
+            raise Untraceable("the loss's trace draws other random numbers than the set-up's")
+        self.drawn = [d.empty(flat.device) for d in self.draws]
+        # Each graph's inputs: the static ones and the draws, those it writes into replaced by
+        # copies, into which each run copies its sources first.
+        setup_from = [*self.static, *self.drawn]
+        trial_from = [self.point, *self.static[1:], *self.drawn]
+        setup_in, setup_copies = _copies_of_written(setup_from, _written_inputs(setup))
+        trial_in, trial_copies = _copies_of_written(trial_from, _written_inputs(value))
+        # the buffers' copies, by position among the buffers: the step's buffers afterwards
+        self.buffers_after = {i - 1: c for i, c in setup_copies.items() if 1 <= i <= len(buffers)}
         self.generation = 0
         self.out: List[Tensor] = []
         self.gv: Optional[Tensor] = None
@@ -449,9 +459,9 @@ class _Replayed:
         # uncaptured run, whose outputs would otherwise stay alive through it.
         def set_up() -> None:
             self.out, self.gv = [], None
-            for i, copy in self.written.items():
-                copy.copy_(self.static[i])
-            self.out = traced.setup(*setup_in)
+            for i, into in setup_copies.items():
+                into.copy_(setup_from[i])
+            self.out = setup(*setup_in)
 
         def product() -> None:
             self.gv = None
@@ -459,9 +469,9 @@ class _Replayed:
 
         def trial() -> None:
             self.value = None
-            for i, copy in trial_copies.items():
-                copy.copy_(self.static[i])
-            self.value = value(self.point, *parts, trial_in[-1])
+            for i, into in trial_copies.items():
+                into.copy_(trial_from[i])
+            (self.value,) = value(*trial_in)  # (flat outputs: a list of one)
 
         with torch.no_grad():
             replays = graphs.capture([set_up, product, trial], flat.device)
@@ -474,12 +484,15 @@ class _Replayed:
         pass wrote into to its value afterwards."""
         flat, buffers, frozen, args, targets = inputs
         with torch.no_grad():
+            with self.fmodel.replay_rng():  # the random state the step's passes replay
+                for drawn, draw in zip(self.drawn, self.draws):
+                    drawn.copy_(draw(drawn.device))
             for static, t in zip(self.static, (flat, *buffers, *frozen, *args, targets)):
                 static.copy_(t)
             self._set_up()
         self.generation += 1
         value, grad, outputs = (t.clone() for t in self.out[:3])
-        return value, grad, outputs, {i - 1: t.clone() for i, t in self.written.items()}
+        return value, grad, outputs, {i: t.clone() for i, t in self.buffers_after.items()}
 
     def _check(self, generation: int) -> None:
         if self.generation != generation:
@@ -513,6 +526,87 @@ class _Replayed:
                 return output().clone()
 
         return replayed
+
+
+@dataclass(frozen=True)
+class _Draw:
+    """One random draw of a graph, taken out of it (:func:`_draws_as_inputs`): dropout's mask
+    (``native_dropout``, as CUDA's dropout records it) or a Bernoulli sample (``bernoulli_``
+    into a new tensor, as the CPU's does)."""
+
+    op: str  # "native_dropout" or "bernoulli_"
+    shape: Tuple[int, ...]
+    stride: Tuple[int, ...]  # (random numbers are taken in the order of memory)
+    dtype: torch.dtype  # of the dropped tensor (native_dropout) or of the sample
+    p: float  # the drop probability (native_dropout), the probability of a one (bernoulli_)
+
+    def empty(self, device: torch.device) -> Tensor:
+        """A tensor to hold the draw: the mask (bool) or the sample."""
+        dtype = torch.bool if self.op == "native_dropout" else self.dtype
+        return torch.empty_strided(self.shape, self.stride, dtype=dtype, device=device)
+
+    def __call__(self, device: torch.device) -> Tensor:
+        """The draw, from the random numbers the graph's operator would have taken here (the
+        same where the dropped tensor's memory is aligned as a new tensor's is)."""
+        out = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=device)
+        if self.op == "native_dropout":  # its mask does not depend on the values
+            return _aten.native_dropout.default(out.fill_(1), self.p, True)[1]
+        return out.bernoulli_(self.p)
+
+
+def _layout(t: Tensor) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    return tuple(t.shape), tuple(t.stride())
+
+
+def _random_nodes(graph: fx.GraphModule) -> List[fx.Node]:
+    return [n for n in graph.graph.nodes if _draws_random(n)]
+
+
+#: the random operators whose draws :func:`_draws_as_inputs` takes out of a graph
+_DRAWS = (_aten.native_dropout.default, _aten.bernoulli_.float)
+
+
+def _draws_as_inputs(gm: fx.GraphModule) -> Tuple[fx.GraphModule, List[_Draw]]:
+    """A copy of ``gm`` (with flat inputs) whose random draws are inputs appended to its own,
+    and the draws in the graph's order. ``native_dropout(x, p)`` becomes
+    ``native_dropout_backward(x, mask, 1 / (1 - p))``, which computes its output from its mask
+    as the kernel does; ``bernoulli_(empty, p)`` the sample. Raises :class:`Untraceable` for
+    another random operator, or an unexpected use of one."""
+    graph = fx.Graph()  # a copy with flat inputs and outputs (make_fx's take pytrees)
+    graph.output(graph.graph_copy(gm.graph, {}))
+    draws: List[_Draw] = []
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    for node in list(graph.nodes):
+        if not _draws_random(node):
+            continue
+        val = node.meta.get("val")
+        with graph.inserting_after(last):
+            last = graph.placeholder(f"drawn_{len(draws)}")
+        if node.target is _aten.native_dropout.default and len(node.args) == 3 and node.args[2]:
+            x, p, _ = node.args
+            x_val = x.meta["val"]
+            draws.append(_Draw("native_dropout", *_layout(x_val), x_val.dtype, float(p)))
+            scale = 1.0 / (1.0 - p) if p < 1 else 0.0
+            with graph.inserting_before(node):
+                out = graph.call_function(_aten.native_dropout_backward.default, (x, last, scale))
+            for user in list(node.users):
+                if user.target is not operator.getitem or user.args[1] not in (0, 1):
+                    raise Untraceable(f"an unexpected use of {node.target}")
+                user.replace_all_uses_with(out if user.args[1] == 0 else last)
+                graph.erase_node(user)
+            graph.erase_node(node)
+        elif node.target is _aten.bernoulli_.float and not node.kwargs.get("generator"):
+            into, p = node.args[0], node.args[1] if len(node.args) > 1 else 0.5
+            draws.append(_Draw("bernoulli_", *_layout(val), val.dtype, float(p)))
+            node.replace_all_uses_with(last)
+            into.replace_all_uses_with(last)  # (it held nothing before the draw)
+            graph.erase_node(node)
+            if not into.users and into.op == "call_function":
+                graph.erase_node(into)
+        else:
+            raise Untraceable(f"a random operator that stays in the graph ({node.target})")
+    graph.lint()
+    return fx.GraphModule(gm, graph), draws
 
 
 def _shaped_like(traced: _Traced, flat: Tensor) -> Tensor:
