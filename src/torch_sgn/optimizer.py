@@ -241,9 +241,10 @@ class SGN(torch.optim.Optimizer):
             runs by hand with a named loss (each layer's rule in :mod:`torch_sgn.layer_rules`
             says whether it can be captured; ``docs/LAYERS.md`` has the table); the traced
             engine (``"traced"``, and ``"auto"`` for other models) captures CUDA models whose
-            forward pass draws no random numbers (not training-mode dropout) and writes into
-            no inputs, and into buffers only in training mode (batch normalization's running
-            statistics, kept exact). Elsewhere the step runs eagerly after a one-time
+            forward pass draws random numbers only for dropout (its masks are drawn before
+            each replay, as eager steps draw them) and writes into no inputs, and into
+            buffers only in training mode (batch normalization's running statistics, kept
+            exact). Elsewhere the step runs eagerly after a one-time
             warning. Single process only; not with ``engine="functional"``. Default off. The
             direct solver forms ``G`` from the captured product, one replay per parameter.
         compile: run the traced engine's set-up and ``G v`` product compiled by

@@ -133,13 +133,14 @@ class TracedEngine:
         loss: the loss in output space.
         strict: raise ``ValueError`` where the model cannot be traced; otherwise use the
             functional engine for it, with a warning the first time.
-        cuda_graphs: capture the set-up and the product of each trace as CUDA graphs and
-            replay them (see :class:`_Replayed`); where they cannot apply (not a CUDA model,
-            random numbers drawn in the forward pass, a failed capture) the engine runs
-            eagerly after a one-time warning.
+        cuda_graphs: capture the set-up, the product and the trial-point loss of each trace
+            as CUDA graphs and replay them (see :class:`_Replayed`); where they cannot apply
+            (not a CUDA model, random numbers other than dropout's drawn in the forward pass,
+            a failed capture; :func:`_capture_obstacle`) the engine runs eagerly after a
+            one-time warning.
         compile: run each trace's set-up and product compiled by ``torch.compile`` (compiled
-            at their first call, once per trace); where it cannot apply (random numbers drawn
-            in the forward pass) or fails, the graphs run uncompiled after a one-time warning.
+            at their first call, once per trace); where compiling fails, the graphs run
+            uncompiled after a one-time warning.
     """
 
     def __init__(
@@ -426,8 +427,10 @@ class _Replayed:
     call. Buffers that a training-mode pass writes into (batch normalization's running
     statistics) are copied inside the set-up's and the loss's graphs first, as an eager pass
     writes into copies of the model's: the set-up's copies are the step's buffers afterwards,
-    the loss's are dropped. A linearization's products and losses are valid until the next
-    set-up of the same trace replaces what they read; one called later raises.
+    the loss's are dropped. Dropout's masks are inputs of both graphs, drawn eagerly before
+    each set-up from the step's random state (:func:`_draws_as_inputs`). A linearization's
+    products and losses are valid until the next set-up of the same trace replaces what they
+    read; one called later raises.
     """
 
     def __init__(self, traced: _Traced, value: fx.GraphModule, inputs, fmodel: FunctionalModel):
