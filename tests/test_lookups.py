@@ -150,6 +150,10 @@ def test_bag_calls_match_pytorchs_at_the_edges():
         dict(offsets=offsets, include_last_offset=True, mode="sum"),
         dict(offsets=offsets, include_last_offset=True, mode="max", padding_idx=-1),
         dict(offsets=offsets[:-1], mode="mean", padding_idx=2),
+        # a last offset short of the input's length: PyTorch's kernels do not read it, and the
+        # last bag runs to the end
+        dict(offsets=torch.tensor([0, 3, 3, 6, 8]), include_last_offset=True, mode="mean"),
+        dict(offsets=torch.tensor([0, 3, 3, 6, 8]), include_last_offset=True, mode="max"),
     ]
     for options in calls:
         with Composites() as mode:

@@ -140,19 +140,17 @@ def bag_lookup(
     if mode == "max" and sparse:
         raise ValueError("embedding_bag: mode='max' does not support sparse weights")
     count = input.numel()
-    inside = None  # the entries within a bag, where some may not be
     if input.dim() == 2 and offsets is None:  # one bag per row, all of one size
         bags = input.shape[0]
         bag = torch.arange(bags, device=input.device).repeat_interleave(input.shape[1])
     elif input.dim() == 1 and offsets is not None and offsets.dim() == 1:
+        # As PyTorch's kernels read them: the last bag runs to the input's end (a last offset,
+        # documented as the input's length, is not read), and CUDA's first bag starts at 0
+        # whatever the first offset (the CPU's refuses one that is not 0).
         starts = offsets[:-1] if include_last_offset else offsets
         bags = starts.numel()
         positions = torch.arange(count, device=input.device)
-        bag = torch.searchsorted(starts, positions, right=True) - 1  # the last start before
-        inside = bag >= 0
-        if include_last_offset:  # the last offset ends the last bag (the input's length,
-            inside = inside & (positions < offsets[-1])  # documented; past it, in no bag)
-        bag = bag.clamp(min=0)
+        bag = (torch.searchsorted(starts, positions, right=True) - 1).clamp(min=0)
     else:
         raise ValueError(
             "embedding_bag takes a 2D input (a bag per row) without offsets, or a 1D input "
@@ -162,12 +160,8 @@ def bag_lookup(
     padding_idx = _padding_row(padding_idx, weight)
     indices = input.reshape(-1)
     rows = F.embedding(indices, _weight(weight, indices, max_norm, norm_type, scale_grad_by_freq))
-    # entries at padding_idx are left out of their bags (and of a mean's count), as are
-    # entries outside every bag
-    keep = None if padding_idx is None else indices != padding_idx
-    if inside is not None:
-        keep = inside if keep is None else keep & inside
-    keep = None if keep is None else keep.unsqueeze(1)
+    # entries at padding_idx are left out of their bags (and of a mean's count)
+    keep = None if padding_idx is None else (indices != padding_idx).unsqueeze(1)
     width = rows.shape[1]
     if mode == "max":
         if keep is not None:
