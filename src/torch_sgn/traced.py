@@ -667,6 +667,31 @@ def _plain_kernels() -> object:
         yield
 
 
+@contextlib.contextmanager
+def _plain_checkpoints() -> object:
+    """Non-reentrant activation checkpointing (``torch.utils.checkpoint.checkpoint`` with
+    ``use_reentrant=False``) runs the checkpointed function plainly: its saved-tensor hooks
+    cannot be traced, and a trace's set-up keeps what the products read anyway, so recomputing
+    would save no memory. (Its private generator is replaced while tracing; a torch without it
+    traces as before.)"""
+    from torch.utils import checkpoint
+
+    name = "_checkpoint_without_reentrant_generator"
+    original = getattr(checkpoint, name, None)
+    if original is None:  # pragma: no cover - another torch
+        yield
+        return
+
+    def plain(*args: object, **kwargs: object):
+        yield  # no hooks: the function runs once, as written
+
+    setattr(checkpoint, name, plain)
+    try:
+        yield
+    finally:
+        setattr(checkpoint, name, original)
+
+
 def _slots(model: nn.Module, buffers: bool) -> List[Tuple[str, Tensor]]:
     """``(name, tensor)`` for every parameter (or buffer) slot of every module, each module
     once under its first name. ``functional_call`` swaps tensors in by name and back; a module
@@ -782,7 +807,7 @@ def _trace(
     routes = (True,) if fmodel.gradient_stop(flat, args) is not None else (False, True)
     for double_backward in routes:
         try:
-            with _plain_kernels():
+            with _plain_kernels(), _plain_checkpoints():
                 if TANGENT_RULES and not double_backward:
                     try:
                         graph = _make_fx(_whole(fmodel, loss, False, rules=True), *example)
@@ -818,7 +843,7 @@ def _trace_value(fmodel: FunctionalModel, loss: OutputLoss, inputs: tuple) -> fx
     attention kernel, recurrent layers without oneDNN and cuDNN); raises :class:`Untraceable`."""
     flat, buffers, frozen, args, targets = inputs
     try:
-        with _plain_kernels():
+        with _plain_kernels(), _plain_checkpoints():
             return _make_fx(
                 _value(fmodel, loss), flat.detach(), buffers, frozen, list(args), targets
             )
