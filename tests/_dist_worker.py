@@ -40,6 +40,7 @@ class Case:
     damping: float = 1e-3
     solver: str = "cg"
     cg_iters: int = SETTINGS["cg_iters"]
+    ddp: bool = False  # the ranks pass the model wrapped in DistributedDataParallel
 
 
 CASES = [
@@ -81,6 +82,8 @@ CASES = [
         0.1,
         solver="direct",
     ),
+    # A model wrapped in DistributedDataParallel: SGN takes its module and all-reduces itself.
+    Case("mse-unequal-ddp-wrapped", lambda: "mse", (5, 7), "real", ddp=True),
 ]
 
 
@@ -116,7 +119,8 @@ def run_case(case: Case, rank: int = 0, world: int = 1, reverse: bool = False) -
     model = build_model(100 + rank)  # ranks start different: the broadcast must fix that
     before = flat(model)
     settings = {**SETTINGS, "cg_iters": case.cg_iters}
-    opt = SGN(model, case.loss(), lr=case.lr, damping=case.damping, solver=case.solver, **settings)
+    net = nn.parallel.DistributedDataParallel(model) if case.ddp and world > 1 else model
+    opt = SGN(net, case.loss(), lr=case.lr, damping=case.damping, solver=case.solver, **settings)
     after_construction = flat(model)
     infos = []
     for step in range(STEPS):
