@@ -434,6 +434,24 @@ def test_traced_graphs_draw_dropouts_masks_as_eager_steps_do(name, cpu_graph_cap
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
 
 
+def test_draws_that_are_not_dropouts_stay_in_the_graph_and_are_refused():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from torch_sgn.traced import Untraceable, _draws_as_inputs
+
+    x = torch.randn(4, 3)
+    evaluation = make_fx(lambda t: torch.ops.aten.native_dropout(t, 0.3, False)[0] * 2)(x)
+    rewritten, draws = _draws_as_inputs(evaluation)  # no draw: nothing taken out
+    assert draws == [] and torch.equal(rewritten(x), evaluation(x))
+    refused = [
+        lambda t: t.clone().bernoulli_(0.5) * t,  # a sample into a tensor with values
+        lambda t: torch.randn_like(t) + t,  # another random operator
+    ]
+    for f in refused:
+        with pytest.raises(Untraceable, match="stays in the graph"):
+            _draws_as_inputs(make_fx(f)(x))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["mlp", "encoder"])
 def test_captured_cuda_dropout_steps_match_eager_cuda_steps(name):

@@ -474,7 +474,8 @@ class _Replayed:
             self.value = None
             for i, into in trial_copies.items():
                 into.copy_(trial_from[i])
-            (self.value,) = value(*trial_in)  # (flat outputs: a list of one)
+            out = value(*trial_in)  # (a list of one where make_fx flattened its outputs)
+            self.value = out[0] if isinstance(out, (list, tuple)) else out
 
         with torch.no_grad():
             replays = graphs.capture([set_up, product, trial], flat.device)
@@ -557,6 +558,30 @@ class _Draw:
         return out.bernoulli_(self.p)
 
 
+#: operators that make a new tensor without reading any (its values are not set)
+_NEW_TENSORS = (
+    _aten.empty_like.default,
+    _aten.empty.memory_format,
+    _aten.empty_strided.default,
+    _aten.new_empty.default,
+    _aten.new_empty_strided.default,
+)
+
+
+def _is_new_tensor(node: object, filled_by: fx.Node) -> bool:
+    """Whether ``node`` makes a new tensor that nothing reads before ``filled_by`` fills it."""
+    if not (
+        isinstance(node, fx.Node) and node.op == "call_function" and node.target in _NEW_TENSORS
+    ):
+        return False
+    between = node.next
+    while between is not filled_by:
+        if between in node.users:
+            return False
+        between = between.next
+    return True
+
+
 def _layout(t: Tensor) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     return tuple(t.shape), tuple(t.stride())
 
@@ -582,10 +607,17 @@ def _draws_as_inputs(gm: fx.GraphModule) -> Tuple[fx.GraphModule, List[_Draw]]:
     for node in list(graph.nodes):
         if not _draws_random(node):
             continue
+        dropout = node.target is _aten.native_dropout.default and len(node.args) == 3
+        if dropout and node.args[2] is False:  # evaluation mode: no draw
+            continue
+        bernoulli = node.target is _aten.bernoulli_.float and not node.kwargs.get("generator")
+        into = node.args[0] if bernoulli else None
+        if not (dropout or (bernoulli and _is_new_tensor(into, node))):
+            raise Untraceable(f"a random operator that stays in the graph ({node.target})")
         val = node.meta.get("val")
         with graph.inserting_after(last):
             last = graph.placeholder(f"drawn_{len(draws)}")
-        if node.target is _aten.native_dropout.default and len(node.args) == 3 and node.args[2]:
+        if dropout:
             x, p, _ = node.args
             x_val = x.meta["val"]
             draws.append(_Draw("native_dropout", *_layout(x_val), x_val.dtype, float(p)))
@@ -598,16 +630,14 @@ def _draws_as_inputs(gm: fx.GraphModule) -> Tuple[fx.GraphModule, List[_Draw]]:
                 user.replace_all_uses_with(out if user.args[1] == 0 else last)
                 graph.erase_node(user)
             graph.erase_node(node)
-        elif node.target is _aten.bernoulli_.float and not node.kwargs.get("generator"):
-            into, p = node.args[0], node.args[1] if len(node.args) > 1 else 0.5
+        else:
+            p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
             draws.append(_Draw("bernoulli_", *_layout(val), val.dtype, float(p)))
             node.replace_all_uses_with(last)
-            into.replace_all_uses_with(last)  # (it held nothing before the draw)
+            into.replace_all_uses_with(last)  # (a new tensor: it held nothing before the draw)
             graph.erase_node(node)
-            if not into.users and into.op == "call_function":
+            if not into.users:
                 graph.erase_node(into)
-        else:
-            raise Untraceable(f"a random operator that stays in the graph ({node.target})")
     graph.lint()
     return fx.GraphModule(gm, graph), draws
 
