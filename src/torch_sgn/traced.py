@@ -356,13 +356,12 @@ def _capture_obstacle(traced: _Traced, inputs: tuple, training: bool) -> Optiona
             "the forward pass writes into the model's buffers in evaluation mode, which a "
             "replayed graph would write into its own copies of them"
         )
-    why = next(
-        (n.target.name() for n in _random_nodes(traced.setup) if n.target not in _DRAWS), None
-    )
-    if why is not None:
+    try:
+        _draws_as_inputs(traced.setup)
+    except Untraceable as why:
         return (
-            f"the forward pass draws random numbers by {why}, which a replayed graph would "
-            "not draw as the trial points do (dropout's draws are taken out of the graphs)"
+            "the forward pass draws random numbers that a replayed graph would not draw as the "
+            f"trial points do ({why}; dropout's masks are taken out of the graphs)"
         )
     return None
 
@@ -584,14 +583,6 @@ def _is_new_tensor(node: object, filled_by: fx.Node) -> bool:
 
 def _layout(t: Tensor) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     return tuple(t.shape), tuple(t.stride())
-
-
-def _random_nodes(graph: fx.GraphModule) -> List[fx.Node]:
-    return [n for n in graph.graph.nodes if _draws_random(n)]
-
-
-#: the random operators whose draws :func:`_draws_as_inputs` takes out of a graph
-_DRAWS = (_aten.native_dropout.default, _aten.bernoulli_.float)
 
 
 def _draws_as_inputs(gm: fx.GraphModule) -> Tuple[fx.GraphModule, List[_Draw]]:
