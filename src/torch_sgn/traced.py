@@ -357,11 +357,16 @@ def _capture_obstacle(traced: _Traced, inputs: tuple, training: bool) -> Optiona
             "replayed graph would write into its own copies of them"
         )
     try:
-        _draws_as_inputs(traced.setup)
+        _, draws = _draws_as_inputs(traced.setup)
     except Untraceable as why:
         return (
             "the forward pass draws random numbers that a replayed graph would not draw as the "
             f"trial points do ({why}; dropout's masks are taken out of the graphs)"
+        )
+    if draws and not training:  # eager steps freeze no random state then: each pass draws anew
+        return (
+            "the forward pass draws random numbers in evaluation mode (dropout kept on), "
+            "which eager steps draw anew at every trial point and replayed graphs would not"
         )
     return None
 
@@ -439,8 +444,9 @@ class _Replayed:
         self.v, self.point = torch.zeros_like(self.static[0]), self.static[0].clone()
         # Random draws (dropout's masks) become inputs that each set-up draws eagerly, so that
         # the set-up and the trial points see the same ones, as eager passes do.
-        setup, self.draws = _draws_as_inputs(traced.setup)
-        value, trial_draws = _draws_as_inputs(value)
+        layouts = _drawn_layouts(traced.setup, self.static, fmodel)
+        setup, self.draws = _draws_as_inputs(traced.setup, layouts)
+        value, trial_draws = _draws_as_inputs(value, layouts)
         if trial_draws != self.draws:
             raise Untraceable("the loss's trace draws other random numbers than the set-up's")
         self.drawn = [d.empty(flat.device) for d in self.draws]
@@ -544,9 +550,10 @@ class _Draw:
     p: float  # the drop probability (native_dropout), the probability of a one (bernoulli_)
 
     def empty(self, device: torch.device) -> Tensor:
-        """A tensor to hold the draw: the mask (bool) or the sample."""
+        """A tensor to hold the draw (the mask, or the sample), zeros until drawn."""
         dtype = torch.bool if self.op == "native_dropout" else self.dtype
-        return torch.empty_strided(self.shape, self.stride, dtype=dtype, device=device)
+        held = torch.empty_strided(self.shape, self.stride, dtype=dtype, device=device)
+        return held.zero_()
 
     def __call__(self, device: torch.device) -> Tensor:
         """The draw, from the random numbers the graph's operator would have taken here (the
@@ -585,9 +592,34 @@ def _layout(t: Tensor) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     return tuple(t.shape), tuple(t.stride())
 
 
-def _draws_as_inputs(gm: fx.GraphModule) -> Tuple[fx.GraphModule, List[_Draw]]:
+def _drawn_layouts(
+    gm: fx.GraphModule, inputs: Sequence[Tensor], fmodel: FunctionalModel
+) -> List[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
+    """The shapes and strides of the tensors that ``gm``'s random operators draw for (the
+    dropped tensor, the sample's tensor), in the graph's order, as the real kernels lay them
+    out: ``gm`` run once on ``inputs`` (a fake tensor's strides may differ from the real one's,
+    and random numbers are taken in the order of memory). The random state is left as it was;
+    what the run writes into ``inputs`` is the caller's to refresh."""
+    layouts = []
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, node: fx.Node) -> object:
+            if _draws_random(node) and node.args and isinstance(node.args[0], fx.Node):
+                layouts.append(_layout(self.env[node.args[0]]))
+            return super().run_node(node)
+
+    devices = [inputs[0].device] if inputs[0].device.type == "cuda" else []
+    with torch.no_grad(), torch.random.fork_rng(devices=devices), fmodel.replay_rng():
+        Recorder(gm).run(*inputs)
+    return layouts
+
+
+def _draws_as_inputs(
+    gm: fx.GraphModule, layouts: Optional[Sequence[tuple]] = None
+) -> Tuple[fx.GraphModule, List[_Draw]]:
     """A copy of ``gm`` (with flat inputs) whose random draws are inputs appended to its own,
-    and the draws in the graph's order. ``native_dropout(x, p)`` becomes
+    and the draws in the graph's order (laid out as ``layouts`` says, by default as the fake
+    tensors of the trace are). ``native_dropout(x, p)`` becomes
     ``native_dropout_backward(x, mask, 1 / (1 - p))``, which computes its output from its mask
     as the kernel does; ``bernoulli_(empty, p)`` the sample. Raises :class:`Untraceable` for
     another random operator, or an unexpected use of one."""
@@ -611,7 +643,8 @@ def _draws_as_inputs(gm: fx.GraphModule) -> Tuple[fx.GraphModule, List[_Draw]]:
         if dropout:
             x, p, _ = node.args
             x_val = x.meta["val"]
-            draws.append(_Draw("native_dropout", *_layout(x_val), x_val.dtype, float(p)))
+            layout = layouts[len(draws)] if layouts else _layout(x_val)
+            draws.append(_Draw("native_dropout", *layout, x_val.dtype, float(p)))
             scale = 1.0 / (1.0 - p) if p < 1 else 0.0
             with graph.inserting_before(node):
                 out = graph.call_function(_aten.native_dropout_backward.default, (x, last, scale))
@@ -623,7 +656,8 @@ def _draws_as_inputs(gm: fx.GraphModule) -> Tuple[fx.GraphModule, List[_Draw]]:
             graph.erase_node(node)
         else:
             p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
-            draws.append(_Draw("bernoulli_", *_layout(val), val.dtype, float(p)))
+            layout = layouts[len(draws)] if layouts else _layout(val)
+            draws.append(_Draw("bernoulli_", *layout, val.dtype, float(p)))
             node.replace_all_uses_with(last)
             into.replace_all_uses_with(last)  # (a new tensor: it held nothing before the draw)
             graph.erase_node(node)
@@ -865,11 +899,14 @@ def _trace_value(fmodel: FunctionalModel, loss: OutputLoss, inputs: tuple) -> fx
     flat, buffers, frozen, args, targets = inputs
     try:
         with _plain_kernels(), _plain_checkpoints():
-            return _make_fx(
+            graph = _make_fx(
                 _value(fmodel, loss), flat.detach(), buffers, frozen, list(args), targets
             )
     except Exception as error:  # noqa: BLE001 - the product's trace worked, so this is rare
         raise Untraceable(_reason(error)) from error
+    _views_as_reshapes(graph.graph)  # (a real kernel's layout may differ: see there)
+    graph.recompile()
+    return graph
 
 
 def _reason(error: BaseException) -> str:
