@@ -149,6 +149,7 @@ def main() -> None:
     if scenario == "equivalence":
         result = {case.name: run_case(case, rank, world) for case in CASES}
         result["checks"] = consistency_checks(rank)
+        result["ddp_batch_norm"] = ddp_batch_norm(rank)
     elif scenario in ("rank_exits", "step_on_one_rank"):
         result = failure(scenario, rank, os.path.join(out, f"{scenario}_0.pt"))
     torch.save(result, os.path.join(out, f"{scenario}_{rank}.pt"))
@@ -160,6 +161,20 @@ def main() -> None:
     # as `torch-sgn run` does.
     print("saved", flush=True)
     os._exit(0)
+
+
+def ddp_batch_norm(rank: int) -> dict:
+    """A model with batch norm wrapped in DistributedDataParallel, three steps on this rank's
+    shards: its state afterwards (the ranks' must agree, buffers included)."""
+    torch.manual_seed(100 + rank)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 3))
+    model = model.double()
+    opt = SGN(nn.parallel.DistributedDataParallel(model), "mse", solver="cg", cg_iters=3)
+    case = CASES[0]
+    for step in range(3):
+        opt.step(*shard(*batch(case, step)))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    return {"state": state, "evaluates_the_module": opt._fmodel.model is model}
 
 
 def consistency_checks(rank: int) -> dict:

@@ -92,6 +92,15 @@ def test_two_ranks_match_one_process_on_the_full_batch(equivalence, case):
     assert [i.loss_after for i in ranks[0]["infos"]] == [i.loss_after for i in ranks[1]["infos"]]
 
 
+def test_a_ddp_wrapped_model_with_batch_norm_keeps_the_ranks_alike(equivalence):
+    # SGN evaluates the module DDP wraps: no buffer broadcast at each of its passes
+    assert all(e["ddp_batch_norm"]["evaluates_the_module"] for e in equivalence)
+    states = [e["ddp_batch_norm"]["state"] for e in equivalence]
+    assert states[0]["1.num_batches_tracked"] == 3
+    for key in states[0]:
+        assert torch.equal(states[0][key], states[1][key]), key
+
+
 def test_the_cases_exercise_trust_region_and_line_search(equivalence):
     infos = [i for case in CASES for i in equivalence[0][case.name]["infos"]]
     assert any(i.loss_evals > 1 for i in infos)  # the line search backtracked

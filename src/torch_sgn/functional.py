@@ -60,6 +60,11 @@ class FunctionalModel:
             getattr(model, "_orig_mod", None), nn.Module
         ):
             model = model._orig_mod
+        # A model wrapped in DistributedDataParallel is evaluated as the module it wraps: DDP's
+        # forward would broadcast the buffers and prepare its gradient hooks at each of SGN's
+        # passes. SGN all-reduces on its own, in DDP's process group where none is given.
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
         if isinstance(model, nn.DataParallel):
             raise ValueError(
                 "SGN cannot evaluate a model wrapped in nn.DataParallel (torch.func's calls "

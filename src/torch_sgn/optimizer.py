@@ -402,6 +402,8 @@ class SGN(torch.optim.Optimizer):
             "must be an int >= 0",
         )
 
+        if isinstance(model, nn.parallel.DistributedDataParallel) and process_group is None:
+            process_group = model.process_group  # (FunctionalModel takes the module it wraps)
         self._fmodel = FunctionalModel(model)
         self._solver = solver
         self._direct_max_params = direct_max_params
