@@ -950,9 +950,13 @@ _UNMARKED_WRITES = {
 
 def _statistics_written(node: fx.Node) -> List[fx.Node]:
     """The argument nodes that ``node`` writes running statistics into where its schema does
-    not say so (:data:`_UNMARKED_WRITES`; :func:`_written` reads the schemas). In training mode
-    a product's tangent formula may take the running statistics as arguments without reading
-    them, so only the graphs' static inputs (:func:`_written_inputs`) count these writes."""
+    not say so (:data:`_UNMARKED_WRITES`; :func:`_written` reads the schemas).
+
+    Only :func:`_written_inputs` (which inputs a captured graph must copy) counts these writes.
+    :func:`_written` leaves them out because :func:`_split` refuses a set-up that writes into
+    an input the product reads, and PyTorch's tangent formula for batch norm takes the running
+    statistics as arguments of the product without reading them in training mode: counted
+    there, every training-mode batch norm would be refused."""
     if node.op != "call_function" or node.target not in _UNMARKED_WRITES:
         return []
     positions, flag = _UNMARKED_WRITES[node.target]
