@@ -473,6 +473,18 @@ def test_draws_that_are_not_dropouts_stay_in_the_graph_and_are_refused():
     evaluation = make_fx(lambda t: torch.ops.aten.native_dropout(t, 0.3, False)[0] * 2)(x)
     rewritten, draws = _draws_as_inputs(evaluation)  # no draw: nothing taken out
     assert draws == [] and torch.equal(rewritten(x), evaluation(x))
+    # one that does not draw beside one that does: one layout, the real one, for the latter
+    from torch_sgn.functional import FunctionalModel
+    from torch_sgn.traced import _drawn_layouts
+
+    def both(t):
+        kept = torch.ops.aten.native_dropout(t, 0.3, False)[0]
+        return torch.ops.aten.native_dropout(kept.t(), 0.3, True)[0]
+
+    graph = make_fx(both)(x)
+    layouts = _drawn_layouts(graph, [x], FunctionalModel(nn.Linear(1, 1)))
+    assert layouts == [((3, 4), (1, 3))]
+    assert [d.stride for d in _draws_as_inputs(graph, layouts)[1]] == [(1, 3)]
     refused = [
         lambda t: t.clone().bernoulli_(0.5) * t,  # a sample into a tensor with values
         lambda t: torch.randn_like(t) + t,  # another random operator

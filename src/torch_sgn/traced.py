@@ -588,6 +588,17 @@ def _is_new_tensor(node: object, filled_by: fx.Node) -> bool:
     return True
 
 
+def _draws_for_real(node: fx.Node) -> bool:
+    """Whether ``node`` draws random numbers (``native_dropout`` in evaluation mode does not,
+    though tagged as random)."""
+    if not _draws_random(node) or not node.args:
+        return False
+    if node.target is not _aten.native_dropout.default:
+        return True
+    train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train")
+    return train is not False
+
+
 def _layout(t: Tensor) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     return tuple(t.shape), tuple(t.stride())
 
@@ -601,10 +612,12 @@ def _drawn_layouts(
     and random numbers are taken in the order of memory). The random state is left as it was;
     what the run writes into ``inputs`` is the caller's to refresh."""
     layouts = []
+    if not any(_draws_for_real(n) for n in gm.graph.nodes):
+        return layouts
 
     class Recorder(fx.Interpreter):
         def run_node(self, node: fx.Node) -> object:
-            if _draws_random(node) and node.args and isinstance(node.args[0], fx.Node):
+            if _draws_for_real(node) and isinstance(node.args[0], fx.Node):
                 layouts.append(_layout(self.env[node.args[0]]))
             return super().run_node(node)
 
@@ -628,11 +641,9 @@ def _draws_as_inputs(
     draws: List[_Draw] = []
     last = [n for n in graph.nodes if n.op == "placeholder"][-1]
     for node in list(graph.nodes):
-        if not _draws_random(node):
+        if not _draws_for_real(node):
             continue
-        dropout = node.target is _aten.native_dropout.default and len(node.args) == 3
-        if dropout and node.args[2] is False:  # evaluation mode: no draw
-            continue
+        dropout = node.target is _aten.native_dropout.default
         bernoulli = node.target is _aten.bernoulli_.float and not node.kwargs.get("generator")
         into = node.args[0] if bernoulli else None
         if not (dropout or (bernoulli and _is_new_tensor(into, node))):
@@ -641,7 +652,7 @@ def _draws_as_inputs(
         with graph.inserting_after(last):
             last = graph.placeholder(f"drawn_{len(draws)}")
         if dropout:
-            x, p, _ = node.args
+            x, p = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs["p"]
             x_val = x.meta["val"]
             layout = layouts[len(draws)] if layouts else _layout(x_val)
             draws.append(_Draw("native_dropout", *layout, x_val.dtype, float(p)))
