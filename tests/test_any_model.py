@@ -426,8 +426,28 @@ class Checkpointed(nn.Module):
         return self.head(torch.utils.checkpoint.checkpoint(inner, x, use_reentrant=False))
 
 
+class MobileBlock(nn.Module):
+    """A MobileNetV3 block: an expansion, a depthwise convolution, hard-swish, and a
+    squeeze-and-excitation gate through a hard sigmoid."""
+
+    def __init__(self):
+        super().__init__()
+        self.expand = nn.Conv2d(2, 6, 1)
+        self.depthwise = nn.Conv2d(6, 6, 3, padding=1, groups=6)
+        self.squeeze, self.excite = nn.Linear(6, 3), nn.Linear(3, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = F.hardswish(self.depthwise(F.hardswish(self.expand(x))))
+        gate = F.hardsigmoid(self.excite(F.relu(self.squeeze(h.mean((2, 3))))))
+        return self.head((h * gate[:, :, None, None]).mean((2, 3)))
+
+
 @pytest.mark.parametrize("engine", ["auto", "traced", "functional"])
-@pytest.mark.parametrize("build,shape", [(Parametrized, (4, 2, 4, 4)), (Checkpointed, (5, 4))])
+@pytest.mark.parametrize(
+    "build,shape",
+    [(Parametrized, (4, 2, 4, 4)), (Checkpointed, (5, 4)), (MobileBlock, (4, 2, 5, 5))],
+)
 def test_parametrized_and_checkpointed_models_match_the_dense_reference(build, shape, engine):
     torch.manual_seed(0)
     model = build().double()
