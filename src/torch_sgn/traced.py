@@ -375,8 +375,9 @@ def _written_inputs(graph: fx.GraphModule) -> List[int]:
     """The positions of the inputs of ``graph`` that an operator of it writes into, running
     statistics included (:func:`_statistics_written`)."""
     nodes = graph.graph.nodes
-    written = {_memory_of(w) for n in nodes for w in _written(n) + _statistics_written(n)}
-    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    written = _written_memory(graph.graph)
+    written |= {_memory_of(w) for n in nodes for w in _statistics_written(n)}
+    placeholders = [n for n in nodes if n.op == "placeholder"]
     return [i for i, node in enumerate(placeholders) if node in written]
 
 
