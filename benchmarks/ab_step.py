@@ -60,7 +60,7 @@ def main() -> None:
     for tag, package in packages.items():
         sgn = importlib.import_module(package).SGN(
             copy.deepcopy(model), loss_name, cg_iters=args.k, cg_tol=0.0, line_search=False,
-            engine="fast", solver="cg",
+            engine="layerwise", solver="cg",
         )  # fmt: skip
         opts[tag] = (sgn, copy.deepcopy(sgn.state_dict()), sgn._fmodel.flat().clone())
     loss = importlib.import_module("torch_sgn.losses").resolve_loss(loss_name)

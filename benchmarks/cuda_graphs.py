@@ -1,4 +1,5 @@
-"""What CUDA graphs would buy the fast engine on the paper's models (a measurement, not a feature).
+"""What CUDA graphs would buy the layer-wise engine on the paper's models (a measurement, not a
+feature).
 
 Command (from the repository root, on a machine with CUDA)::
 
@@ -9,8 +10,8 @@ For each paper model at its batch size (random data, as ``ggn_cost.py``) this pr
 milliseconds (medians over ``--repeats`` after warm-up, device synchronised):
 
 * ``grad``: one plain PyTorch gradient;
-* ``Gv eager`` / ``Gv graph``: one ``G v`` of the fast engine, run as is, and captured once in a
-  CUDA graph and replayed (input copied into the graph's static buffer first);
+* ``Gv eager`` / ``Gv graph``: one ``G v`` of the layer-wise engine, run as is, and captured once
+  in a CUDA graph and replayed (input copied into the graph's static buffer first);
 * ``CG eager`` / ``CG graph``: ``k`` iterations of the conjugate gradient method on
   ``G + damping I``: the library's ``conjugate_gradient`` (one host sync per iteration for its
   tests) against the same iterations written without host syncs and captured in one graph.
@@ -35,11 +36,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ggn_cost import _batch  # noqa: E402
 
-from torch_sgn.cg import conjugate_gradient  # noqa: E402
-from torch_sgn.engines import select_engine  # noqa: E402
-from torch_sgn.functional import FunctionalModel  # noqa: E402
+from torch_sgn.engines.selection import select_engine  # noqa: E402
 from torch_sgn.linearization import Batch  # noqa: E402
 from torch_sgn.losses import resolve_loss  # noqa: E402
+from torch_sgn.model.flat_model import FunctionalModel  # noqa: E402
+from torch_sgn.solve.cg import conjugate_gradient  # noqa: E402
 
 DAMPING = 1e-4
 
@@ -93,7 +94,7 @@ def measure(name: str, k: int, repeats: int) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     fmodel = FunctionalModel(model)
     flat = fmodel.flat()
-    engine = select_engine(fmodel, loss, "fast")
+    engine = select_engine(fmodel, loss, "layerwise")
     lin = engine(flat, Batch(x, y))
     gen = torch.Generator().manual_seed(1)
     v = torch.randn(flat.shape, generator=gen).to(device)

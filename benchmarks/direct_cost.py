@@ -8,7 +8,7 @@ For each model (one torch thread, the layer-wise engine, MSE), the median second
 time (comparable on a shared machine) of: one
 ``G v`` product; ``G`` from the per-sample output Jacobian (``Linearization.dense_ggn``, the
 layer-wise engine's route); ``G`` from products with the identity's columns, one by one
-(``solvers.ggn_matrix`` on a CPU, the route of every other engine) and batched by
+(``linearization.ggn_matrix`` on a CPU, the route of every other engine) and batched by
 ``torch.func.vmap`` in chunks of 64 (its route on other devices); a Cholesky factorization of a
 ``P x P`` float64 matrix (the solver sums ``G`` and factors it in float64 for every model).
 Models: the sinc benchmark's 1-20-1 tanh MLP (batch 1000), the paper's Boston MLP 13-100-100-1
@@ -16,7 +16,7 @@ sigmoid (batch 101), a 1-40-40-1 tanh MLP (batch 1000).
 
 A second table times the route through the batch's outputs, for models with more parameters
 than the batch has outputs ``R``: ``J J^T`` (``R x R``, from each sample's factored
-cotangents), one exact solve through it (:func:`torch_sgn.solvers.solve_in_sample_space`,
+cotangents), one exact solve through it (:func:`torch_sgn.solve.direct.solve_in_sample_space`,
 including the product that measures its residual), and, for comparison, 10 CG iterations.
 Models: the Boston MLP (batch 101) and the regression benchmark's 3-256-256-256-1 tanh MLP
 (132,865 parameters, batch 1000).
@@ -31,12 +31,12 @@ from functools import partial
 import torch
 from torch import nn
 
-from torch_sgn import solvers
-from torch_sgn.cg import conjugate_gradient
-from torch_sgn.engines import select_engine
-from torch_sgn.functional import FunctionalModel
-from torch_sgn.linearization import Batch
+from torch_sgn.engines.selection import select_engine
+from torch_sgn.linearization import Batch, ggn_matrix
 from torch_sgn.losses import resolve_loss
+from torch_sgn.model.flat_model import FunctionalModel
+from torch_sgn.solve import direct as solvers
+from torch_sgn.solve.cg import conjugate_gradient
 
 MODELS = {
     "sinc 1-20-1 tanh, batch 1000": (
@@ -112,7 +112,9 @@ def through_outputs(dtypes) -> None:
             fmodel = FunctionalModel(model)
             x = torch.randn(batch, inputs, dtype=dtype)
             y = torch.randn(batch, 1, dtype=dtype)
-            lin = select_engine(fmodel, resolve_loss("mse"), "fast")(fmodel.flat(), Batch(x, y))
+            lin = select_engine(fmodel, resolve_loss("mse"), "layerwise")(
+                fmodel.flat(), Batch(x, y)
+            )
             space = lin.sample_space
             like = fmodel.flat()
             product = _median(partial(lin.ggn_vp, like), 11)
@@ -148,7 +150,7 @@ def main() -> None:
             x = torch.randn(batch, inputs, dtype=dtype)
             y = torch.randn(batch, 1, dtype=dtype)
             loss = resolve_loss("mse")
-            lin = select_engine(fmodel, loss, "fast")(fmodel.flat(), Batch(x, y))
+            lin = select_engine(fmodel, loss, "layerwise")(fmodel.flat(), Batch(x, y))
             n = fmodel.numel
             big = n > 5000
             reps = 3 if big else 21
@@ -157,7 +159,7 @@ def main() -> None:
             product = _median(partial(vp, like), 21)
             # The Jacobian route, formed afresh each time (ggn_matrix() keeps its result).
             jac = _median(lin.dense_ggn, reps)
-            loop = _median(partial(solvers.ggn_matrix, vp, n, like), 1 if big else 5)
+            loop = _median(partial(ggn_matrix, vp, n, like), 1 if big else 5)
             batched = _median(partial(_vmapped, vp, n, like), 1 if big else 5)
             # The direct solver factors in float64 whatever the model's dtype.
             a = torch.randn(n, n, dtype=torch.float64)

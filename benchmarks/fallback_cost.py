@@ -6,7 +6,7 @@ Command (from the repository root)::
     PYTHONPATH=src python benchmarks/fallback_cost.py --threads 1 --out record.json
 
 The functional engine takes ``J v`` by forward-mode AD. Where an operator has none
-(:mod:`torch_sgn.forward_mode`), it either switches the model to kernels that have one, or
+(:mod:`torch_sgn.model.forward_mode`), it either switches the model to kernels that have one, or
 takes ``J v`` by double backward. This measures both routes, float32 on the CPU, on
 
 * ``transformer``: a causal pre-norm transformer (``nn.TransformerEncoderLayer``, 2 layers,
@@ -51,10 +51,11 @@ from typing import Callable, Dict, List
 import torch
 from torch import nn
 
-from torch_sgn.forward_mode import kernels
-from torch_sgn.functional import FunctionalEngine, FunctionalModel
+from torch_sgn.engines.functional import FunctionalEngine
 from torch_sgn.linearization import Batch
 from torch_sgn.losses import resolve_loss
+from torch_sgn.model.flat_model import FunctionalModel
+from torch_sgn.model.forward_mode import kernels
 
 
 @dataclass

@@ -33,7 +33,7 @@ as a check that both compute the same matrix.
 
 For each paper model at its batch size (random inputs and targets of the right shapes; the
 cost does not depend on the values) and each engine (``functional``, ``fast``, and on CUDA
-``graphs``: the fast engine with ``cuda_graphs=True``, whose first set-up captures the graphs
+``graphs``: the layer-wise engine with ``cuda_graphs=True``, whose first set-up captures the graphs
 and is timed apart, not in the medians) it prints:
 
 * ``grad``: one plain PyTorch gradient, ``autograd.grad(loss(model(x), y), params)``;
@@ -77,12 +77,13 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch import nn
 
-from torch_sgn import SGN, graphs
-from torch_sgn.engines import select_engine
+from torch_sgn import SGN
+from torch_sgn.engines import cuda_graphs as graphs
+from torch_sgn.engines.selection import select_engine
 from torch_sgn.experiments.models import PRESETS, CausalTransformer, LSTMModel, ResNetBN
-from torch_sgn.functional import FunctionalModel
 from torch_sgn.linearization import Batch
 from torch_sgn.losses import resolve_loss
+from torch_sgn.model.flat_model import FunctionalModel
 
 
 @dataclass
@@ -91,7 +92,9 @@ class Config:
         default_factory=lambda: ["boston", "sine", "mnist", "fashion_mnist", "cifar10"]
     )
     devices: List[str] = field(default_factory=lambda: ["cpu", "cuda"])
-    engines: List[str] = field(default_factory=lambda: ["functional", "fast", "traced", "graphs"])
+    engines: List[str] = field(
+        default_factory=lambda: ["functional", "layerwise", "traced", "graphs"]
+    )
     ks: List[int] = field(default_factory=lambda: [2, 3, 5, 10])
     repeats: int = 15
     warmup: int = 3
@@ -240,7 +243,7 @@ def measure(name: str, device: torch.device, cfg: Config) -> Dict[str, object]:
     for e in engines:
         try:
             lins[e] = select_engine(fmodel, loss, **options[e])
-        except ValueError as why:  # "fast" on a model that is not a chain of known layers
+        except ValueError as why:  # "layerwise" on a model that is not a chain of known layers
             print(f"  {name}: engine {e} left out ({why})", file=sys.stderr)
     engines = [e for e in engines if e in lins]
     current, first_call_s = {}, {}
@@ -411,7 +414,7 @@ def _math_kernels(recurrent: bool):
 
 def _engine_options(engine: str) -> Dict[str, object]:
     if engine == "graphs":
-        return {"engine": "fast", "cuda_graphs": True}
+        return {"engine": "layerwise", "cuda_graphs": True}
     if engine == "traced_graphs":
         return {"engine": "traced", "cuda_graphs": True}
     if engine == "traced_compiled":

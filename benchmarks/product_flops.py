@@ -45,10 +45,10 @@ from torch.utils.flop_counter import flop_registry
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ggn_cost  # noqa: E402  (the models, batches and kernel switches of the cost table)
 
-from torch_sgn.engines import select_engine  # noqa: E402
-from torch_sgn.functional import FunctionalModel  # noqa: E402
+from torch_sgn.engines.selection import select_engine  # noqa: E402
 from torch_sgn.linearization import Batch  # noqa: E402
 from torch_sgn.losses import resolve_loss  # noqa: E402
+from torch_sgn.model.flat_model import FunctionalModel  # noqa: E402
 
 MODELS = ["boston", "sine", "mnist", "fashion_mnist", "cifar10",
           "resnet_bn", "transformer", "lstm", "gru", "tcn"]  # fmt: skip

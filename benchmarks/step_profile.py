@@ -39,8 +39,8 @@ import torch
 
 import torch_sgn.optimizer as optimizer
 from torch_sgn import SGN
-from torch_sgn.functional import FunctionalModel
 from torch_sgn.losses import resolve_loss
+from torch_sgn.model.flat_model import FunctionalModel
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from ggn_cost import _batch, _engine_options, _environment  # noqa: E402

@@ -30,11 +30,15 @@ from torch_sgn.experiments import data as datasets
 from torch_sgn.experiments.models import PRESETS
 
 RUNS = [
-    ("SGN(5) fast", "sgn", dict(cg_iters=5, warmup_cg_iters=10, warmup_steps=10, engine="fast")),
+    (
+        "SGN(5) fast",
+        "sgn",
+        dict(cg_iters=5, warmup_cg_iters=10, warmup_steps=10, engine="layerwise"),
+    ),
     (
         "SGN(5) graphs",
         "sgn",
-        dict(cg_iters=5, warmup_cg_iters=10, warmup_steps=10, engine="fast", cuda_graphs=True),
+        dict(cg_iters=5, warmup_cg_iters=10, warmup_steps=10, engine="layerwise", cuda_graphs=True),
     ),
     (
         "SGN(5) functional",

@@ -44,9 +44,13 @@ class Config:
 def _runs() -> List[tuple]:
     sgn = dict(cg_iters=10, warmup_cg_iters=10, warmup_steps=10, solver="cg")
     return [
-        ("SGN(10) fast", "sgn", dict(sgn, engine="fast")),
+        ("SGN(10) fast", "sgn", dict(sgn, engine="layerwise")),
         ("SGN(10) functional", "sgn", dict(sgn, engine="functional")),
-        ("SGN(10) fast, G on 1/4 batch", "sgn", dict(sgn, engine="fast", curvature_fraction=0.25)),
+        (
+            "SGN(10) fast, G on 1/4 batch",
+            "sgn",
+            dict(sgn, engine="layerwise", curvature_fraction=0.25),
+        ),
         ("SGD lr 0.1", "sgd", dict(lr=0.1)),
         ("SGD lr 1", "sgd", dict(lr=1.0)),
         ("Adam lr 1e-3", "adam", dict(lr=1e-3)),

@@ -5,9 +5,12 @@ Command (from the repository root)::
     PYTHONPATH=src python benchmarks/traced_ab.py --threads 1 --models resnet_bn transformer lstm
 
 ``before`` records the products with PyTorch's own forward-mode rules and runs the recorded
-graphs as traced (``torch_sgn.traced.TANGENT_RULES = GRAPH_PASSES = False``); ``after`` with
-the rules of ``torch_sgn.tangent_rules`` and the rewrites (the defaults). ``--flags`` names the
-switches of ``torch_sgn.traced`` to compare instead, e.g. ``--flags GRAPH_PASSES`` (the rewrites
+graphs as traced (``torch_sgn.engines.traced.engine.TANGENT_RULES = GRAPH_PASSES = False``);
+``after`` with
+the rules of ``torch_sgn.engines.traced.jvp_rules`` and the rewrites (the defaults). ``--flags``
+names the
+switches of ``torch_sgn.engines.traced.engine`` to compare instead, e.g. ``--flags GRAPH_PASSES``
+(the rewrites
 alone): off in ``before``, on in ``after``, the others at their defaults. Both compute the same
 matrix (the largest relative difference of their products is printed). In every round each
 quantity is measured once, in turn: a gradient, each variant's set-up (``lin``), one product
@@ -39,9 +42,9 @@ from typing import Dict, List
 
 import torch
 
-import torch_sgn.traced as traced
-from torch_sgn.functional import FunctionalModel
+import torch_sgn.engines.traced.engine as traced
 from torch_sgn.losses import resolve_loss
+from torch_sgn.model.flat_model import FunctionalModel
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from ggn_cost import _batch, _environment  # noqa: E402
@@ -53,10 +56,11 @@ FLAGS = ["TANGENT_RULES", "GRAPH_PASSES"]
 
 
 def _set(flags: List[str], on: bool) -> None:
-    """Sets ``flags`` of ``torch_sgn.traced`` (read when a model is traced) to ``on``."""
+    """Sets ``flags`` of ``torch_sgn.engines.traced.engine`` (read when a model is traced) to
+    ``on``."""
     for flag in flags:
         if not hasattr(traced, flag):
-            raise SystemExit(f"torch_sgn.traced has no switch {flag}")
+            raise SystemExit(f"torch_sgn.engines.traced.engine has no switch {flag}")
         setattr(traced, flag, on)
 
 

@@ -9,7 +9,8 @@ prose and examples, which differs slightly between Python versions. The last 10%
 
 The model is a small pre-norm transformer (token and position embeddings, causal
 ``scaled_dot_product_attention``, LayerNorm, GELU MLP), not an ``nn.Sequential`` chain, so
-``SGN``'s default ``engine="auto"`` takes the traced engine (see ``torch_sgn.traced``). An
+``SGN``'s default ``engine="auto"`` takes the traced engine (see
+``torch_sgn.engines.traced.engine``). An
 epoch is a fixed set of random windows of the training text; the loss is cross-entropy per
 character in nats.
 

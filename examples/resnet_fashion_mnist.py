@@ -6,7 +6,8 @@ Command: python examples/resnet_fashion_mnist.py [--quick] [--epochs 3] [--train
 The model is not an ``nn.Sequential`` chain (residual connections, batch norm in training
 mode), so ``SGN``'s default ``engine="auto"`` takes the traced engine: the Gauss-Newton
 product is traced once per batch shape and each CG iteration runs only the part of it that
-depends on the vector (see ``torch_sgn.traced``). Batch norm's running statistics are updated
+depends on the vector (see ``torch_sgn.engines.traced.engine``). Batch norm's running statistics
+are updated
 once per step, by the forward pass that gives the gradient.
 
 Fashion-MNIST is read where ``torch_sgn.experiments.data`` finds it (Debian's

@@ -34,7 +34,7 @@ def cpu_graph_captures(monkeypatch):
     """Lets ``SGN(cuda_graphs=True)`` "capture" on the CPU with an eager stand-in (a replay
     calls the captured function again, over the same static buffers); returns the list of
     captures made (the number of functions in each)."""
-    from torch_sgn import graphs
+    from torch_sgn.engines import cuda_graphs as graphs
 
     made = []
 

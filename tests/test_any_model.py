@@ -17,11 +17,12 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 from cases import SineWithoutJvp, dense_ggn_of_module
 from torch_sgn import GGN, SGN
-from torch_sgn.engines import select_engine
-from torch_sgn.forward_mode import kernels, missing_rule, switch_for
-from torch_sgn.functional import FunctionalEngine, FunctionalModel
+from torch_sgn.engines.functional import FunctionalEngine
+from torch_sgn.engines.selection import select_engine
 from torch_sgn.linearization import Batch
 from torch_sgn.losses import resolve_loss
+from torch_sgn.model.flat_model import FunctionalModel
+from torch_sgn.model.forward_mode import kernels, missing_rule, switch_for
 
 L, D = 5, 8  # sequence length and width of the sequence models
 
@@ -130,12 +131,12 @@ def _family(name, mode="train", dtype=torch.float64, seed=0):
 
 SEQUENCE = ["encoder", "sdpa", "lstm", "gru"]  # dropout-free, but eval mode takes fast paths
 # (family, engine, mode): every engine path that applies; "auto" hands a model that is not a
-# Sequential chain to the functional engine, "fast" takes the chain with a repeated layer.
+# Sequential chain to the functional engine, "layerwise" takes the chain with a repeated layer.
 PRODUCT_CASES = (
     [(n, "functional", mode) for n in SEQUENCE for mode in ("train", "eval")]
     + [(n, "functional", "train") for n in SHARED]
     + [(n, "auto", "train") for n in FAMILIES]
-    + [("twice-in-sequential", "fast", "train"), ("encoder", "auto", "eval")]
+    + [("twice-in-sequential", "layerwise", "train"), ("encoder", "auto", "eval")]
 )
 
 
@@ -247,7 +248,7 @@ def _loss_batch(kind, dtype=torch.float64):
     return model, x, (y.sign() if kind == "sign" else y)
 
 
-@pytest.mark.parametrize("engine", ["fast", "functional"])
+@pytest.mark.parametrize("engine", ["layerwise", "functional"])
 @pytest.mark.parametrize("name", list(LOSS_CALLABLES))
 def test_loss_callables_without_forward_rules(name, engine):
     make, kind = LOSS_CALLABLES[name]
@@ -266,7 +267,7 @@ def test_huber_reports_its_missing_rule_once():
     model, x, y = _loss_batch("real")
     loss = resolve_loss(nn.HuberLoss())
     with pytest.warns(UserWarning, match="huber_loss_backward") as record:
-        GGN(model, loss, x, y, engine="fast").to_dense()
+        GGN(model, loss, x, y, engine="layerwise").to_dense()
     assert sum("no rule" in str(w.message) for w in record) == 1
     assert loss.reverse_over_reverse
 
@@ -293,7 +294,7 @@ def _focal_batch():
     return model, x, y
 
 
-@pytest.mark.parametrize("engine", ["fast", "functional"])
+@pytest.mark.parametrize("engine", ["layerwise", "functional"])
 def test_a_loss_that_stops_the_gradient_gets_the_gradients_hessian(engine):
     model, x, y = _focal_batch()
     focal = _Focal()
@@ -346,11 +347,11 @@ def test_targets_of_the_wrong_shape_raise_without_a_trace_warning():
             opt.step(x, y)
 
 
-@pytest.mark.parametrize("engine", ["auto", "functional", "fast"])
+@pytest.mark.parametrize("engine", ["auto", "functional", "layerwise"])
 @pytest.mark.parametrize("name", SHARED)
 def test_sgn_keeps_shared_parameters_in_the_model(name, engine):
-    if engine == "fast" and name != "twice-in-sequential":
-        pytest.skip("the fast engine takes Sequential chains")
+    if engine == "layerwise" and name != "twice-in-sequential":
+        pytest.skip("the layer-wise engine takes Sequential chains")
     model, x, y = _family(name, dtype=torch.float32)
     before = list(model.parameters())
     named = dict(model.named_parameters(remove_duplicate=False))

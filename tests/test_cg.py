@@ -5,8 +5,8 @@ import torch
 
 from cases import LOSSES, MODELS, make_batch
 from torch_sgn import GGN, conjugate_gradient
-from torch_sgn.damping import scheduled_damping, trust_region_update
-from torch_sgn.line_search import backtracking
+from torch_sgn.solve.damping import scheduled_damping, trust_region_update
+from torch_sgn.solve.line_search import backtracking
 
 
 def _spd(n: int, seed: int = 0, cond: float = 100.0) -> torch.Tensor:

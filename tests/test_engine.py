@@ -10,12 +10,13 @@ from torch import nn
 
 from cases import MODELS, dense_ggn
 from torch_sgn import GGN, SGN
+from torch_sgn.engines.functional import FunctionalEngine
+from torch_sgn.engines.layerwise.engine import LayerwiseEngine, Unsupported, plan
+from torch_sgn.engines.layerwise.rules import RULES
 from torch_sgn.experiments.models import PRESETS
-from torch_sgn.functional import FunctionalEngine, FunctionalModel
-from torch_sgn.layer_rules import RULES
-from torch_sgn.layerwise import LayerwiseEngine, Unsupported, plan
 from torch_sgn.linearization import Batch
 from torch_sgn.losses import resolve_loss
+from torch_sgn.model.flat_model import FunctionalModel
 
 D = torch.float64
 
@@ -31,7 +32,7 @@ def _batch(model, in_shape, n, kind, seed=0):
 
 
 def _assert_engines_agree(model, loss, x, y, n_vectors=2):
-    fast = GGN(model, loss, x, y, engine="fast")
+    fast = GGN(model, loss, x, y, engine="layerwise")
     ref = GGN(model, loss, x, y, engine="functional")
     torch.testing.assert_close(fast.loss, ref.loss, rtol=1e-12, atol=0)
     torch.testing.assert_close(fast.gradient, ref.gradient, rtol=1e-10, atol=1e-12)
@@ -208,7 +209,7 @@ def test_frozen_weight_with_a_trainable_bias_before_pooling():
     model = nn.Sequential(conv, nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8, 2)).to(D)
     x, y = _batch(model, (1, 6, 6), 4, "real")
     G_ref, g_ref, _ = dense_ggn(model, "mse", x, y)
-    G = GGN(model, "mse", x, y, engine="fast")
+    G = GGN(model, "mse", x, y, engine="layerwise")
     torch.testing.assert_close(G.to_dense(), G_ref, rtol=1e-9, atol=1e-11)
     torch.testing.assert_close(G.gradient, g_ref, rtol=1e-10, atol=1e-12)
 
@@ -220,7 +221,7 @@ def test_fast_engine_matches_dense_reference_on_every_layer_type(name, model, in
     x, y = _batch(model, in_shape, 5, kind)
     loss = "cross_entropy" if kind == "index" else "mse"
     G_ref, g_ref, _ = dense_ggn(model, loss, x, y)
-    G = GGN(model, loss, x, y, engine="fast")
+    G = GGN(model, loss, x, y, engine="layerwise")
     torch.testing.assert_close(G.gradient, g_ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(G.to_dense(), G_ref, rtol=1e-9, atol=1e-11)
 
@@ -263,7 +264,7 @@ def test_frozen_and_tied_parameters():
     model[5].weight.requires_grad_(False)
     x, y = _batch(model, (3,), 5, "real")
     G_ref, g_ref, _ = dense_ggn(model, "mse", x, y)
-    G = GGN(model, "mse", x, y, engine="fast")
+    G = GGN(model, "mse", x, y, engine="layerwise")
     torch.testing.assert_close(G.gradient, g_ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(G.to_dense(), G_ref, rtol=1e-9, atol=1e-11)
 
@@ -318,7 +319,7 @@ def test_models_the_fast_engine_cannot_plan_go_to_the_traced_engine_and_stay_exa
     model = build().to(D)
     x, y = _batch(model, (3,), 8, "real")
     with pytest.raises(ValueError, match=why):
-        SGN(model, "mse", engine="fast")
+        SGN(model, "mse", engine="layerwise")
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         auto = SGN(copy.deepcopy(model), "mse", engine="auto", cg_iters=3)
@@ -357,7 +358,7 @@ def test_a_changed_layer_setting_is_planned_again():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.LeakyReLU(0.1), nn.Linear(4, 2)).to(D)
     x, y = _batch(model, (3,), 8, "real")
-    opt = SGN(model, "mse", engine="fast")
+    opt = SGN(model, "mse", engine="layerwise")
     for slope in (0.1, 0.5):
         model[1].negative_slope = slope
         lin = opt._engine(opt._fmodel.flat(), Batch(x, y))
@@ -416,7 +417,7 @@ def test_training_mode_dropout_matches_functional_engine_and_random_state(dropou
     x, y = _batch(model, (3,), 16, "real")
     twin = copy.deepcopy(model)
     states = []
-    for m, engine in ((model, "fast"), (twin, "functional")):
+    for m, engine in ((model, "layerwise"), (twin, "functional")):
         torch.manual_seed(3)
         opt = SGN(m, "mse", engine=engine, cg_iters=5, solver="cg")
         infos = [opt.step(x, y) for _ in range(3)]
@@ -432,7 +433,7 @@ def test_eval_mode_dropout_is_the_identity():
     model.eval()
     x, y = _batch(model, (3,), 6, "real")
     G_ref, _, _ = dense_ggn(model, "mse", x, y)
-    torch.testing.assert_close(GGN(model, "mse", x, y, engine="fast").to_dense(), G_ref)
+    torch.testing.assert_close(GGN(model, "mse", x, y, engine="layerwise").to_dense(), G_ref)
 
 
 _WEIGHT = torch.tensor([1.0, 3.0, 0.5, 2.0], dtype=D)
@@ -440,7 +441,7 @@ _WEIGHT = torch.tensor([1.0, 3.0, 0.5, 2.0], dtype=D)
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("weighted", [False, True], ids=["closed-form", "class-weights"])
-@pytest.mark.parametrize("engine", ["fast", "functional"])
+@pytest.mark.parametrize("engine", ["layerwise", "functional"])
 def test_curvature_subset_is_the_scaled_ggn_of_a_seeded_subset(reduction, weighted, engine):
     """A sum over a quarter of the batch is scaled by 4, a mean is not, whichever path the
     loss takes (class weights go through the generic autograd wrapper)."""
@@ -481,7 +482,7 @@ def test_frozen_first_layer_takes_no_cotangent_but_later_layers_do():
     model[1].requires_grad_(False)
     x, y = _batch(model, (2, 3), 5, "index")
     G_ref, g_ref, _ = dense_ggn(model, "cross_entropy", x, y)
-    G = GGN(model, "cross_entropy", x, y, engine="fast")
+    G = GGN(model, "cross_entropy", x, y, engine="layerwise")
     torch.testing.assert_close(G.gradient, g_ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(G.to_dense(), G_ref, rtol=1e-9, atol=1e-11)
 
@@ -492,3 +493,15 @@ def test_every_registered_layer_type_is_checked_here():
     models = [case[1] for case in _trial_cases()] + [d for d, _ in _DROPOUTS]
     checked = {type(m) for model in models for m in model.modules()}
     assert set(RULES) - checked == set()
+
+
+def test_the_former_engine_name_fast_is_the_layerwise_engine_with_a_warning():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x, y = torch.randn(5, 3, dtype=D), torch.randn(5, 2, dtype=D)
+    with pytest.warns(FutureWarning, match="engine='layerwise'"):
+        old = GGN(model, "mse", x, y, engine="fast")
+    with pytest.warns(FutureWarning, match="engine='layerwise'"):
+        SGN(model, "mse", engine="fast")
+    new = GGN(model, "mse", x, y, engine="layerwise")
+    torch.testing.assert_close(old.to_dense(), new.to_dense(), rtol=0, atol=0)

@@ -9,9 +9,10 @@ import torch
 from torch import Tensor, nn
 
 from cases import dense_parts
-from torch_sgn import SGN, geodesic, optimizer
-from torch_sgn.line_search import LineSearchResult
-from torch_sgn.solvers import solve_damped
+from torch_sgn import SGN, optimizer
+from torch_sgn.solve import geodesic
+from torch_sgn.solve.direct import solve_damped
+from torch_sgn.solve.line_search import LineSearchResult
 
 EXACT = dict(line_search=False, trust_region=False, lr=1.0, momentum=0.0, solver="direct")
 
@@ -126,11 +127,11 @@ def test_a_breakdown_has_no_second_solve():
 @pytest.mark.parametrize(
     "engine,n,loss,route,lr",
     [
-        ("fast", 40, "mse", "matrix", 1.0),  # 80 outputs > 32 parameters: through G
-        ("fast", 40, "mse", "matrix", 0.5),  # the term scales as lr^2
-        ("fast", 6, "mse", "samples", 1.0),  # 12 outputs < 32 parameters: through the outputs
-        ("fast", 6, "mse", "samples", 0.5),
-        ("fast", 8, "cross_entropy", "samples", 1.0),  # a non-symmetric H K: LU
+        ("layerwise", 40, "mse", "matrix", 1.0),  # 80 outputs > 32 parameters: through G
+        ("layerwise", 40, "mse", "matrix", 0.5),  # the term scales as lr^2
+        ("layerwise", 6, "mse", "samples", 1.0),  # 12 outputs < 32 parameters: through the outputs
+        ("layerwise", 6, "mse", "samples", 0.5),
+        ("layerwise", 8, "cross_entropy", "samples", 1.0),  # a non-symmetric H K: LU
         ("functional", 40, "mse", "matrix", 1.0),  # J^T u from the engine's recorded pass
         ("traced", 40, "mse", "matrix", 1.0),  # J^T u from a pass of the optimizer's own
     ],

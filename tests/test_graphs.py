@@ -1,4 +1,4 @@
-"""CUDA graphs for the fast engine (``SGN(cuda_graphs=True)``).
+"""CUDA graphs for the layer-wise engine (``SGN(cuda_graphs=True)``).
 
 On the CPU an eager stand-in replaces the capture: a "replay" calls the captured function
 again, over the same static buffers. That checks everything but the capture itself (the batch,
@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torch_sgn import SGN, graphs
+from torch_sgn import SGN
+from torch_sgn.engines import cuda_graphs as graphs
 from torch_sgn.experiments.models import PRESETS
 
 
@@ -467,15 +468,15 @@ def test_traced_graphs_do_not_apply_to_dropout_kept_on_in_evaluation_mode(cpu_gr
 def test_draws_that_are_not_dropouts_stay_in_the_graph_and_are_refused():
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from torch_sgn.traced import Untraceable, _draws_as_inputs
+    from torch_sgn.engines.traced.engine import Untraceable, _draws_as_inputs
 
     x = torch.randn(4, 3)
     evaluation = make_fx(lambda t: torch.ops.aten.native_dropout(t, 0.3, False)[0] * 2)(x)
     rewritten, draws = _draws_as_inputs(evaluation)  # no draw: nothing taken out
     assert draws == [] and torch.equal(rewritten(x), evaluation(x))
     # one that does not draw beside one that does: one layout, the real one, for the latter
-    from torch_sgn.functional import FunctionalModel
-    from torch_sgn.traced import _drawn_layouts
+    from torch_sgn.engines.traced.engine import _drawn_layouts
+    from torch_sgn.model.flat_model import FunctionalModel
 
     def both(t):
         kept = torch.ops.aten.native_dropout(t, 0.3, False)[0]
@@ -533,10 +534,10 @@ def test_captured_cuda_dropout_steps_match_eager_cuda_steps(name):
 
 
 def test_traced_graphs_draw_from_the_random_state_the_step_replays(cpu_graph_captures):
-    from torch_sgn.engines import select_engine
-    from torch_sgn.functional import FunctionalModel
+    from torch_sgn.engines.selection import select_engine
     from torch_sgn.linearization import Batch
     from torch_sgn.losses import resolve_loss
+    from torch_sgn.model.flat_model import FunctionalModel
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.Dropout(0.5), nn.Tanh(), nn.Linear(6, 1))
@@ -585,7 +586,7 @@ def test_draws_taken_out_of_a_graph_are_those_it_would_draw(op):
     # CUDA's dropout records native_dropout, the CPU's bernoulli_ into a new tensor
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from torch_sgn.traced import _draws_as_inputs
+    from torch_sgn.engines.traced.engine import _draws_as_inputs
 
     def f(x):
         y = torch.tanh(x)
@@ -611,10 +612,10 @@ def test_draws_taken_out_of_a_graph_are_those_it_would_draw(op):
 
 
 def test_traced_products_of_a_replaced_point_raise(cpu_graph_captures):
-    from torch_sgn.engines import select_engine
-    from torch_sgn.functional import FunctionalModel
+    from torch_sgn.engines.selection import select_engine
     from torch_sgn.linearization import Batch
     from torch_sgn.losses import resolve_loss
+    from torch_sgn.model.flat_model import FunctionalModel
 
     model = _any_model("lstm")[0]
     (x, y), (x2, y2) = _any_batches("lstm", [4, 4])

@@ -8,10 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torch_sgn import GGN, SGN, graphs
-from torch_sgn.functional import FunctionalModel
-from torch_sgn.layer_rules import RULES, LayerRule, rule, supported_layers
-from torch_sgn.layerwise import Unsupported, plan
+from torch_sgn import GGN, SGN
+from torch_sgn.engines import cuda_graphs as graphs
+from torch_sgn.engines.layerwise.engine import Unsupported, plan
+from torch_sgn.engines.layerwise.rules import RULES, LayerRule, rule, supported_layers
+from torch_sgn.model.flat_model import FunctionalModel
 
 ROOT = Path(__file__).resolve().parent.parent
 D = torch.float64
@@ -40,8 +41,8 @@ def test_supported_layers_are_the_registered_types():
 
 def test_docstrings_point_to_the_registry_instead_of_listing_layers():
     sgn_doc = SGN.__init__.__doc__ or SGN.__doc__
-    assert "supported_layers()" in sgn_doc and "layer_rules" in sgn_doc
-    assert "layer_rules" in graphs.__doc__
+    assert "supported_layers()" in sgn_doc and "layerwise.rules" in sgn_doc
+    assert "layerwise.rules" in graphs.__doc__
 
 
 def test_a_type_registered_twice_is_refused():
@@ -78,7 +79,7 @@ def test_a_new_rule_is_planned_and_matches_the_functional_engine(monkeypatch):
     steps = plan(FunctionalModel(model))
     assert [type(s) for s in steps][1] is _Hardswish
     assert "Hardswish is not evaluated by hand" in steps[1].capture_obstacle
-    fast = GGN(model, "mse", x, y, engine="fast")
+    fast = GGN(model, "mse", x, y, engine="layerwise")
     ref = GGN(model, "mse", x, y, engine="functional")
     torch.testing.assert_close(fast.gradient, ref.gradient, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(fast.to_dense(), ref.to_dense(), rtol=1e-9, atol=1e-11)

@@ -18,12 +18,13 @@ from torch import nn
 
 from cases import dense_ggn_of_module
 from torch_sgn import GGN, SGN
-from torch_sgn.composites import Composites
-from torch_sgn.engines import select_engine
-from torch_sgn.forward_mode import missing_rule
-from torch_sgn.functional import FunctionalEngine, FunctionalModel
+from torch_sgn.engines.functional import FunctionalEngine
+from torch_sgn.engines.selection import select_engine
 from torch_sgn.linearization import Batch
 from torch_sgn.losses import resolve_loss
+from torch_sgn.model.composites import Composites
+from torch_sgn.model.flat_model import FunctionalModel
+from torch_sgn.model.forward_mode import missing_rule
 
 D = torch.float64
 TOKENS = torch.tensor([0, 2, 5, 1, 1, 3, 2, 2, 4, 0, 1])

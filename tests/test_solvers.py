@@ -11,12 +11,13 @@ import torch
 from torch import nn
 
 from cases import LOSS, LOSSES, MODELS, dense_ggn, make_batch
-from torch_sgn import SGN, solvers
-from torch_sgn.engines import select_engine
-from torch_sgn.functional import FunctionalModel
-from torch_sgn.linearization import Batch
+from torch_sgn import SGN, linearization
+from torch_sgn.engines.selection import select_engine
+from torch_sgn.linearization import Batch, ggn_matrix
 from torch_sgn.losses import resolve_loss
-from torch_sgn.solvers import DirectResult, solve_damped
+from torch_sgn.model.flat_model import FunctionalModel
+from torch_sgn.solve import direct as solvers
+from torch_sgn.solve.direct import DirectResult, solve_damped
 
 EXACT = dict(line_search=False, trust_region=False, lr=1.0, momentum=0.0)
 
@@ -64,7 +65,7 @@ def test_a_float32_chain_sums_its_G_in_float64():
     G64, _, _ = dense_ggn(model, "mse", x, y)
     model32 = copy.deepcopy(model).float()
     fm = FunctionalModel(model32)
-    engine = select_engine(fm, resolve_loss("mse"), "fast")
+    engine = select_engine(fm, resolve_loss("mse"), "layerwise")
     lin = engine(fm.flat(), Batch(x.float(), y.float()))
     G = lin.ggn_matrix()
     assert G.dtype == torch.float64
@@ -163,7 +164,7 @@ def test_ggn_matrix_matches_the_dense_reference(each_engine, model_case, loss_ca
     G_ref, _, _ = dense_ggn(model, loss, x, y)
     torch.testing.assert_close(lin.ggn_matrix(), G_ref, rtol=1e-9, atol=1e-12)
     if model_case is MODELS[0]:  # the products route, in chunks that do not divide P
-        products = solvers.ggn_matrix(lin.ggn_vp, fmodel.numel, fmodel.flat(), chunk=5)
+        products = ggn_matrix(lin.ggn_vp, fmodel.numel, fmodel.flat(), chunk=5)
         torch.testing.assert_close(products, G_ref, rtol=1e-9, atol=1e-12)
 
 
@@ -171,10 +172,10 @@ def test_the_layerwise_engine_forms_G_from_the_jacobian_only_for_per_sample_chai
     mse = resolve_loss("mse")
     mlp, x, y = make_batch(MODELS[0], LOSS["mse"])
     fm = FunctionalModel(mlp)
-    assert select_engine(fm, mse, "fast")(fm.flat(), Batch(x, y)).dense_ggn is not None
+    assert select_engine(fm, mse, "layerwise")(fm.flat(), Batch(x, y)).dense_ggn is not None
     cnn, x, y = make_batch(MODELS[1], LOSS["mse"])
     fm = FunctionalModel(cnn)
-    assert select_engine(fm, mse, "fast")(fm.flat(), Batch(x, y)).dense_ggn is None
+    assert select_engine(fm, mse, "layerwise")(fm.flat(), Batch(x, y)).dense_ggn is None
 
 
 def _tied(samples: int, outputs: int):
@@ -185,7 +186,7 @@ def _tied(samples: int, outputs: int):
     x = torch.randn(samples, 4, dtype=torch.float64)
     y = torch.randn(samples, outputs, dtype=torch.float64)
     fm = FunctionalModel(model)
-    return model, x, y, select_engine(fm, resolve_loss("mse"), "fast")(fm.flat(), Batch(x, y))
+    return model, x, y, select_engine(fm, resolve_loss("mse"), "layerwise")(fm.flat(), Batch(x, y))
 
 
 def test_tied_weights_add_up_in_the_jacobian_route():
@@ -429,7 +430,7 @@ def test_the_outputs_kernel_of_a_sequence_model_forms_the_rows():
     x = torch.randn(4, 2, 3, dtype=torch.float64)
     y = torch.randn(4, 2, dtype=torch.float64)
     fm = FunctionalModel(model)
-    lin = select_engine(fm, resolve_loss("mse"), "fast")(fm.flat(), Batch(x, y))
+    lin = select_engine(fm, resolve_loss("mse"), "layerwise")(fm.flat(), Batch(x, y))
     assert lin.sample_space is not None
     params = list(model.parameters())
     J = torch.stack(
@@ -519,9 +520,9 @@ def test_direct_result_is_shaped_like_a_cg_result():
 def test_levenberg_marquardt_re_solves_reuse_the_matrix(monkeypatch):
     model, x, y = make_batch(MODELS[1], LOSS["mse"])  # the CNN: G from products
     formed, solved = [], []
-    ggn_matrix, solve = solvers.ggn_matrix, solvers.solve_damped
+    solve = solvers.solve_damped
     monkeypatch.setattr(
-        solvers, "ggn_matrix", lambda *a, **k: formed.append(1) or ggn_matrix(*a, **k)
+        linearization, "ggn_matrix", lambda *a, **k: formed.append(1) or ggn_matrix(*a, **k)
     )
     monkeypatch.setattr(solvers, "solve_damped", lambda *a: solved.append(a[2]) or solve(*a))
     opt = SGN(model, "mse", solver="direct", lr=30.0, attempts=4, line_search=False)

@@ -1,4 +1,4 @@
-"""solver="auto": the paper's CG steps until exact steps prove better (torch_sgn.switching)."""
+"""solver="auto": the paper's CG steps until exact steps prove better (torch_sgn.solve.auto)."""
 
 import copy
 import logging
@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from torch_sgn import SGN, switching
+from torch_sgn import SGN
+from torch_sgn.solve import auto as switching
 
 
 def _flat(model):

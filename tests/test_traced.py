@@ -12,13 +12,13 @@ from torch.func import functional_call
 
 from cases import SineWithoutJvp
 from torch_sgn import GGN, SGN
-from torch_sgn.engines import select_engine
-from torch_sgn.functional import FunctionalModel
-from torch_sgn.layerwise import LayerwiseEngine
+from torch_sgn.engines.layerwise.engine import LayerwiseEngine
+from torch_sgn.engines.selection import select_engine
+from torch_sgn.engines.traced.engine import TracedEngine
+from torch_sgn.engines.traced.jvp_rules import BatchNorm, LayerNorm, LSTMLayer, Softmax
 from torch_sgn.linearization import Batch
 from torch_sgn.losses import resolve_loss
-from torch_sgn.tangent_rules import BatchNorm, LayerNorm, LSTMLayer, Softmax
-from torch_sgn.traced import TracedEngine
+from torch_sgn.model.flat_model import FunctionalModel
 
 D = torch.float64
 
@@ -521,7 +521,8 @@ def test_a_loss_linear_in_the_outputs_gives_zero_products():
     torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
 
 
-# --- the tangent rules (torch_sgn.tangent_rules) ------------------------------------------------
+# --- the tangent rules (torch_sgn.engines.traced.jvp_rules)
+# ------------------------------------------------
 def _norms(variant):
     """Batch-norm variants the rule must cover: 1-d on (N, C) and (N, C, L), 2-d without the
     affine map, without running statistics, another momentum."""
@@ -578,7 +579,7 @@ def test_batch_norm_rule_matches_the_dense_reference(variant, train, monkeypatch
 
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 def test_batch_norm_rule_gives_the_products_of_pytorchs_own_rule(train, monkeypatch):
-    import torch_sgn.traced as traced
+    import torch_sgn.engines.traced.engine as traced
 
     model, x, y, loss = _family("resnet-bn")
     model.train(train)
@@ -594,7 +595,7 @@ def test_batch_norm_rule_gives_the_products_of_pytorchs_own_rule(train, monkeypa
 def test_graph_passes_fuse_matrix_products_and_merge_repeats():
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from torch_sgn.traced import _eliminate_common_subexpressions, _fuse_matmul_adds
+    from torch_sgn.engines.traced.engine import _eliminate_common_subexpressions, _fuse_matmul_adds
 
     def f(a, b, c, d):
         s = torch.tanh(a) + torch.tanh(a)  # the same operation twice
@@ -653,7 +654,7 @@ class _Activations(nn.Module):
 
 @pytest.mark.parametrize("hoist", [True, False], ids=["hoisted", "as-traced"])
 def test_activation_derivatives_taken_once_per_step_match_the_dense_reference(hoist, monkeypatch):
-    import torch_sgn.traced as traced
+    import torch_sgn.engines.traced.engine as traced
 
     monkeypatch.setattr(traced, "HOIST_DERIVATIVES", hoist)
     torch.manual_seed(4)
@@ -677,7 +678,7 @@ def test_activation_derivatives_taken_once_per_step_match_the_dense_reference(ho
 def test_matrix_products_accumulate_in_place_into_temporaries_only():
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from torch_sgn.traced import _accumulate_in_place
+    from torch_sgn.engines.traced.engine import _accumulate_in_place
 
     def f(a, b, c, bias):
         t = a @ b  # a temporary read once: the sum accumulates into it
@@ -739,7 +740,7 @@ def _lookups(build=_Lookups, **options):
 
 @pytest.mark.parametrize("reorder", [True, False], ids=["reordered", "as-traced"])
 def test_products_of_embedding_rows_match_the_dense_reference(reorder, monkeypatch):
-    import torch_sgn.traced as traced
+    import torch_sgn.engines.traced.engine as traced
 
     monkeypatch.setattr(traced, "EMBEDDING_PRODUCTS", reorder)
     engine = _matches_dense_reference(*_lookups())
@@ -840,7 +841,7 @@ def test_frequency_scaled_embeddings_give_the_symmetric_matrix_of_their_gradient
 
 
 def test_reordered_embedding_products_keep_padding_and_frequency_scaling(monkeypatch):
-    import torch_sgn.traced as traced
+    import torch_sgn.engines.traced.engine as traced
 
     lins = []
     for reorder in (True, False):
@@ -1221,11 +1222,11 @@ def test_compile_draws_random_numbers_with_pytorchs_operators(monkeypatch):
 
 def test_compile_needs_the_traced_engine_and_no_cuda_graphs():
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
-    for options in ({"engine": "functional"}, {"engine": "fast"}, {"cuda_graphs": True}):
+    for options in ({"engine": "functional"}, {"engine": "layerwise"}, {"cuda_graphs": True}):
         with pytest.raises(ValueError, match="invalid compile=True"):
             SGN(model, "mse", compile=True, **options)
     with pytest.warns(UserWarning, match="compile=True applies to the traced engine"):
-        SGN(model, "mse", compile=True)  # "auto" on a chain: the fast engine takes it
+        SGN(model, "mse", compile=True)  # "auto" on a chain: the layer-wise engine takes it
 
 
 def test_auto_engine_compiles_a_model_that_is_not_a_chain(monkeypatch):

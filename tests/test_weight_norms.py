@@ -1,6 +1,6 @@
 """Weight normalization (``torch.nn.utils.parametrizations.weight_norm`` and the older
 ``torch.nn.utils.weight_norm``), whose fused kernel has no forward-mode rule: SGN's passes run it
-as a composite (``torch_sgn.weight_norms``). Its values against PyTorch's kernel, and the
+as a composite (``torch_sgn.model.weight_norms``). Its values against PyTorch's kernel, and the
 products against a dense ``J^T H J`` built by reverse mode alone through the model's own
 parameters and forward pass (``cases.dense_ggn_of_module``), in float64, on every engine."""
 
@@ -18,7 +18,7 @@ from torch.nn.utils.parametrizations import _WeightNorm, weight_norm
 
 from cases import dense_ggn_of_module
 from torch_sgn import GGN, SGN
-from torch_sgn.composites import Composites
+from torch_sgn.model.composites import Composites
 
 D = torch.float64
 

@@ -5,9 +5,9 @@ Public API::
     from torch_sgn import SGN, GGN, StepInfo, conjugate_gradient, CGResult
 """
 
-from .cg import CGResult, conjugate_gradient
 from .ggn import GGN
 from .optimizer import SGN, StepInfo
+from .solve.cg import CGResult, conjugate_gradient
 
 __all__ = ["SGN", "GGN", "StepInfo", "CGResult", "conjugate_gradient"]
 __version__ = "0.1.0"

@@ -53,9 +53,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .functional import FunctionalModel
 from .linearization import Batch, Engine, Linearization
 from .losses import OutputLoss
+from .model.flat_model import FunctionalModel
 
 __all__ = ["init_from_env", "is_main_process", "rank", "shard", "world_size"]
 

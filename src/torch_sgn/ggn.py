@@ -11,7 +11,7 @@ which for a mean-reduced loss is the paper's ``(1/N) sum_i J_i^T H_i J_i``. ``G`
 formed: a product is ``v -> J v`` (forward mode) ``-> H J v`` (closed form in output space)
 ``-> J^T H J v`` (reverse mode, reusing the graph of the gradient's forward pass).
 
-The engines that compute the products are chosen in :mod:`torch_sgn.engines`; this module
+The engines that compute the products are chosen in :mod:`torch_sgn.engines.selection`; this module
 holds the public operator built on them.
 """
 
@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .engines import select_engine
-from .functional import FunctionalModel
+from .engines.selection import select_engine
 from .linearization import Batch, Inputs
 from .losses import LossSpec, resolve_loss
+from .model.flat_model import FunctionalModel
 
 __all__ = ["GGN"]
 
@@ -45,7 +45,7 @@ class GGN:
             module, or a callable ``loss(outputs, targets) -> scalar`` convex in ``outputs``.
         inputs: a tensor, or a tuple of tensors passed positionally.
         targets: the loss's targets.
-        engine: ``"auto"``, ``"fast"``, ``"traced"`` or ``"functional"``, as for
+        engine: ``"auto"``, ``"layerwise"``, ``"traced"`` or ``"functional"``, as for
             :class:`~torch_sgn.SGN`.
 
     Example:

@@ -4,8 +4,8 @@ An *engine* linearizes the model and loss at a point on a mini-batch: one call
 ``engine(flat, batch, buffers_out)`` returns a :class:`Linearization` holding the loss, its
 gradient and the matrix-free product ``v -> G v`` at the parameters ``flat``. The optimizer,
 CG, the data-parallel communicator and the CUDA-graph capture consume it; the engines
-(:mod:`~torch_sgn.functional`, :mod:`~torch_sgn.layerwise`) produce it, and
-:mod:`~torch_sgn.engines` chooses one.
+(:mod:`~torch_sgn.model.flat_model`, :mod:`~torch_sgn.engines.layerwise.engine`) produce it, and
+:mod:`~torch_sgn.engines.selection` chooses one.
 """
 
 from __future__ import annotations
@@ -16,10 +16,17 @@ from typing import Callable, Optional, Protocol, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import solvers
 from .losses import OutputLoss
 
-__all__ = ["Batch", "Engine", "Inputs", "Linearization", "SampleSpace", "loss_and_output_gradient"]
+__all__ = [
+    "Batch",
+    "Engine",
+    "Inputs",
+    "Linearization",
+    "SampleSpace",
+    "ggn_matrix",
+    "loss_and_output_gradient",
+]
 
 Inputs = Union[Tensor, Tuple[Tensor, ...]]
 
@@ -51,7 +58,7 @@ class Batch:
 class SampleSpace:
     r"""``G = J^\top H J`` seen from the ``R`` network outputs of a batch (samples times outputs
     per sample), for the direct solver on models with more parameters than the batch has
-    outputs (see :func:`~torch_sgn.solvers.solve_in_sample_space`).
+    outputs (see :func:`~torch_sgn.solve.direct.solve_in_sample_space`).
 
     Attributes:
         outputs: the network's outputs (their shape; ``R = outputs.numel()``).
@@ -123,14 +130,14 @@ class Linearization:
         From the engine's own route where it has one (the layer-wise engine forms the output
         Jacobian of a chain of linear layers and activations and sums ``J^T H J`` in
         float64), else from products with the identity's columns
-        (:func:`torch_sgn.solvers.ggn_matrix`, in the model's dtype). Formed once: a step's
+        (:func:`torch_sgn.solve.direct.ggn_matrix`, in the model's dtype). Formed once: a step's
         re-solves with another damping reuse it.
         """
         if self._matrix is None:
             if self.dense_ggn is not None:
                 matrix = self.dense_ggn()
             else:
-                matrix = solvers.ggn_matrix(self.ggn_vp, self.grad.numel(), self.grad)
+                matrix = ggn_matrix(self.ggn_vp, self.grad.numel(), self.grad)
             self._matrix = matrix.to(torch.float64)
         return self._matrix
 
@@ -158,3 +165,62 @@ def loss_and_output_gradient(
         value = loss.value(z, targets)
         (dz,) = torch.autograd.grad(value, z)
     return value.detach(), dz
+
+
+def ggn_matrix(
+    ggn_vp: Callable[[Tensor], Tensor],
+    n: int,
+    like: Tensor,
+    chunk: Optional[int] = None,
+) -> Tensor:
+    """``G`` (``n x n``) from products with the identity's columns.
+
+    On a CPU one product per column: batching them with ``torch.func.vmap`` was 3 to 5 times
+    slower there (``benchmarks/direct_cost.py``). On other devices the columns go through
+    ``vmap`` in chunks of ``chunk``, one batched pass per chunk in place of many small kernel
+    launches, and one by one where a product cannot be batched.
+
+    Args:
+        ggn_vp: ``v -> G v`` for a flat ``v``.
+        n: the number of parameters.
+        like: a tensor of the parameters' dtype and device.
+        chunk: columns per batched pass; ``None`` picks 64.
+    """
+    chunk = min(n, 64) if chunk is None else max(1, min(chunk, n))
+    out = like.new_empty((n, n))
+    products = _products(ggn_vp, like.device)
+    for start in range(0, n, chunk):
+        stop = min(n, start + chunk)
+        out[start:stop] = products(_identity_columns(n, start, stop, like))
+    # Row i holds G e_i, column i of G; G is symmetric, so these rows are its columns too.
+    return out
+
+
+def _identity_columns(n: int, start: int, stop: int, like: Tensor) -> Tensor:
+    """Rows ``start:stop`` of the identity: the unit vectors ``e_start ... e_{stop-1}``."""
+    rows = like.new_zeros((stop - start, n))
+    rows[:, start:stop].fill_diagonal_(1.0)
+    return rows
+
+
+def _loop(ggn_vp: Callable[[Tensor], Tensor], rows: Tensor) -> Tensor:
+    return torch.stack([ggn_vp(r) for r in rows.unbind(0)])
+
+
+def _products(
+    ggn_vp: Callable[[Tensor], Tensor], device: torch.device
+) -> Callable[[Tensor], Tensor]:
+    """Products with the rows of a matrix: batched by ``vmap`` off the CPU while that works."""
+    use_vmap = device.type != "cpu"
+    vmapped = torch.func.vmap(ggn_vp)
+
+    def run(rows: Tensor) -> Tensor:
+        nonlocal use_vmap
+        if use_vmap:
+            try:
+                return vmapped(rows)
+            except Exception:  # an op without a batching rule (older torch, custom layers)
+                use_vmap = False
+        return _loop(ggn_vp, rows)
+
+    return run

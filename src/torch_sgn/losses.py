@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attributes import model_attributes
 from .diagnostics import warn
-from .forward_mode import gradient_stop, missing_rule
+from .model.attributes import model_attributes
+from .model.forward_mode import gradient_stop, missing_rule
 
 LossSpec = Union[str, nn.Module, Callable[[Tensor, Tensor], Tensor]]
 

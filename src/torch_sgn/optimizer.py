@@ -12,9 +12,22 @@ from typing import Callable, Mapping, Optional
 import torch
 from torch import Tensor, nn
 
-from . import geodesic, solvers, switching
-from .cg import CGResult, conjugate_gradient
-from .damping import (
+from .diagnostics import warn
+from .distributed import ProcessGroup, SingleProcess, communicator
+from .engines.selection import (
+    ENGINE_ALIASES,
+    ENGINES,
+    curvature_subset,
+    engine_name,
+    select_engine,
+)
+from .linearization import Batch, Inputs, Linearization
+from .losses import LossSpec, OutputLoss, resolve_loss
+from .model.flat_model import FunctionalModel
+from .options import KEYS, check_loaded_state, check_options
+from .solve import auto, direct, geodesic
+from .solve.cg import CGResult, conjugate_gradient
+from .solve.damping import (
     CG_DAMPING_MIN,
     DIRECT_DAMPING_MIN,
     GROWTH_START,
@@ -23,15 +36,8 @@ from .damping import (
     scheduled_damping,
     trust_region_update,
 )
-from .diagnostics import warn
-from .distributed import ProcessGroup, SingleProcess, communicator
-from .engines import ENGINES, curvature_subset, select_engine
-from .functional import FunctionalModel
-from .line_search import LineSearchResult, backtracking
-from .linearization import Batch, Inputs, Linearization
-from .losses import LossSpec, OutputLoss, resolve_loss
-from .options import KEYS, check_loaded_state, check_options
-from .solvers import DirectResult
+from .solve.direct import DirectResult
+from .solve.line_search import LineSearchResult, backtracking
 
 __all__ = ["SGN", "StepInfo"]
 
@@ -81,7 +87,7 @@ class StepInfo:
         grad_norm: 2-norm of the mini-batch gradient.
         cg_iters: conjugate-gradient iterations run.
         cg_residual: 2-norm of the final CG residual ``(G + damping I) d + m_hat``.
-        cg_stop: why CG stopped (see :class:`~torch_sgn.cg.CGResult`).
+        cg_stop: why CG stopped (see :class:`~torch_sgn.solve.cg.CGResult`).
         damping: the damping ``rho`` used in this step.
         next_damping: the damping the next step will use.
         step_size: the step length taken along the CG direction, ``lr * a`` with ``a`` the
@@ -168,7 +174,8 @@ class SGN(torch.optim.Optimizer):
             the loss. Default 0 (off), as the paper.
         cg_progress_tol: CG also stops when it stops making progress on the quadratic model:
             Martens's (2010) relative-progress rule with this epsilon (he used ``5e-4``; see
-            :func:`~torch_sgn.cg.conjugate_gradient`). It can fire only after 10 iterations, so
+            :func:`~torch_sgn.solve.cg.conjugate_gradient`). It can fire only after 10 iterations,
+            so
             it matters with a larger ``cg_iters``. Default 0 (off), as the paper.
         attempts: Levenberg-Marquardt re-solves: a step whose full step fails the Armijo test
             (the line search's first test, constant ``ls_c``) is solved again on the same batch
@@ -177,11 +184,11 @@ class SGN(torch.optim.Optimizer):
             along the last one. Counted in :attr:`StepInfo.attempts`. Default 1 (the paper:
             one solve, then the line search).
         damping_update: how the trust region adapts the damping. ``"threshold"``: the paper's
-            rule (:func:`~torch_sgn.damping.trust_region_update`: times 3/2 below ratio 1/4,
+            rule (:func:`~torch_sgn.solve.damping.trust_region_update`: times 3/2 below ratio 1/4,
             times 2/3 above 3/4). ``"nielsen"``: Nielsen's smooth rule
-            (:func:`~torch_sgn.damping.nielsen_update`: down to a third after a good step,
+            (:func:`~torch_sgn.solve.damping.nielsen_update`: down to a third after a good step,
             with no band where it is stuck), and on a rejected attempt times 2, 4, 8, ...
-            (:func:`~torch_sgn.damping.rejected_update`); it needs ``damping_min > 0``.
+            (:func:`~torch_sgn.solve.damping.rejected_update`); it needs ``damping_min > 0``.
             Default ``"threshold"``.
         line_search: backtracking Armijo line search on the same mini-batch (``LS``). Default on,
             as in the paper.
@@ -213,7 +220,7 @@ class SGN(torch.optim.Optimizer):
         keep_grad: write the mini-batch gradient into each parameter's ``.grad``. Default off:
             SGN leaves ``.grad`` untouched.
         geodesic_acceleration: add to each exact (direct) step its geodesic acceleration
-            (Transtrum and Sethna, 2012; :mod:`torch_sgn.geodesic`): the second-order term
+            (Transtrum and Sethna, 2012; :mod:`torch_sgn.solve.geodesic`): the second-order term
             ``a / 2``, ``(G + rho I) a = -J^T H f_vv``, of the path along which the outputs
             keep their velocity, with ``f_vv`` the outputs' second difference along the step
             ``d`` (three forward passes) and the step's own factorization. Used only while
@@ -223,22 +230,27 @@ class SGN(torch.optim.Optimizer):
             float64 models, where it reaches far lower losses far sooner, off in lower
             precision, where the outputs' rounding blurs ``f_vv`` near a precise fit and the
             fits measured ended slightly higher with it. :meth:`SGN.paper` turns it off.
-        engine: how ``G v`` products are computed. ``"fast"``: the layer-wise engine of
-            :mod:`torch_sgn.layerwise` for ``nn.Sequential`` chains of the layers listed by
-            ``torch_sgn.layer_rules.supported_layers()`` (one forward pass per step, about one
+        engine: how ``G v`` products are computed. ``"layerwise"``: the layer-wise engine of
+            :mod:`torch_sgn.engines.layerwise.engine` for ``nn.Sequential`` chains of the layers
+            listed by
+            ``torch_sgn.engines.layerwise.rules.supported_layers()`` (one forward pass per step,
+            about one
             gradient per product); raises if the model is not such a chain. ``"traced"``: the
-            traced engine of :mod:`torch_sgn.traced` for any model ``torch.fx`` can trace
+            traced engine of :mod:`torch_sgn.engines.traced.engine` for any model ``torch.fx`` can
+            trace
             (residual connections, normalization layers, attention, recurrent layers, custom
             ``forward`` methods): the product is traced once per input shape and split so that
             a CG iteration runs only its part that depends on ``v``; raises if the model cannot
             be traced. ``"functional"``: ``torch.func`` forward-mode AD, any model (re-runs the
-            forward pass at every product). ``"auto"``: fast where it applies, else traced, else
-            functional with the reason in a one-time warning. Default ``"auto"``.
+            forward pass at every product). ``"auto"``: layer-wise where it applies, else traced,
+            else functional with the reason in a one-time warning. Default ``"auto"``.
         cuda_graphs: capture the engine's set-up, ``G v`` product and trial-point loss as
             CUDA graphs, once per batch shape, and replay them every step (see
-            :mod:`torch_sgn.graphs`): for small models on a GPU, whose steps cost kernel
-            launches more than arithmetic. The fast engine captures CUDA models whose chain it
-            runs by hand with a named loss (each layer's rule in :mod:`torch_sgn.layer_rules`
+            :mod:`torch_sgn.engines.cuda_graphs`): for small models on a GPU, whose steps cost
+            kernel
+            launches more than arithmetic. The layer-wise engine captures CUDA models whose chain it
+            runs by hand with a named loss (each layer's rule in
+            :mod:`torch_sgn.engines.layerwise.rules`
             says whether it can be captured; ``docs/LAYERS.md`` has the table); the traced
             engine (``"traced"``, and ``"auto"`` for other models) captures CUDA models whose
             forward pass draws random numbers only for dropout (its masks are drawn before
@@ -271,7 +283,7 @@ class SGN(torch.optim.Optimizer):
             to ``>= 0``. On a chain of linear layers and
             activations whose batch has fewer outputs ``R`` (samples times outputs per sample)
             than the model has parameters, the same step is solved through the ``R x R``
-            matrix ``J J^T`` instead (:func:`~torch_sgn.solvers.solve_in_sample_space`;
+            matrix ``J J^T`` instead (:func:`~torch_sgn.solve.direct.solve_in_sample_space`;
             without ``momentum``, single process). For small models, and for fits to high
             precision, where CG's inexact steps stall (see ``docs/SOLVERS.md``). A model whose
             matrices (``3 P^2`` float64 numbers) do not fit in the free memory of its device
@@ -282,7 +294,7 @@ class SGN(torch.optim.Optimizer):
             where ``G`` comes from the per-sample Jacobian, or ``P <= cg_iters``); elsewhere
             CG's steps first, then exact steps for good once they prove better: every 10th
             step also computes the exact step, which wins if its point has a lower loss on the
-            next batch, or the batch loss stalls (:mod:`torch_sgn.switching`). Rules, not
+            next batch, or the batch loss stalls (:mod:`torch_sgn.solve.auto`). Rules, not
             timings, so every machine takes the same steps. :attr:`StepInfo.solver` says which
             ran. :meth:`SGN.paper` sets ``"cg"``.
         direct_max_params: the largest matrix ``solver="auto"`` takes the direct solver for
@@ -351,7 +363,7 @@ class SGN(torch.optim.Optimizer):
         curvature_fraction: float = 1.0,
         process_group: ProcessGroup = None,
         solver: str = "auto",
-        direct_max_params: int = solvers.DEFAULT_DIRECT_MAX_PARAMS,
+        direct_max_params: int = direct.DEFAULT_DIRECT_MAX_PARAMS,
     ):
         defaults = dict(
             lr=lr, damping=damping, damping_min=damping_min, cg_iters=cg_iters, cg_tol=cg_tol,
@@ -366,7 +378,13 @@ class SGN(torch.optim.Optimizer):
         )  # fmt: skip
         assert set(defaults) == set(KEYS)
         check_options(defaults)
-        _check(engine in ENGINES, "engine", engine, f"must be one of {ENGINES}")
+        _check(
+            engine in ENGINES or engine in ENGINE_ALIASES,
+            "engine",
+            engine,
+            f"must be one of {ENGINES}",
+        )
+        engine = engine_name(engine)
         _check(
             not compile or engine in ("traced", "auto"),
             "compile",
@@ -384,7 +402,7 @@ class SGN(torch.optim.Optimizer):
             not (cuda_graphs and engine == "functional"),
             "cuda_graphs",
             cuda_graphs,
-            "needs engine='fast', 'traced' or 'auto' (the functional engine captures no CUDA "
+            "needs engine='layerwise', 'traced' or 'auto' (the functional engine captures no CUDA "
             "graphs)",
         )
         _check(
@@ -394,7 +412,7 @@ class SGN(torch.optim.Optimizer):
             "must be in (0, 1]",
         )
 
-        _check(solver in solvers.SOLVERS, "solver", solver, f"must be one of {solvers.SOLVERS}")
+        _check(solver in direct.SOLVERS, "solver", solver, f"must be one of {direct.SOLVERS}")
         _check(
             type(direct_max_params) is int and direct_max_params >= 0,
             "direct_max_params",
@@ -423,7 +441,7 @@ class SGN(torch.optim.Optimizer):
         if solver == "direct" and not self._may_solve_through_outputs():
             # before anything of the matrix's size is allocated
             fm = self._fmodel
-            solvers.check_direct_fits(fm.numel, torch.float64, fm.device)
+            direct.check_direct_fits(fm.numel, torch.float64, fm.device)
         self._global_state()  # created now, so that a failed first step changes nothing
 
     @classmethod
@@ -431,7 +449,7 @@ class SGN(torch.optim.Optimizer):
         """SGN configured exactly as the paper's experiments ran it.
 
         The arguments are :data:`PAPER_OPTIONS`: CG, damping ``1e-4`` with floor ``1e-6``, the
-        threshold trust-region rule (:func:`~torch_sgn.damping.trust_region_update`), one
+        threshold trust-region rule (:func:`~torch_sgn.solve.damping.trust_region_update`), one
         solve per step (no Levenberg-Marquardt re-solves), 10 CG iterations stopped only by
         the absolute ``cg_tol=1e-6``, 10 CG iterations during the first 10 steps
         (``warmup_cg_iters``), Armijo backtracking, step size 1. ``overrides`` replace any
@@ -461,11 +479,11 @@ class SGN(torch.optim.Optimizer):
         """Loads SGN's state; another optimizer's ``state_dict`` raises ``ValueError`` here.
         The ``"solver_choice"`` that earlier versions saved (a measured choice) is ignored; a
         state saved after steps by a version whose ``solver="auto"`` took exact steps from the
-        first (without :mod:`~torch_sgn.switching`'s keys) goes on with exact steps."""
+        first (without :mod:`~torch_sgn.solve.auto`'s keys) goes on with exact steps."""
         loaded = {k: v for k, v in check_loaded_state(state_dict).items() if k != "solver_choice"}
         key = loaded["param_groups"][0]["params"][0] if loaded["param_groups"][0]["params"] else 0
         first = loaded.get("state", {}).get(key)
-        if first and first.get("step", 0) > 0 and not set(switching.KEYS) & set(first):
+        if first and first.get("step", 0) > 0 and not set(auto.KEYS) & set(first):
             state = dict(loaded["state"])
             state[key] = {**first, "exact": True}
             loaded["state"] = state
@@ -557,10 +575,10 @@ class SGN(torch.optim.Optimizer):
                 logger.debug("  line search: a=%.4g loss=%.6g", a, value)
                 return value
 
-            phase = switching.Phase(route)
+            phase = auto.Phase(route)
             if self._solver == "auto":
                 at = lambda point: self._loss_at(lin, point, batch)  # noqa: E731
-                phase = switching.plan(state, t, route, loss0, at)
+                phase = auto.plan(state, t, route, loss0, at)
 
             def attempt(route: Optional[str]) -> _Attempt:
                 solve = self._step_solver(lin, rhs, work, t, route)
@@ -592,7 +610,7 @@ class SGN(torch.optim.Optimizer):
         state["step"] = t + 1
         state["damping"] = next_damping
         if self._solver == "auto" and route is not None:
-            switched = switching.advance(state, t, phase, loss0, candidate)
+            switched = auto.advance(state, t, phase, loss0, candidate)
             if switched is not None:
                 logger.info("step %d: solver='auto' switches to exact steps (%s)", t, switched)
         if group["damping_update"] == "nielsen":
@@ -784,11 +802,11 @@ class SGN(torch.optim.Optimizer):
             space = lin.sample_space
             assert space is not None and rhs is lin.grad
             return lambda damping: self._logged(
-                solvers.solve_in_sample_space(space, lin.grad, damping, lin.ggn_vp), damping
+                direct.solve_in_sample_space(space, lin.grad, damping, lin.ggn_vp), damping
             )
         if route == "matrix":
             return lambda damping: self._logged(
-                solvers.solve_damped(lin.ggn_matrix(), rhs, damping), damping
+                direct.solve_damped(lin.ggn_matrix(), rhs, damping), damping
             )
         group = self.param_groups[0]
         iters = group["cg_iters"]
@@ -829,7 +847,7 @@ class SGN(torch.optim.Optimizer):
         mask: Optional[Tensor],
     ) -> Optional[Callable[[DirectResult], Optional[Tensor]]]:
         r"""``solution -> (lr^2 / 2) a``, the geodesic acceleration's term of an exact step
-        (:mod:`torch_sgn.geodesic`; ``None`` where it is not used), or ``None`` where no step
+        (:mod:`torch_sgn.solve.geodesic`; ``None`` where it is not used), or ``None`` where no step
         takes one: CG steps, or the option off.
 
         In a data-parallel group each rank differences its shard's outputs and the shards'
@@ -890,7 +908,7 @@ class SGN(torch.optim.Optimizer):
     def _route(self, lin: Linearization, rhs: Tensor) -> Optional[str]:
         """How this step solves: ``None`` by CG, ``"matrix"`` directly through the ``P x P``
         matrix ``G``, ``"samples"`` directly through the batch's outputs
-        (:func:`~torch_sgn.solvers.solve_in_sample_space`). ``solver="auto"``: the direct
+        (:func:`~torch_sgn.solve.direct.solve_in_sample_space`). ``solver="auto"``: the direct
         solver wherever its matrix has at most ``direct_max_params`` rows, through the outputs
         where they are fewer than the parameters, and through ``G`` only where the engine forms
         it from the per-sample Jacobian (or ``P <= cg_iters``): from products with the
@@ -904,7 +922,7 @@ class SGN(torch.optim.Optimizer):
         if self._solver == "direct":
             fm = self._fmodel
             try:  # raised here, before the step changes anything
-                solvers.check_direct_fits(fm.numel, torch.float64, fm.device)
+                direct.check_direct_fits(fm.numel, torch.float64, fm.device)
             except ValueError as e:
                 raise ValueError(
                     f"{e}. This step could not go through the batch's outputs either (that "
@@ -1120,7 +1138,7 @@ def _restrict(lin: Linearization, mask: Tensor) -> Linearization:
 def _fits(n: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the direct solver's ``n x n`` matrices fit in the device's free memory."""
     try:
-        solvers.check_direct_fits(n, dtype, device)
+        direct.check_direct_fits(n, dtype, device)
     except ValueError:
         return False
     return True

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Mapping
 
-from .damping import DAMPING_SCHEDULES, DAMPING_UPDATES
+from .solve.damping import DAMPING_SCHEDULES, DAMPING_UPDATES
 
 __all__ = ["ADDED_KEYS", "ARGUMENT_NAMES", "KEYS", "check_loaded_state", "check_options"]
 

@@ -16,7 +16,7 @@ Gauss-Newton product:
 * ``scale_grad_by_freq``: the gradient of each row is divided by the row's count in the
   batch, the tangent is not; ``J v`` and ``J^T u`` would be of two different matrices.
 
-Within :class:`torch_sgn.composites.Composites` every call of
+Within :class:`torch_sgn.model.composites.Composites` every call of
 :func:`torch.nn.functional.embedding` with one of these options and every call of
 :func:`torch.nn.functional.embedding_bag` (from the modules, subclasses of them with a forward
 of their own, or ``forward`` itself) run a composite of differentiable operators instead (a

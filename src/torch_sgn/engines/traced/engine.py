@@ -1,7 +1,8 @@
 r"""The traced curvature engine: ``G v`` at about one gradient for any traceable model.
 
-The functional engine (:mod:`torch_sgn.functional`) re-runs the whole forward pass with
-forward-mode AD at every product, and the layer-wise engine (:mod:`torch_sgn.layerwise`) only
+The functional engine (:mod:`torch_sgn.model.flat_model`) re-runs the whole forward pass with
+forward-mode AD at every product, and the layer-wise engine
+(:mod:`torch_sgn.engines.layerwise.engine`) only
 knows ``nn.Sequential`` chains of known layers. This engine takes any model whose forward pass
 ``torch.fx`` can trace into a graph of ATen operators (residual connections, batch and layer
 normalization, embeddings, attention, recurrent layers, custom ``forward`` methods):
@@ -23,7 +24,7 @@ normalization, embeddings, attention, recurrent layers, custom ``forward`` metho
 Training-mode batch normalization stays exact (its batch statistics are differentiated, so the
 samples are coupled as in the gradient), its running statistics are updated once per step into
 ``buffers_out``; random numbers (dropout) are drawn once per step, with the random state the
-step replays (:meth:`~torch_sgn.functional.FunctionalModel.consistent`). Where an operator has
+step replays (:meth:`~torch_sgn.model.flat_model.FunctionalModel.consistent`). Where an operator has
 no forward-mode rule, ``J v`` is traced through the reverse pass instead
 (``J v = d/du [(J^T u) . v]``). While tracing, attention uses PyTorch's math kernel and
 recurrent layers their non-mkldnn kernels: the fused kernels have no forward-mode rules, the
@@ -54,19 +55,20 @@ import torch.autograd.forward_ad as fwAD
 from torch import Tensor, fx, nn
 from torch.func import functional_call
 
-from . import graphs
-from .attributes import (
+from ...diagnostics import warn
+from ...linearization import Batch, Linearization
+from ...losses import OutputLoss
+from ...model.attributes import (
     changed_attributes,
     model_attributes,
     module_state,
     restore_module_state,
 )
-from .diagnostics import warn
-from .forward_mode import backward_hook_handles, gradient_stop_notice, missing_rule
-from .functional import FunctionalEngine, FunctionalModel
-from .linearization import Batch, Linearization
-from .losses import OutputLoss
-from .tangent_rules import TangentRules
+from ...model.flat_model import FunctionalModel
+from ...model.forward_mode import backward_hook_handles, gradient_stop_notice, missing_rule
+from .. import cuda_graphs as graphs
+from ..functional import FunctionalEngine
+from .jvp_rules import TangentRules
 
 __all__ = ["TracedEngine", "Untraceable"]
 
@@ -76,7 +78,7 @@ _aten = torch.ops.aten
 #: is dropped beyond this
 CACHE_SIZE = 8
 
-#: record the products with the tangent formulas of :mod:`torch_sgn.tangent_rules` (PyTorch's
+#: record the products with the tangent formulas of :mod:`torch_sgn.engines.traced.jvp_rules` (PyTor
 #: own forward-mode rules where False; the products are the same)
 TANGENT_RULES = True
 
@@ -223,9 +225,9 @@ class TracedEngine:
             return lin
         if traced.declined is not None:
             self._warn(
-                "the traced engine's tangent rules (torch_sgn.tangent_rules) failed on this "
-                f"model ({traced.declined}); it uses PyTorch's forward-mode rules, which give "
-                "the same products at a higher cost"
+                "the traced engine's tangent rules (torch_sgn.engines.traced.jvp_rules) "
+                f"failed on this model ({traced.declined}); it uses PyTorch's forward-mode "
+                "rules, which give the same products at a higher cost"
             )
         if traced.double_backward:
             stop = fmodel.gradient_stop(flat, args)  # found when traced
@@ -312,7 +314,7 @@ class TracedEngine:
         return traced.replayed
 
     def _attributes_now(self) -> tuple:
-        """The model's settings (:meth:`~torch_sgn.functional.FunctionalModel.settings`) and
+        """The model's settings (:meth:`~torch_sgn.model.flat_model.FunctionalModel.settings`) and
         a loss module's attributes (as ``loss.<name>``)."""
         attributes = self.fmodel.settings()
         if isinstance(getattr(self.loss, "fn", None), nn.Module):

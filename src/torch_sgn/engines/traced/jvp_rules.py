@@ -1,4 +1,4 @@
-r"""Cheaper tangent formulas for the traced engine (:mod:`torch_sgn.traced`).
+r"""Cheaper tangent formulas for the traced engine (:mod:`torch_sgn.engines.traced.engine`).
 
 While the traced engine records its product, :class:`TangentRules` replaces a few functions by
 :class:`torch.autograd.Function` objects whose forward and reverse passes are PyTorch's own

@@ -1,12 +1,13 @@
 r"""The layer rules of the layer-wise engine: one class per kind of layer, in one registry.
 
 A rule says how one layer of an :class:`~torch.nn.Sequential` chain is evaluated by
-:mod:`torch_sgn.layerwise`: the recorded forward pass and what it keeps (:meth:`forward`), the
+:mod:`torch_sgn.engines.layerwise.engine`: the recorded forward pass and what it keeps
+(:meth:`forward`), the
 tangent map ``J v`` (:meth:`tangent`), the output at other parameters (:meth:`value`) and,
 where it has one, the hand-made cotangent ``J^T u`` (:meth:`cotangent`). The engine plans a
 model by looking up each layer's exact type in the registry (a subclass may change
 ``forward``, so it does not inherit its parent's rule); :func:`supported_layers` lists the
-registered types, and the CUDA-graph capture (:mod:`torch_sgn.graphs`) asks each rule
+registered types, and the CUDA-graph capture (:mod:`torch_sgn.engines.cuda_graphs`) asks each rule
 whether it can be captured (:attr:`LayerRule.capture_obstacle`).
 
 Adding a layer is one class here::

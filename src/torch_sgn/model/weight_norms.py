@@ -5,7 +5,8 @@
 whose fused kernel (``_weight_norm_interface``, taken where the norm runs over every dimension
 but the first or the last: the default) has no forward-mode rule. SGN would then take ``J v``
 by double backward (exact, about two backward passes a product, see
-:mod:`torch_sgn.forward_mode`). Within :class:`torch_sgn.composites.Composites` every call of
+:mod:`torch_sgn.model.forward_mode`). Within :class:`torch_sgn.model.composites.Composites` every
+call of
 ``torch._weight_norm`` (from either module, a subclass of them or ``forward`` itself) computes
 ``w`` as PyTorch's unfused kernel does, ``v * (g / norm_except_dim(v, 2, dim))``: the same
 values, from operators with forward-mode rules and differentiable backward passes (a norm of

@@ -1,6 +1,6 @@
-r"""The fast curvature engine: ``G v`` for chains of known layers at about one gradient.
+r"""The layer-wise engine: ``G v`` for chains of known layers at about one gradient.
 
-The functional engine (:class:`torch_sgn.functional.FunctionalEngine`) works for any model
+The functional engine (:class:`torch_sgn.engines.functional.FunctionalEngine`) works for any model
 but re-runs the forward pass with forward-mode AD at every product. For an
 :class:`~torch.nn.Sequential` of known layers this module runs **one** forward pass per step,
 keeps what each layer needs, and then per CG iteration only propagates
@@ -14,17 +14,19 @@ keeps what each layer needs, and then per CG iteration only propagates
   cotangent (average pooling, other padding modes) goes backward through the autograd graph
   of that same forward pass instead.
 
-How each kind of layer does this is its rule in :mod:`torch_sgn.layer_rules`, the registry
-of supported layers (:func:`~torch_sgn.layer_rules.supported_layers`, ``docs/LAYERS.md``).
+How each kind of layer does this is its rule in :mod:`torch_sgn.engines.layerwise.rules`, the
+registry
+of supported layers (:func:`~torch_sgn.engines.layerwise.rules.supported_layers`,
+``docs/LAYERS.md``).
 
 So a product costs a tangent forward plus one backward pass, against a forward plus a backward
 for a gradient. The loss at the trust region's and line search's trial points is a plain
 forward pass through the same chain (no autograd, the recorded dropout masks). With
-``cuda_graphs`` the by-hand work is captured and replayed (:mod:`torch_sgn.graphs`).
+``cuda_graphs`` the by-hand work is captured and replayed (:mod:`torch_sgn.engines.cuda_graphs`).
 
-:class:`LayerwiseEngine` is the engine of ``engine="fast"`` and ``"auto"`` (see
-:mod:`torch_sgn.engines`); where the model is not such a chain it raises (``"fast"``) or
-hands over to the functional engine with a one-time warning (``"auto"``).
+:class:`LayerwiseEngine` is the engine of ``engine="layerwise"`` and ``"auto"`` (see
+:mod:`torch_sgn.engines.selection`); where the model is not such a chain it raises
+(``"layerwise"``) or hands over to another engine with a one-time warning (``"auto"``).
 """
 
 from __future__ import annotations
@@ -35,18 +37,19 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from . import graphs
-from .attributes import model_attributes
-from .diagnostics import warn
-from .forward_mode import backward_hook_handles
-from .functional import FunctionalEngine, FunctionalModel
-from .layer_rules import RULES, LayerRule, Slot
-from .linearization import Batch, Engine, Linearization, SampleSpace, loss_and_output_gradient
-from .losses import OutputLoss
+from ...diagnostics import warn
+from ...linearization import Batch, Engine, Linearization, SampleSpace, loss_and_output_gradient
+from ...losses import OutputLoss
+from ...model.attributes import model_attributes
+from ...model.flat_model import FunctionalModel
+from ...model.forward_mode import backward_hook_handles
+from .. import cuda_graphs as graphs
+from ..functional import FunctionalEngine
+from .rules import RULES, LayerRule, Slot
 
 
 class Unsupported(Exception):
-    """The fast engine cannot evaluate this model; the message says why."""
+    """The layer-wise engine cannot evaluate this model; the message says why."""
 
 
 # --- the plan ----------------------------------------------------------------------------------
@@ -67,7 +70,8 @@ def _leaves(module: nn.Module, path: str) -> List[Tuple[str, nn.Module]]:
 
 
 def plan(fmodel: FunctionalModel) -> List[LayerRule]:
-    """The model as a list of :class:`~torch_sgn.layer_rules.LayerRule`, one per layer; raises
+    """The model as a list of :class:`~torch_sgn.engines.layerwise.rules.LayerRule`, one per layer;
+    raises
     :class:`Unsupported` with the reason."""
     model = fmodel.model
     if not isinstance(model, nn.Sequential) and not RULES.get(type(model), LayerRule).parameters:
@@ -156,8 +160,10 @@ class LayerwiseEngine:
             except Unsupported as why:
                 self._steps = None
                 if self.strict:
-                    raise ValueError(f"engine='fast' cannot evaluate this model: {why}") from None
-                self._warn(f"the fast curvature engine does not apply ({why})")
+                    raise ValueError(
+                        f"engine='layerwise' cannot evaluate this model: {why}"
+                    ) from None
+                self._warn(f"the layer-wise engine does not apply ({why})")
         return self._steps
 
     @property
@@ -190,15 +196,15 @@ class LayerwiseEngine:
         if isinstance(inputs, tuple):
             if len(inputs) != 1:
                 if self.strict:
-                    raise ValueError("engine='fast' takes one input tensor, got a tuple")
-                self._warn("the fast curvature engine takes one input tensor")
+                    raise ValueError("engine='layerwise' takes one input tensor, got a tuple")
+                self._warn("the layer-wise engine takes one input tensor")
                 steps = None
             else:
                 inputs = inputs[0]
         if self._graphs is not None and (steps is not None or not self._quiet):
             # (without a plan, a fallback engine decides on graphs itself)
             why = (
-                "the fast engine does not apply to this model"
+                "the layer-wise engine does not apply to this model"
                 if steps is None
                 else graphs.obstacle(steps, loss, flat.device)
             )

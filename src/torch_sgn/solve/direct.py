@@ -15,7 +15,6 @@ model has parameters, the same exact step is solved through the ``R x R`` matrix
 (:func:`solve_in_sample_space`): a 133k-parameter MLP on batches of 1000 takes exact
 Levenberg-Marquardt steps. Elsewhere CG is the method.
 
-* :func:`ggn_matrix` forms ``G`` from products with identity columns, in chunks.
 * :func:`solve_damped` solves the damped system robustly, in float64 whatever the model's
   dtype (as :func:`solve_in_sample_space` does): Cholesky, and where that fails in floating
   point (an indefinite ``G`` from a non-convex custom loss, or rounding) an eigendecomposition
@@ -37,8 +36,8 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:  # linearization imports this module
-    from .linearization import SampleSpace
+if TYPE_CHECKING:
+    from ..linearization import SampleSpace
 
 __all__ = ["DirectResult", "solve_damped", "solve_in_sample_space"]
 
@@ -51,7 +50,7 @@ DEFAULT_DIRECT_MAX_PARAMS = 4000
 
 @dataclass(frozen=True)
 class DirectResult:
-    """The outcome of :func:`solve_damped`, shaped like :class:`~torch_sgn.cg.CGResult`.
+    """The outcome of :func:`solve_damped`, shaped like :class:`~torch_sgn.solve.cg.CGResult`.
 
     Attributes:
         x: the solution ``d``.
@@ -252,65 +251,6 @@ def _hessian_rows(hessian: Callable[[Tensor], Tensor], kernel: Tensor, outputs: 
 
 
 # --- forming G ---------------------------------------------------------------------------------
-def ggn_matrix(
-    ggn_vp: Callable[[Tensor], Tensor],
-    n: int,
-    like: Tensor,
-    chunk: Optional[int] = None,
-) -> Tensor:
-    """``G`` (``n x n``) from products with the identity's columns.
-
-    On a CPU one product per column: batching them with ``torch.func.vmap`` was 3 to 5 times
-    slower there (``benchmarks/direct_cost.py``). On other devices the columns go through
-    ``vmap`` in chunks of ``chunk``, one batched pass per chunk in place of many small kernel
-    launches, and one by one where a product cannot be batched.
-
-    Args:
-        ggn_vp: ``v -> G v`` for a flat ``v``.
-        n: the number of parameters.
-        like: a tensor of the parameters' dtype and device.
-        chunk: columns per batched pass; ``None`` picks 64.
-    """
-    chunk = min(n, 64) if chunk is None else max(1, min(chunk, n))
-    out = like.new_empty((n, n))
-    products = _products(ggn_vp, like.device)
-    for start in range(0, n, chunk):
-        stop = min(n, start + chunk)
-        out[start:stop] = products(_identity_columns(n, start, stop, like))
-    # Row i holds G e_i, column i of G; G is symmetric, so these rows are its columns too.
-    return out
-
-
-def _identity_columns(n: int, start: int, stop: int, like: Tensor) -> Tensor:
-    """Rows ``start:stop`` of the identity: the unit vectors ``e_start ... e_{stop-1}``."""
-    rows = like.new_zeros((stop - start, n))
-    rows[:, start:stop].fill_diagonal_(1.0)
-    return rows
-
-
-def _loop(ggn_vp: Callable[[Tensor], Tensor], rows: Tensor) -> Tensor:
-    return torch.stack([ggn_vp(r) for r in rows.unbind(0)])
-
-
-def _products(
-    ggn_vp: Callable[[Tensor], Tensor], device: torch.device
-) -> Callable[[Tensor], Tensor]:
-    """Products with the rows of a matrix: batched by ``vmap`` off the CPU while that works."""
-    use_vmap = device.type != "cpu"
-    vmapped = torch.func.vmap(ggn_vp)
-
-    def run(rows: Tensor) -> Tensor:
-        nonlocal use_vmap
-        if use_vmap:
-            try:
-                return vmapped(rows)
-            except Exception:  # an op without a batching rule (older torch, custom layers)
-                use_vmap = False
-        return _loop(ggn_vp, rows)
-
-    return run
-
-
 # --- memory ------------------------------------------------------------------------------------
 def direct_memory_bytes(n: int, dtype: torch.dtype) -> int:
     """Bytes the direct solve holds at once: ``G``, its damped copy and the Cholesky factor

@@ -1,10 +1,12 @@
 """Choosing the curvature engine, and the curvature mini-batch.
 
 :func:`select_engine` returns the :class:`~torch_sgn.linearization.Engine` for the ``engine``
-argument of :class:`~torch_sgn.SGN` and :class:`~torch_sgn.GGN`: ``"fast"`` (the layer-wise
-engine of :mod:`torch_sgn.layerwise`; raises where it cannot apply), ``"traced"`` (the traced
-engine of :mod:`torch_sgn.traced`, any model ``torch.fx`` can trace; raises where it cannot),
-``"functional"`` (:mod:`torch_sgn.functional`, any model) or ``"auto"``: the layer-wise engine
+argument of :class:`~torch_sgn.SGN` and :class:`~torch_sgn.GGN`: ``"layerwise"`` (the layer-wise
+engine of :mod:`torch_sgn.engines.layerwise.engine`; raises where it cannot apply), ``"traced"``
+(the traced
+engine of :mod:`torch_sgn.engines.traced.engine`, any model ``torch.fx`` can trace; raises where it
+cannot),
+``"functional"`` (:mod:`torch_sgn.model.flat_model`, any model) or ``"auto"``: the layer-wise engine
 where it applies (the fastest on the chains it knows), else the traced engine, else the
 functional engine with the reason in a one-time warning. :func:`curvature_subset` wraps an
 engine to take ``G v`` on a random subset of the batch.
@@ -12,22 +14,43 @@ engine to take ``G v`` on a random subset of the batch.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .diagnostics import warn
-from .functional import FunctionalEngine, FunctionalModel
-from .layerwise import LayerwiseEngine
-from .linearization import Batch, Engine, Linearization
-from .losses import OutputLoss
-from .traced import TracedEngine
+from ..diagnostics import warn
+from ..linearization import Batch, Engine, Linearization
+from ..losses import OutputLoss
+from ..model.flat_model import FunctionalModel
+from .functional import FunctionalEngine
+from .layerwise.engine import LayerwiseEngine
+from .traced.engine import TracedEngine
 
-__all__ = ["ENGINES", "curvature_subset", "select_engine"]
+__all__ = ["ENGINES", "curvature_subset", "engine_name", "select_engine"]
 
-ENGINES = ("auto", "fast", "traced", "functional")
+ENGINES = ("auto", "layerwise", "traced", "functional")
+
+#: Former names, accepted with a ``FutureWarning`` for one release.
+ENGINE_ALIASES = {"fast": "layerwise"}
+
+
+def engine_name(engine: str) -> str:
+    """``engine`` checked against :data:`ENGINES`, a former name replaced by its current one."""
+    if engine in ENGINE_ALIASES:
+        new = ENGINE_ALIASES[engine]
+        warnings.warn(
+            f"engine={engine!r} is now called engine={new!r}; the old name will be removed in "
+            "the next release",
+            FutureWarning,
+            stacklevel=3,
+        )
+        return new
+    if engine not in ENGINES:
+        raise ValueError(f"invalid engine={engine!r}: must be one of {ENGINES}")
+    return engine
 
 
 def select_engine(
@@ -37,25 +60,25 @@ def select_engine(
     cuda_graphs: bool = False,
     compile: bool = False,
 ) -> Engine:
-    """The engine for ``engine`` (one of :data:`ENGINES`); with ``cuda_graphs`` the fast and
+    """The engine for ``engine`` (one of :data:`ENGINES`); with ``cuda_graphs`` the layer-wise and
     the traced engines capture their work as CUDA graphs where they can (see
-    :mod:`torch_sgn.graphs` and :class:`~torch_sgn.traced.TracedEngine`), with ``compile``
+    :mod:`torch_sgn.engines.cuda_graphs` and
+    :class:`~torch_sgn.engines.traced.engine.TracedEngine`), with ``compile``
     the traced engine runs its graphs compiled by ``torch.compile``."""
-    if engine not in ENGINES:
-        raise ValueError(f"invalid engine={engine!r}: must be one of {ENGINES}")
+    engine = engine_name(engine)
     if engine == "functional":  # SGN refuses cuda_graphs with it
         return FunctionalEngine(fmodel, loss)
     if engine == "traced":
         return TracedEngine(fmodel, loss, strict=True, cuda_graphs=cuda_graphs, compile=compile)
-    if engine == "fast":  # SGN refuses compile with it
+    if engine == "layerwise":  # SGN refuses compile with it
         return LayerwiseEngine(fmodel, loss, strict=True, cuda_graphs=cuda_graphs)
     # the traced engine falls back to the functional one, with a warning
     traced = TracedEngine(fmodel, loss, strict=False, cuda_graphs=cuda_graphs, compile=compile)
     chosen = LayerwiseEngine(fmodel, loss, strict=False, cuda_graphs=cuda_graphs, fallback=traced)
     if compile and chosen.planned:
         warn(
-            "compile=True applies to the traced engine; this model is a chain that the fast "
-            "engine runs by hand, uncompiled"
+            "compile=True applies to the traced engine; this model is a chain that the "
+            "layer-wise engine runs by hand, uncompiled"
         )
     return chosen
 

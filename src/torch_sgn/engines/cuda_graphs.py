@@ -1,8 +1,8 @@
-"""CUDA graphs for the fast engine: a step's launches replayed, not re-issued.
+"""CUDA graphs for the layer-wise engine: a step's launches replayed, not re-issued.
 
 The paper's networks are small: on a GPU a gradient, a ``G v`` product or a trial-point loss
 costs about as much as launching its kernels, whatever the batch. With ``cuda_graphs=True``
-the fast engine captures, once per batch shape, three CUDA graphs over static buffers:
+the layer-wise engine captures, once per batch shape, three CUDA graphs over static buffers:
 
 * the set-up: the recorded forward pass, the loss, the gradient and what the products reuse
   (each layer's input, ``f'(z)``, the pooling indices, the softmax);
@@ -15,7 +15,7 @@ replays the loss: one launch each where eager execution issues dozens. CG's vect
 and the step's decisions stay eager, on the host, as before.
 
 Graphs apply where the engine runs the whole chain by hand (no autograd graph): a CUDA
-model whose every layer's rule allows capture (see :mod:`torch_sgn.layer_rules`, and
+model whose every layer's rule allows capture (see :mod:`torch_sgn.engines.layerwise.rules`, and
 ``docs/LAYERS.md`` for the table; for example training-mode dropout does not) with a named
 loss (``mse``, ``cross_entropy``, ``bce_with_logits``). Elsewhere
 the step runs eagerly, with a one-time warning that says why; so it does after a capture
@@ -32,10 +32,10 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .diagnostics import warn
-from .functional import FunctionalModel
-from .linearization import Batch, Linearization
-from .losses import OutputLoss
+from ..diagnostics import warn
+from ..linearization import Batch, Linearization
+from ..losses import OutputLoss
+from ..model.flat_model import FunctionalModel
 
 #: How many batch shapes keep their graphs (a run has two: full batches and the last one).
 _MAX_SHAPES = 4
@@ -95,9 +95,10 @@ def device_obstacle(device: torch.device) -> Optional[str]:
 
 
 def obstacle(steps, loss: OutputLoss, device: torch.device) -> Optional[str]:
-    """Why graphs cannot apply to this chain (of :class:`~torch_sgn.layer_rules.LayerRule`),
+    """Why graphs cannot apply to this chain (of
+    :class:`~torch_sgn.engines.layerwise.rules.LayerRule`),
     loss and device; ``None`` if they can. Each layer's rule says whether it can be captured
-    (:attr:`~torch_sgn.layer_rules.LayerRule.capture_obstacle`)."""
+    (:attr:`~torch_sgn.engines.layerwise.rules.LayerRule.capture_obstacle`)."""
     why = device_obstacle(device)
     if why is not None:
         return why

@@ -3,15 +3,15 @@
 Some of PyTorch's functions compute what a gradient method needs, yet break a Gauss-Newton
 product: their kernels have no forward-mode rule, or forward mode would differentiate what
 their gradient leaves out. Within :class:`Composites` (a function mode, entered by
-:meth:`~torch_sgn.functional.FunctionalModel.composites` around every forward pass of SGN's),
+:meth:`~torch_sgn.model.flat_model.FunctionalModel.composites` around every forward pass of SGN's),
 each call of them, from PyTorch's modules, a subclass with a forward of its own or ``forward``
 itself, runs a composite that gives the same values and, in both modes, the derivatives of the
 function's gradient:
 
 * :func:`torch.nn.functional.embedding` with ``padding_idx``, ``max_norm``,
   ``scale_grad_by_freq`` or ``sparse`` (and the operator ``torch.embedding`` called directly
-  with one of them), and :func:`torch.nn.functional.embedding_bag` (:mod:`torch_sgn.lookups`);
-* ``torch._weight_norm``, which weight normalization calls (:mod:`torch_sgn.weight_norms`).
+  with one of them), and :func:`torch.nn.functional.embedding_bag` (:mod:`torch_sgn.model.lookups`);
+* ``torch._weight_norm``, which weight normalization calls (:mod:`torch_sgn.model.weight_norms`).
 
 Every other function runs as it is. TorchScript code runs in C++, out of the mode's sight:
 :func:`scripted_stop` finds scripted submodules that may hold such a lookup (or a
@@ -19,7 +19,7 @@ Every other function runs as it is. TorchScript code runs in C++, out of the mod
 
 A function mode passes every call of the forward pass
 through Python and keeps ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` off their
-fast paths, so :class:`~torch_sgn.functional.FunctionalModel` enters it only where the model
+fast paths, so :class:`~torch_sgn.model.flat_model.FunctionalModel` enters it only where the model
 has such modules or its first, checked forward pass called one of these functions
 (:attr:`Composites.routed`).
 """
@@ -119,7 +119,7 @@ def scripted_stop(model: nn.Module) -> Optional[str]:
     look up embedding rows with one of the options above or compute under ``torch.no_grad``
     (neither :class:`Composites` nor the gradient-stop check sees into scripted code; forward
     mode would then differentiate what the gradient leaves out), said as "the forward pass
-    ..." for :func:`~torch_sgn.forward_mode.gradient_stop_notice`; else ``None``. A scripted
+    ..." for :func:`~torch_sgn.model.forward_mode.gradient_stop_notice`; else ``None``. A scripted
     ``nn.Embedding`` is judged by its options; any other scripted module by whether its code
     calls ``aten::embedding`` or enters a ``with`` block at all."""
     seen: set = set()
