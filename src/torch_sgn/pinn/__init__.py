@@ -1,0 +1,1 @@
+"""Physics-informed networks and residual least squares."""

@@ -1,0 +1,422 @@
+r"""Differential operators of a network's input, by forward (Taylor-mode) propagation.
+
+A PDE residual such as :math:`-\Delta u(x) - f(x)` needs derivatives of the network ``u`` with
+respect to its input. Nested autograd (``torch.autograd.grad(create_graph=True)``,
+``torch.func.hessian``) gives them, slowly, and as a graph that Gauss-Newton engines cannot all
+differentiate again. For an ``nn.Sequential`` of linear layers and smooth elementwise
+activations this module instead pushes, per point, the value, the input gradient and a
+(partial) Laplacian forward through the layers, the *forward Laplacian*. Every result is then an
+ordinary tensor function of the parameters: reverse mode, forward mode (``torch.func.jvp``),
+``torch.func.vmap`` and ``make_fx`` tracing all apply to it, with no nested autograd.
+
+Other models take a fallback through ``torch.func`` (``vmap`` of ``jacfwd(jacrev(...))`` of the
+one-point function), exact but slower.
+
+Shapes: points ``x`` are ``(N, d)``, the model maps them to ``(N, m)``. Every operator keeps the
+component axis ``m``, also for ``m == 1`` (a scalar field is ``(N, 1)``, like the model's
+output), so residual terms combine without broadcasting surprises:
+``laplacian(u, x) + f(x)`` with ``f`` returning ``(N, 1)``.
+
+References:
+    R. Li, H. Ye, D. Jiang, X. Wen, C. Wang, Z. Li, X. Li, D. He, J. Chen, W. Ren, L. Wang,
+    "A computational framework for neural network-based variational Monte Carlo with Forward
+    Laplacian", Nature Machine Intelligence 6, 2024.
+    F. Dangel, J. Müller, M. Zeinhofer, "Kronecker-Factored Approximate Curvature for
+    Physics-Informed Neural Networks", NeurIPS 2024.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "Jet",
+    "Sin",
+    "jet",
+    "gradient",
+    "laplacian",
+    "divergence",
+    "time_derivative",
+]
+
+_METHODS = ("auto", "forward", "func")
+
+
+@dataclass(frozen=True)
+class Jet:
+    r"""A model's value and input derivatives at ``N`` points.
+
+    Attributes:
+        value: :math:`u(x_n)`, shape ``(N, m)``.
+        gradient: :math:`\partial u_i / \partial x_k` at ``[n, i, k]``, shape ``(N, m, d)``.
+        laplacian: :math:`\sum_{k \in K} \partial^2 u_i / \partial x_k^2` at ``[n, i]``, over the
+            coordinates ``K`` asked for (all ``d`` by default), shape ``(N, m)``.
+    """
+
+    value: Tensor
+    gradient: Tensor
+    laplacian: Tensor
+
+
+class Sin(nn.Module):
+    """The elementwise sine, a common activation of physics-informed networks.
+
+    It carries its derivatives (:meth:`derivatives`), so the forward Laplacian takes it.
+    """
+
+    def forward(self, z: Tensor) -> Tensor:
+        return torch.sin(z)
+
+    def derivatives(self, z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Returns ``(sin z, cos z, -sin z)``."""
+        s = torch.sin(z)
+        return s, torch.cos(z), -s
+
+
+def jet(
+    u: Callable[[Tensor], Tensor],
+    x: Tensor,
+    laplacian_dims: Optional[Sequence[int]] = None,
+    *,
+    method: str = "auto",
+) -> Jet:
+    r"""The value, input gradient and (partial) Laplacian of ``u`` at the points ``x``.
+
+    For an ``nn.Sequential`` (nested ones too) of ``nn.Linear``, ``nn.Identity`` and smooth
+    elementwise activations, the forward Laplacian propagates, per point, the pre-activation
+    :math:`z`, its gradient :math:`G_k = \partial z / \partial x_k` and its partial Laplacian
+    :math:`L = \sum_{k \in K} \partial^2 z / \partial x_k^2`, starting from
+    :math:`z = x, G_k = e_k, L = 0`:
+
+    .. math::
+
+        \text{Linear } W, b:\quad z \to W z + b,\quad G_k \to W G_k,\quad L \to W L
+
+        \text{activation } \sigma:\quad z \to \sigma(z),\quad
+        G_k \to \sigma'(z) \odot G_k,\quad
+        L \to \sigma''(z) \odot \sum_{k \in K} G_k^{\odot 2} + \sigma'(z) \odot L
+
+    The ``2 + d`` rows (value, ``d`` gradient directions, Laplacian) go through each linear
+    layer as one matrix product. Supported activations: ``nn.Tanh``, ``nn.Sigmoid``,
+    ``nn.SiLU``, ``nn.Softplus`` (its ``beta``, and its ``threshold`` as torch applies it:
+    linear, so derivatives ``1`` and ``0``, above it), ``nn.GELU`` (both ``approximate``
+    forms), :class:`Sin`, and any module with a method ``derivatives(z)`` returning
+    :math:`(\sigma(z), \sigma'(z), \sigma''(z))`. Parameters are read from the layers at each
+    call, so ``torch.func.functional_call`` substitutes them.
+
+    Any other model takes the fallback: exact derivatives of the one-point function by
+    ``torch.func.vmap`` of ``jacfwd(jacrev(...))``. It is differentiable in reverse mode with
+    respect to the parameters, but slower (it forms the full ``d x d`` Hessian per point and
+    output) and, being nested autograd, not traceable by every engine.
+
+    Args:
+        u: the model, mapping ``(N, d)`` points to ``(N, m)`` values, each row of the output
+            depending on the same row of the input only.
+        x: the points, a floating-point tensor of shape ``(N, d)``.
+        laplacian_dims: the coordinates :math:`K` summed in the Laplacian; ``None``
+            (default) for all ``d``; an empty sequence for none (the Laplacian is then zero and
+            not computed). Negative indices count from the end.
+        method: ``"auto"`` (default): the forward Laplacian where ``u`` supports it, else the
+            fallback; ``"forward"``: the forward Laplacian or an error saying which layer it
+            does not support; ``"func"``: the ``torch.func`` fallback.
+
+    Returns:
+        The :class:`Jet` of ``u`` at ``x``.
+
+    Raises:
+        ValueError: ``x`` not 2-D, ``laplacian_dims`` out of range or repeated, ``method``
+            unknown, ``u`` a Sequential with a piecewise-linear activation such as ``nn.ReLU``
+            (its second derivatives vanish), or, with ``method="forward"``, a layer the forward
+            Laplacian does not support.
+        TypeError: ``x`` not floating point.
+
+    .. note::
+        ``u`` must treat points independently (no batch normalisation in training mode): the
+        fallback differentiates it one point at a time.
+    """
+    _check_points(x)
+    dims = _normalize_dims(laplacian_dims, x.shape[1], "laplacian_dims")
+    if method not in _METHODS:
+        raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
+    if method != "func":
+        layers = _forward_layers(u, required=method == "forward")
+        if layers is not None:
+            return _forward_laplacian(layers, x, dims)
+    return _func_jet(u, x, dims)
+
+
+def gradient(u: Callable[[Tensor], Tensor], x: Tensor, *, method: str = "auto") -> Tensor:
+    r"""The input gradient :math:`\partial u_i / \partial x_k` at ``[n, i, k]``, ``(N, m, d)``.
+
+    See :func:`jet` for ``u``, ``x`` and ``method``.
+    """
+    return jet(u, x, laplacian_dims=(), method=method).gradient
+
+
+def laplacian(
+    u: Callable[[Tensor], Tensor],
+    x: Tensor,
+    dims: Optional[Sequence[int]] = None,
+    *,
+    method: str = "auto",
+) -> Tensor:
+    r"""The Laplacian :math:`\sum_{k \in K} \partial^2 u_i / \partial x_k^2` at ``[n, i]``.
+
+    Shape ``(N, m)``. ``dims`` is :math:`K`, all ``d`` coordinates by default: for the heat
+    equation with points ``(t, x_1, x_2)``, ``dims=[1, 2]`` is the spatial Laplacian. See
+    :func:`jet` for ``u``, ``x`` and ``method``.
+    """
+    if dims is not None and len(dims) == 0:
+        raise ValueError("dims must name at least one coordinate, or be None for all of them")
+    return jet(u, x, laplacian_dims=dims, method=method).laplacian
+
+
+def divergence(u: Callable[[Tensor], Tensor], x: Tensor, *, method: str = "auto") -> Tensor:
+    r"""The divergence :math:`\sum_i \partial u_i / \partial x_i` of a vector field, ``(N, 1)``.
+
+    ``u`` must map ``(N, d)`` points to ``(N, d)`` values. The result keeps a component axis of
+    size one, like every operator here, so it adds to a scalar field's ``(N, 1)`` terms. See
+    :func:`jet` for ``u``, ``x`` and ``method``.
+
+    Raises:
+        ValueError: ``u``'s output has ``m != d`` components.
+    """
+    grad = gradient(u, x, method=method)
+    m, d = grad.shape[1], grad.shape[2]
+    if m != d:
+        raise ValueError(
+            f"divergence needs u to map (N, d) points to (N, d) values; u gives m = {m} "
+            f"components for d = {d} coordinates (for one component use gradient(u, x))"
+        )
+    return grad.diagonal(dim1=1, dim2=2).sum(dim=1, keepdim=True)
+
+
+def time_derivative(
+    u: Callable[[Tensor], Tensor], x: Tensor, dim: int = 0, *, method: str = "auto"
+) -> Tensor:
+    r"""The derivative :math:`\partial u_i / \partial x_{\text{dim}}` at ``[n, i]``, ``(N, m)``.
+
+    ``dim`` is the time coordinate of the points, the first by default. See :func:`jet` for
+    ``u``, ``x`` and ``method``.
+    """
+    _check_points(x)
+    (dim,) = _normalize_dims([dim], x.shape[1], "dim")
+    return gradient(u, x, method=method)[..., dim]
+
+
+# --- validation -------------------------------------------------------------------------------
+
+
+def _check_points(x: Tensor) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a tensor of points of shape (N, d), got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(
+            f"x must have shape (N, d) (one point per row), got shape {tuple(x.shape)}; "
+            "for a single point use x[None], for a grid use x.reshape(-1, d)"
+        )
+    if not x.is_floating_point():
+        raise TypeError(
+            f"x must be floating point to be differentiated, got {x.dtype}; "
+            "convert it with x.to(torch.float64) (or the parameters' dtype)"
+        )
+
+
+def _normalize_dims(dims: Optional[Sequence[int]], d: int, name: str) -> tuple[int, ...]:
+    if dims is None:
+        return tuple(range(d))
+    out = []
+    for k in dims:
+        if not -d <= int(k) < d:
+            raise ValueError(
+                f"{name} entries must index the d = {d} coordinates of x (0 to {d - 1}, or "
+                f"negative from the end), got {k}"
+            )
+        out.append(int(k) % d)
+    if len(set(out)) != len(out):
+        raise ValueError(f"{name} names a coordinate twice: {list(dims)}")
+    return tuple(out)
+
+
+# --- the forward Laplacian --------------------------------------------------------------------
+
+# (layer, z) -> (sigma(z), sigma'(z), sigma''(z)), each as torch computes the layer's value.
+_Derivatives = Callable[[nn.Module, Tensor], "tuple[Tensor, Tensor, Tensor]"]
+
+
+def _tanh(layer: nn.Module, z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    t = torch.tanh(z)
+    d1 = 1 - t * t
+    return t, d1, -2 * t * d1
+
+
+def _sigmoid(layer: nn.Module, z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    s = torch.sigmoid(z)
+    d1 = s * (1 - s)
+    return s, d1, d1 * (1 - 2 * s)
+
+
+def _silu(layer: nn.Module, z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    s = torch.sigmoid(z)
+    ds = s * (1 - s)
+    return z * s, s + z * ds, ds * (2 + z * (1 - 2 * s))
+
+
+def _softplus(layer: nn.Softplus, z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    # torch returns z itself where beta * z > threshold; its derivatives there are 1 and 0.
+    beta, threshold = layer.beta, layer.threshold
+    s = torch.sigmoid(beta * z)
+    linear = beta * z > threshold
+    d1 = torch.where(linear, torch.ones_like(s), s)
+    d2 = torch.where(linear, torch.zeros_like(s), beta * s * (1 - s))
+    return F.softplus(z, beta, threshold), d1, d2
+
+
+def _gelu(layer: nn.GELU, z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    if layer.approximate == "tanh":
+        # z (1 + tanh a) / 2, a = c (z + 0.044715 z^3), c = sqrt(2 / pi)
+        c, k = math.sqrt(2 / math.pi), 0.044715
+        t = torch.tanh(c * (z + k * z**3))
+        sech2 = 1 - t * t
+        da = c * (1 + 3 * k * z * z)
+        d1 = (1 + t) / 2 + z * sech2 * da / 2
+        d2 = sech2 * (da + z * (3 * c * k * z - t * da * da))
+        return F.gelu(z, approximate="tanh"), d1, d2
+    # z Phi(z): Phi' = phi, phi' = -z phi
+    phi = torch.exp(-z * z / 2) / math.sqrt(2 * math.pi)
+    cdf = (1 + torch.erf(z / math.sqrt(2))) / 2
+    return F.gelu(z), cdf + z * phi, phi * (2 - z * z)
+
+
+_ACTIVATIONS: dict[type, _Derivatives] = {
+    nn.Tanh: _tanh,
+    nn.Sigmoid: _sigmoid,
+    nn.SiLU: _silu,
+    nn.Softplus: _softplus,
+    nn.GELU: _gelu,
+}
+
+# Their second derivatives vanish almost everywhere: a Laplacian through them is zero.
+_PIECEWISE_LINEAR = (
+    nn.ReLU,
+    nn.ReLU6,
+    nn.LeakyReLU,
+    nn.PReLU,
+    nn.RReLU,
+    nn.Hardtanh,
+    nn.Threshold,
+)
+
+
+def _derivatives_of(layer: nn.Module) -> Optional[Callable[[Tensor], tuple]]:
+    own = getattr(layer, "derivatives", None)
+    if callable(own):
+        return own
+    rule = _ACTIVATIONS.get(type(layer))
+    return None if rule is None else (lambda z: rule(layer, z))
+
+
+def _flatten(module: nn.Sequential, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    for name, layer in module.named_children():
+        if type(layer) is nn.Sequential:
+            yield from _flatten(layer, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", layer
+
+
+def _forward_layers(u: object, required: bool) -> Optional[list[nn.Module]]:
+    """The layers of ``u`` for the forward Laplacian, or None where it does not apply."""
+    if type(u) is not nn.Sequential:
+        if required:
+            raise ValueError(
+                f"method='forward' needs u to be an nn.Sequential, got {type(u).__name__}; "
+                "use method='auto' or 'func' for the torch.func fallback"
+            )
+        return None
+    layers = []
+    unsupported = None
+    for name, layer in _flatten(u):
+        if isinstance(layer, _PIECEWISE_LINEAR):
+            raise ValueError(
+                f"u's layer {name} ({type(layer).__name__}) is piecewise linear: its second "
+                "derivatives vanish, so every Laplacian through it is zero; use a smooth "
+                "activation (nn.Tanh, nn.Softplus, nn.GELU, nn.SiLU, Sin)"
+            )
+        if isinstance(layer, nn.Identity):
+            continue
+        if type(layer) is nn.Linear or _derivatives_of(layer) is not None:
+            layers.append(layer)
+        elif unsupported is None:
+            unsupported = f"{name} ({type(layer).__name__})"
+    if unsupported is None:
+        return layers
+    if required:
+        raise ValueError(
+            f"method='forward' does not support u's layer {unsupported}: it takes nn.Linear, "
+            f"nn.Identity, {', '.join(t.__name__ for t in _ACTIVATIONS)}, Sin, or a module "
+            "with derivatives(z) -> (f, f', f''); use method='auto' or 'func' for the fallback"
+        )
+    return None
+
+
+def _forward_laplacian(layers: list[nn.Module], x: Tensor, dims: tuple[int, ...]) -> Jet:
+    n, d = x.shape
+    with_laplacian = len(dims) > 0
+    # Rows: 0 the value, 1..d the gradient directions, d + 1 the Laplacian (if asked for).
+    directions = torch.eye(d, dtype=x.dtype, device=x.device)[:, None, :].expand(d, n, d)
+    rows = [x[None], directions]
+    if with_laplacian:
+        rows.append(x.new_zeros(1, n, d))
+    state = torch.cat(rows)
+    for layer in layers:
+        if type(layer) is nn.Linear:
+            state = state @ layer.weight.T  # every row in one product
+            if layer.bias is not None:
+                state = torch.cat((state[:1] + layer.bias, state[1:]))
+            continue
+        z, grad = state[0], state[1 : d + 1]
+        f, d1, d2 = _derivatives_of(layer)(z)
+        rows = [f[None], d1 * grad]
+        if with_laplacian:
+            squares = grad.square().sum(0) if len(dims) == d else sum(grad[k] ** 2 for k in dims)
+            rows.append((d2 * squares + d1 * state[d + 1])[None])
+        state = torch.cat(rows)
+    value = state[0]
+    grad = state[1 : d + 1].permute(1, 2, 0)
+    lap = state[d + 1] if with_laplacian else torch.zeros_like(value)
+    return Jet(value, grad, lap)
+
+
+# --- the torch.func fallback ------------------------------------------------------------------
+
+
+def _func_jet(u: Callable[[Tensor], Tensor], x: Tensor, dims: tuple[int, ...]) -> Jet:
+    value = u(x)
+    if not isinstance(value, Tensor) or value.dim() != 2 or value.shape[0] != x.shape[0]:
+        shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+        raise ValueError(
+            f"u must map (N, d) points to (N, m) values; for x of shape {tuple(x.shape)} it "
+            f"gave {shape} (for a scalar output use keepdim=True or out[:, None])"
+        )
+
+    def one_point(xi: Tensor) -> Tensor:
+        return u(xi[None])[0]
+
+    if not dims:
+        grad = torch.func.vmap(torch.func.jacrev(one_point))(x)
+        return Jet(value, grad, torch.zeros_like(value))
+
+    def jacobian(xi: Tensor) -> tuple[Tensor, Tensor]:
+        jac = torch.func.jacrev(one_point)(xi)
+        return jac, jac
+
+    hess, grad = torch.func.vmap(torch.func.jacfwd(jacobian, has_aux=True))(x)
+    index = torch.tensor(dims, device=x.device)
+    lap = hess.diagonal(dim1=2, dim2=3).index_select(2, index).sum(2)
+    return Jet(value, grad, lap)

@@ -1,0 +1,416 @@
+"""Differential operators of torch_sgn.pinn.operators against nested autograd, in float64.
+
+The reference differentiates the model twice with ``torch.autograd.grad(create_graph=True)``,
+a route shared with neither the forward Laplacian nor the ``torch.func`` fallback; it stays a
+function of the parameters, so their derivatives are checked against it too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from torch_sgn.pinn.operators import (
+    Jet,
+    Sin,
+    divergence,
+    gradient,
+    jet,
+    laplacian,
+    time_derivative,
+)
+
+TOL = dict(rtol=1e-12, atol=1e-12)
+
+
+class Cube(nn.Module):
+    """A user-defined activation that gives its own derivatives."""
+
+    def forward(self, z: Tensor) -> Tensor:
+        return z**3
+
+    def derivatives(self, z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return z**3, 3 * z**2, 6 * z
+
+
+class TwoBranches(nn.Module):
+    """Not a Sequential: u(x) = net(x) * sin(x_0) + |x|^2, by the fallback."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x) * torch.sin(x[:, :1]) + x.square().sum(1, keepdim=True)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    build: Callable[[], nn.Module]
+    d: int
+    forward: bool  # whether the forward Laplacian applies
+    scale: float = 1.0  # of the points, to reach the activations' far regions
+
+
+CASES = [
+    Case(
+        "tanh-2-16-16-1",
+        lambda: nn.Sequential(
+            nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
+        ),
+        2,
+        True,
+    ),
+    Case(
+        "sigmoid-3-8-2",
+        lambda: nn.Sequential(nn.Linear(3, 8), nn.Sigmoid(), nn.Linear(8, 2)),
+        3,
+        True,
+    ),
+    Case(
+        "softplus-beta2",
+        lambda: nn.Sequential(nn.Linear(3, 8), nn.Softplus(beta=2.0), nn.Linear(8, 1)),
+        3,
+        True,
+    ),
+    Case(
+        # some pre-activations above the threshold, where torch's softplus is z itself
+        "softplus-threshold",
+        lambda: nn.Sequential(
+            nn.Linear(3, 8), nn.Softplus(beta=2.0, threshold=1.0), nn.Linear(8, 1)
+        ),
+        3,
+        True,
+        scale=3.0,
+    ),
+    Case("gelu", lambda: nn.Sequential(nn.Linear(3, 8), nn.GELU(), nn.Linear(8, 2)), 3, True, 2.0),
+    Case(
+        "gelu-tanh",
+        lambda: nn.Sequential(nn.Linear(3, 8), nn.GELU(approximate="tanh"), nn.Linear(8, 1)),
+        3,
+        True,
+        2.0,
+    ),
+    Case("silu", lambda: nn.Sequential(nn.Linear(3, 8), nn.SiLU(), nn.Linear(8, 1)), 3, True, 2.0),
+    Case(
+        "sin-no-bias",
+        lambda: nn.Sequential(nn.Linear(2, 8, bias=False), Sin(), nn.Linear(8, 1)),
+        2,
+        True,
+    ),
+    Case("cube", lambda: nn.Sequential(nn.Linear(3, 5), Cube(), nn.Linear(5, 1)), 3, True),
+    Case(
+        "nested",
+        lambda: nn.Sequential(
+            nn.Sequential(nn.Linear(3, 6), nn.Tanh()),
+            nn.Identity(),
+            nn.Sequential(nn.Linear(6, 6), Sin(), nn.Sequential(nn.Linear(6, 5), nn.SiLU())),
+            nn.Linear(5, 3),
+        ),
+        3,
+        True,
+    ),
+    Case("two-branches", TwoBranches, 3, False),
+    Case(
+        # a layer the forward Laplacian does not take: "auto" falls back
+        "sequential-elu",
+        lambda: nn.Sequential(nn.Linear(3, 6), nn.ELU(), nn.Linear(6, 1)),
+        3,
+        False,
+    ),
+]
+DIMS = [None, (0,), (-1,), (0, 2)]
+
+
+def _methods(case: Case) -> list[str]:
+    return ["auto", "forward", "func"] if case.forward else ["auto", "func"]
+
+
+CASE_METHODS = [
+    pytest.param(case, method, id=f"{case.name}-{method}")
+    for case in CASES
+    for method in _methods(case)
+]
+
+
+def _setup(case: Case, n: int = 5) -> tuple[nn.Module, Tensor]:
+    model = case.build().double()
+    x = case.scale * torch.randn(n, case.d, dtype=torch.float64)
+    return model, x
+
+
+def _dims_for(dims: Optional[tuple], d: int) -> Optional[tuple]:
+    return None if dims is None else tuple(k for k in dims if -d <= k < d)
+
+
+def reference(u: Callable[[Tensor], Tensor], x: Tensor, dims: Optional[tuple]) -> Jet:
+    """Value, gradient and Laplacian by nested ``torch.autograd.grad``; rows are independent,
+    so the derivative of a column's sum is the per-point derivative."""
+    d = x.shape[1]
+    dims = range(d) if dims is None else [k % d for k in dims]
+    x = x.detach().requires_grad_(True)
+    value = u(x)
+    grads, laps = [], []
+    for i in range(value.shape[1]):
+        (g,) = torch.autograd.grad(value[:, i].sum(), x, create_graph=True)
+        grads.append(g)
+        lap = torch.zeros_like(value[:, i])
+        for k in dims:
+            (h,) = torch.autograd.grad(g[:, k].sum(), x, create_graph=True, materialize_grads=True)
+            lap = lap + h[:, k]
+        laps.append(lap)
+    return Jet(value, torch.stack(grads, 1), torch.stack(laps, 1))
+
+
+# --- values against the reference -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dims", DIMS, ids=str)
+@pytest.mark.parametrize("case, method", CASE_METHODS)
+def test_jet_matches_nested_autograd(case, method, dims):
+    model, x = _setup(case)
+    dims = _dims_for(dims, case.d)
+    got = jet(model, x, laplacian_dims=dims, method=method)
+    want = reference(model, x, dims)
+    m = want.value.shape[1]
+    assert got.value.shape == (5, m)
+    assert got.gradient.shape == (5, m, case.d)
+    assert got.laplacian.shape == (5, m)
+    torch.testing.assert_close(got.value, want.value, **TOL)
+    torch.testing.assert_close(got.gradient, want.gradient, **TOL)
+    torch.testing.assert_close(got.laplacian, want.laplacian, **TOL)
+    assert want.laplacian.abs().max() > 1e-3  # a Laplacian that is not trivially zero
+
+
+@pytest.mark.parametrize("case, method", CASE_METHODS)
+def test_gradient_only_has_zero_laplacian(case, method):
+    model, x = _setup(case)
+    got = jet(model, x, laplacian_dims=(), method=method)
+    want = reference(model, x, ())
+    torch.testing.assert_close(got.gradient, want.gradient, **TOL)
+    torch.testing.assert_close(gradient(model, x, method=method), want.gradient, **TOL)
+    assert torch.equal(got.laplacian, torch.zeros_like(want.value))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.forward], ids=lambda c: c.name)
+def test_forward_and_fallback_agree(case):
+    model, x = _setup(case, n=7)
+    fast = jet(model, x, method="forward")
+    slow = jet(model, x, method="func")
+    auto = jet(model, x)
+    for a, b, c in zip(
+        (fast.value, fast.gradient, fast.laplacian),
+        (slow.value, slow.gradient, slow.laplacian),
+        (auto.value, auto.gradient, auto.laplacian),
+    ):
+        torch.testing.assert_close(a, b, **TOL)
+        assert torch.equal(a, c)  # "auto" takes the forward Laplacian
+
+
+# --- derivatives with respect to the parameters -----------------------------------------------
+
+
+@pytest.mark.parametrize("case, method", CASE_METHODS)
+def test_laplacian_parameter_gradient(case, method):
+    model, x = _setup(case)
+    params = list(model.parameters())
+    weights = torch.randn(5, reference(model, x, None).value.shape[1], dtype=torch.float64)
+    # the last layer's bias does not reach the Laplacian: its derivative is zero
+    got = torch.autograd.grad(
+        (laplacian(model, x, method=method) * weights).sum(), params, materialize_grads=True
+    )
+    want = torch.autograd.grad(
+        (reference(model, x, None).laplacian * weights).sum(), params, materialize_grads=True
+    )
+    assert any(w.abs().max() > 1e-3 for w in want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TOL)
+
+
+class Residual(nn.Module):
+    """A PDE residual -Laplacian(u) - 1 as a module, evaluated by functional_call."""
+
+    def __init__(self, u: nn.Module, op: Callable) -> None:
+        super().__init__()
+        self.u = u
+        self.op = op
+
+    def forward(self, x: Tensor) -> Tensor:
+        return -self.op(self.u, x) - 1.0
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.forward], ids=lambda c: c.name)
+def test_forward_mode_jvp_over_functional_call(case):
+    model, x = _setup(case, n=4)
+    residual = Residual(model, lambda u, x: laplacian(u, x, method="forward"))
+    names = [f"u.{name}" for name, _ in model.named_parameters()]
+    primals = tuple(p.detach() for p in model.parameters())
+    tangents = tuple(torch.randn_like(p) for p in primals)
+
+    def fast(*ps):
+        return functional_call(residual, dict(zip(names, ps)), (x,))
+
+    value, jvp = torch.func.jvp(fast, primals, tangents)
+
+    plain = [name for name, _ in model.named_parameters()]
+
+    def ref(*ps):
+        def u(z):
+            return functional_call(model, dict(zip(plain, ps)), (z,))
+
+        return -reference(u, x, None).laplacian - 1.0
+
+    jacobians = torch.autograd.functional.jacobian(ref, primals)
+    want = sum((j * t).flatten(2).sum(2) for j, t in zip(jacobians, tangents))
+    torch.testing.assert_close(value, ref(*primals), **TOL)
+    torch.testing.assert_close(jvp, want, **TOL)
+    assert want.abs().max() > 1e-3
+
+
+def _tanh_net() -> nn.Module:
+    return CASES[0].build().double()
+
+
+def test_make_fx_traces_the_forward_laplacian():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    model = _tanh_net()
+    residual = Residual(model, lambda u, x: laplacian(u, x, method="forward"))
+    names = [f"u.{name}" for name, _ in model.named_parameters()]
+
+    def lap(x, *ps):
+        return -functional_call(residual, dict(zip(names, ps)), (x,)) - 1.0
+
+    def lap_and_grads(x, *ps):
+        out = lap(x, *ps)
+        return (out, *torch.autograd.grad(out.square().sum(), ps))
+
+    with torch.no_grad():
+        params = [p.clone() for p in model.parameters()]
+    x = torch.randn(6, 2, dtype=torch.float64)
+    traced = make_fx(lap)(x, *params)
+    # The trace is a function of x and the parameters: evaluate it elsewhere.
+    x2 = torch.randn(6, 2, dtype=torch.float64)  # make_fx specializes the shapes
+    params2 = [p + 0.1 * torch.randn_like(p) for p in params]
+    model2 = _tanh_net()
+    with torch.no_grad():
+        for p, q in zip(model2.parameters(), params2):
+            p.copy_(q)
+    torch.testing.assert_close(traced(x2, *params2), reference(model2, x2, None).laplacian, **TOL)
+
+    params = [p.requires_grad_(True) for p in params]
+    traced_grads = make_fx(lap_and_grads)(x, *params)
+    out, *grads = traced_grads(x, *params)
+    plain = [name for name, _ in model.named_parameters()]
+    want = reference(
+        lambda z: functional_call(model, dict(zip(plain, params)), (z,)), x, None
+    ).laplacian
+    want_grads = torch.autograd.grad(want.square().sum(), params, materialize_grads=True)
+    torch.testing.assert_close(out, want, **TOL)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w, **TOL)
+
+
+def test_vmap_over_points():
+    model = _tanh_net()
+    x = torch.randn(5, 2, dtype=torch.float64)
+    per_point = torch.func.vmap(lambda xi: laplacian(model, xi[None], method="forward")[0])(x)
+    torch.testing.assert_close(per_point, reference(model, x, None).laplacian, **TOL)
+
+
+# --- the wrappers -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["forward", "func"])
+def test_heat_equation_terms(method):
+    # points (t, x1): u_t - u_{x1 x1}
+    model = _tanh_net()
+    tx = torch.rand(8, 2, dtype=torch.float64)
+    want = reference(model, tx, (1,))
+    u_xx = laplacian(model, tx, dims=[1], method=method)
+    u_t = time_derivative(model, tx, dim=0, method=method)
+    assert u_xx.shape == u_t.shape == (8, 1)
+    torch.testing.assert_close(u_xx, want.laplacian, **TOL)
+    torch.testing.assert_close(u_t, want.gradient[..., 0], **TOL)
+    full = reference(model, tx, None).laplacian
+    assert (u_xx - full).abs().max() > 1e-3  # dims=[1] is not the full Laplacian
+    torch.testing.assert_close(time_derivative(model, tx, dim=-1), want.gradient[..., 1], **TOL)
+
+
+@pytest.mark.parametrize("method", ["forward", "func"])
+def test_divergence(method):
+    model = CASES[-3].build().double()  # "nested", 3 -> 3
+    x = torch.randn(6, 3, dtype=torch.float64)
+    want = reference(model, x, ()).gradient.diagonal(dim1=1, dim2=2).sum(1, keepdim=True)
+    got = divergence(model, x, method=method)
+    assert got.shape == (6, 1)
+    torch.testing.assert_close(got, want, **TOL)
+
+
+# --- errors ---------------------------------------------------------------------------------
+
+
+def _net(*layers: nn.Module) -> nn.Module:
+    return nn.Sequential(*layers).double()
+
+
+_X = torch.randn(4, 2, dtype=torch.float64)
+_SMOOTH = _net(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 1))
+
+ERRORS = [
+    ("x-1d", lambda: laplacian(_SMOOTH, _X[0]), ValueError, r"x must have shape \(N, d\)"),
+    ("x-3d", lambda: jet(_SMOOTH, _X[None]), ValueError, r"x must have shape \(N, d\)"),
+    ("x-int", lambda: gradient(_SMOOTH, _X.long()), TypeError, r"x must be floating point"),
+    ("dims-high", lambda: laplacian(_SMOOTH, _X, dims=[2]), ValueError, r"laplacian_dims.*got 2"),
+    ("dims-low", lambda: jet(_SMOOTH, _X, [-3]), ValueError, r"laplacian_dims.*got -3"),
+    ("dims-twice", lambda: jet(_SMOOTH, _X, [1, -1]), ValueError, r"laplacian_dims.*twice"),
+    ("dims-empty", lambda: laplacian(_SMOOTH, _X, dims=[]), ValueError, r"dims must name"),
+    ("time-dim", lambda: time_derivative(_SMOOTH, _X, dim=2), ValueError, r"dim entries.*got 2"),
+    ("divergence-m", lambda: divergence(_SMOOTH, _X), ValueError, r"divergence.*m = 1.*d = 2"),
+    (
+        "relu",
+        lambda: laplacian(_net(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1)), _X),
+        ValueError,
+        r"layer 1 \(ReLU\).*second derivatives vanish",
+    ),
+    (
+        "relu-nested",
+        lambda: gradient(_net(nn.Sequential(nn.Linear(2, 3), nn.LeakyReLU())), _X, method="func"),
+        None,  # method="func" does not look at the layers: no error
+        None,
+    ),
+    (
+        "forward-unsupported",
+        lambda: jet(_net(nn.Linear(2, 3), nn.ELU(), nn.Linear(3, 1)), _X, method="forward"),
+        ValueError,
+        r"method='forward' does not support u's layer 1 \(ELU\)",
+    ),
+    (
+        "forward-not-sequential",
+        lambda: jet(lambda z: z.sin(), _X, method="forward"),
+        ValueError,
+        r"method='forward' needs u to be an nn.Sequential",
+    ),
+    ("method", lambda: jet(_SMOOTH, _X, method="taylor"), ValueError, r"method must be one of"),
+    (
+        "output-1d",
+        lambda: laplacian(lambda z: z.sin().sum(1), _X),
+        ValueError,
+        r"u must map \(N, d\) points to \(N, m\) values",
+    ),
+]
+
+
+@pytest.mark.parametrize("call, error, match", [e[1:] for e in ERRORS], ids=[e[0] for e in ERRORS])
+def test_errors_name_the_argument(call, error, match):
+    if error is None:
+        assert call().shape == (4, 3, 2)
+        return
+    with pytest.raises(error, match=match):
+        call()
