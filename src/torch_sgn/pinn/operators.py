@@ -102,8 +102,8 @@ def jet(
         G_k \to \sigma'(z) \odot G_k,\quad
         L \to \sigma''(z) \odot \sum_{k \in K} G_k^{\odot 2} + \sigma'(z) \odot L
 
-    The ``2 + d`` rows (value, ``d`` gradient directions, Laplacian) go through each linear
-    layer as one matrix product. Supported activations: ``nn.Tanh``, ``nn.Sigmoid``,
+    The ``d`` gradient directions go through each linear layer as one matrix product.
+    Supported activations: ``nn.Tanh``, ``nn.Sigmoid``,
     ``nn.SiLU``, ``nn.Softplus`` (its ``beta``, and its ``threshold`` as torch applies it:
     linear, so derivatives ``1`` and ``0``, above it), ``nn.GELU`` (both ``approximate``
     forms), :class:`Sin`, and any module with a method ``derivatives(z)`` returning
@@ -368,29 +368,24 @@ def _forward_layers(u: object, required: bool) -> Optional[list[nn.Module]]:
 def _forward_laplacian(layers: list[nn.Module], x: Tensor, dims: tuple[int, ...]) -> Jet:
     n, d = x.shape
     with_laplacian = len(dims) > 0
-    # Rows: 0 the value, 1..d the gradient directions, d + 1 the Laplacian (if asked for).
-    directions = torch.eye(d, dtype=x.dtype, device=x.device)[:, None, :].expand(d, n, d)
-    rows = [x[None], directions]
-    if with_laplacian:
-        rows.append(x.new_zeros(1, n, d))
-    state = torch.cat(rows)
+    value = x
+    grad = torch.eye(d, dtype=x.dtype, device=x.device)[:, None, :].expand(d, n, d)
+    lap = x.new_zeros(n, d) if with_laplacian else None
     for layer in layers:
         if type(layer) is nn.Linear:
-            state = state @ layer.weight.T  # every row in one product
-            if layer.bias is not None:
-                state = torch.cat((state[:1] + layer.bias, state[1:]))
+            weight = layer.weight
+            value = F.linear(value, weight, layer.bias)
+            grad = grad @ weight.T  # all d directions in one product
+            if with_laplacian:
+                lap = lap @ weight.T
             continue
-        z, grad = state[0], state[1 : d + 1]
-        f, d1, d2 = _derivatives_of(layer)(z)
-        rows = [f[None], d1 * grad]
+        f, d1, d2 = _derivatives_of(layer)(value)
         if with_laplacian:
             squares = grad.square().sum(0) if len(dims) == d else sum(grad[k] ** 2 for k in dims)
-            rows.append((d2 * squares + d1 * state[d + 1])[None])
-        state = torch.cat(rows)
-    value = state[0]
-    grad = state[1 : d + 1].permute(1, 2, 0)
-    lap = state[d + 1] if with_laplacian else torch.zeros_like(value)
-    return Jet(value, grad, lap)
+            lap = d2 * squares + d1 * lap
+        value, grad = f, d1 * grad
+    lap = torch.zeros_like(value) if lap is None else lap
+    return Jet(value, grad.permute(1, 2, 0), lap)
 
 
 # --- the torch.func fallback ------------------------------------------------------------------
