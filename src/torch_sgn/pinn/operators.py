@@ -103,12 +103,12 @@ def jet(
         L \to \sigma''(z) \odot \sum_{k \in K} G_k^{\odot 2} + \sigma'(z) \odot L
 
     The ``d`` gradient directions go through each linear layer as one matrix product.
-    Supported activations: ``nn.Tanh``, ``nn.Sigmoid``,
-    ``nn.SiLU``, ``nn.Softplus`` (its ``beta``, and its ``threshold`` as torch applies it:
-    linear, so derivatives ``1`` and ``0``, above it), ``nn.GELU`` (both ``approximate``
-    forms), :class:`Sin`, and any module with a method ``derivatives(z)`` returning
-    :math:`(\sigma(z), \sigma'(z), \sigma''(z))`. Parameters are read from the layers at each
-    call, so ``torch.func.functional_call`` substitutes them.
+    Supported activations: ``nn.Tanh``, ``nn.Sigmoid``, ``nn.SiLU``, ``nn.Softplus`` (its
+    ``beta``, and its ``threshold`` as torch applies it: linear, so derivatives ``1`` and
+    ``0``, above it), ``nn.GELU`` (both ``approximate`` forms), :class:`Sin`, and any module
+    with a method ``derivatives(z)`` returning :math:`(\sigma(z), \sigma'(z), \sigma''(z))`.
+    Parameters are read from the layers at each call, so ``torch.func.functional_call``
+    substitutes them.
 
     Any other model takes the fallback: exact derivatives of the one-point function by
     ``torch.func.vmap`` of ``jacfwd(jacrev(...))``. It is differentiable in reverse mode with
@@ -138,7 +138,15 @@ def jet(
 
     .. note::
         ``u`` must treat points independently (no batch normalisation in training mode): the
-        fallback differentiates it one point at a time.
+        fallback differentiates it one point at a time. Piecewise-linear activations are
+        caught only in a Sequential on the forward route; through the fallback their
+        Laplacian is silently zero almost everywhere.
+
+    .. note::
+        Parameters that do not reach a derivative (the last layer's bias, for the gradient
+        and the Laplacian) are not in its graph: differentiate with
+        ``torch.autograd.grad(..., materialize_grads=True)`` (or ``allow_unused=True``), as
+        with nested autograd.
     """
     _check_points(x)
     dims = _normalize_dims(laplacian_dims, x.shape[1], "laplacian_dims")
