@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from .diagnostics import warn
 from .distributed import ProcessGroup, SingleProcess, communicator
+from .engines.jacobian import per_sample, with_jacobian
 from .engines.selection import (
     ENGINE_ALIASES,
     ENGINES,
@@ -437,6 +438,8 @@ class SGN(torch.optim.Optimizer):
             )
         self._engine = select_engine(self._fmodel, self._loss, engine, cuda_graphs, compile)
         self._engine_options = (engine, cuda_graphs, compile)  # a copy builds its own engine
+        self._per_sample: dict = {}  # batch shapes -> whether the model is per-sample on them
+        self._last_inputs: tuple = ()  # the last step's inputs (see _fits_one_batch)
         self._curvature_fraction = curvature_fraction
         if solver == "direct" and not self._may_solve_through_outputs():
             # before anything of the matrix's size is allocated
@@ -510,6 +513,7 @@ class SGN(torch.optim.Optimizer):
         if "_comm" in self.__dict__:  # load_state_dict's call: the optimizer is built already
             return
         self._comm = SingleProcess()
+        self._per_sample, self._last_inputs = {}, ()
         with warnings.catch_warnings():  # the original already warned about its engine
             warnings.simplefilter("ignore")
             self._engine = select_engine(self._fmodel, self._loss, *self._engine_options)
@@ -563,6 +567,8 @@ class SGN(torch.optim.Optimizer):
         self._warn_unfrozen()
         with self._fmodel.consistent():
             lin = self._comm.linearize(t, self._step_engine(t), theta, batch, buffers)
+            if self._jacobian_applies(lin, theta, batch):
+                lin = with_jacobian(lin, self._fmodel, self._loss, theta, batch)
             work = state  # what the direction is computed from
             if trainable is not None:  # restricted to the parameters still trainable
                 lin, work = _restrict(lin, trainable), _restrict_state(state, trainable)
@@ -578,7 +584,7 @@ class SGN(torch.optim.Optimizer):
             phase = auto.Phase(route)
             if self._solver == "auto":
                 at = lambda point: self._loss_at(lin, point, batch)  # noqa: E731
-                phase = auto.plan(state, t, route, loss0, at)
+                phase = auto.plan(state, t, route, loss0, at, self._fits_one_batch(batch))
 
             def attempt(route: Optional[str]) -> _Attempt:
                 solve = self._step_solver(lin, rhs, work, t, route)
@@ -936,14 +942,44 @@ class SGN(torch.optim.Optimizer):
     def _may_solve_through_outputs(self) -> bool:
         """Whether steps may go through the batch's outputs (the engine and the options allow
         it; each batch decides): ``solver="direct"`` then checks the ``P x P`` matrix's memory
-        at the steps that cannot, not at construction."""
-        engine = self._engine
+        at the steps that cannot, not at construction. Any engine may, where the model is
+        per-sample (:mod:`torch_sgn.engines.jacobian`)."""
         return (
-            getattr(engine, "may_solve_through_outputs", False)
-            and isinstance(self._comm, SingleProcess)
+            isinstance(self._comm, SingleProcess)
             and self.param_groups[0]["gradient_averaging"] == 0
             and self._curvature_fraction == 1
         )
+
+    def _fits_one_batch(self, batch: Batch) -> bool:
+        """Whether this run fits one batch rather than a stream of mini-batches: the model is a
+        least-squares problem of residuals (:class:`torch_sgn.pinn.Residuals`, whose points
+        may be drawn anew), or this step's inputs are the previous step's tensors, unchanged
+        (a full-batch fit). ``solver="auto"`` then takes exact steps at once."""
+        key = tuple((x.data_ptr(), tuple(x.shape), x._version) for x in batch.args)
+        same, self._last_inputs = key == self._last_inputs, key
+        return same or hasattr(self._fmodel.model, "jacobian_blocks")
+
+    def _jacobian_applies(self, lin: Linearization, theta: Tensor, batch: Batch) -> bool:
+        """Whether this step's exact solves form ``J`` row by row
+        (:func:`~torch_sgn.engines.jacobian.with_jacobian`): where an exact step may be taken,
+        the engine has no faster route of its own, and the model is per-sample on batches of
+        this shape (checked once per shape and mode)."""
+        if (
+            self._solver == "cg"
+            or lin.dense_ggn is not None
+            or lin.sample_space is not None
+            or not isinstance(self._comm, SingleProcess)
+            or self._curvature_fraction != 1
+        ):
+            return False
+        key = (
+            tuple((tuple(x.shape), x.dtype) for x in batch.args),
+            self._fmodel.model.training,
+            self._fmodel.settings(),
+        )
+        if key not in self._per_sample:
+            self._per_sample[key] = per_sample(self._fmodel, theta, batch)
+        return self._per_sample[key]
 
     def _samples_fit(self, lin: Linearization, rhs: Tensor) -> bool:
         """Whether the step can be solved through the batch's outputs, more cheaply than

@@ -1,1 +1,25 @@
-"""Physics-informed networks and residual least squares."""
+"""Physics-informed networks and residual least squares.
+
+* :class:`Residuals` and :class:`Residual` (:mod:`.residuals`): a least-squares problem of
+  weighted residual blocks, each over its own points (fixed, or drawn anew at each step) or of
+  the parameters alone, as a module :class:`~torch_sgn.SGN` steps on.
+* :mod:`.operators`: the differential operators residuals are written with (:func:`gradient`,
+  :func:`laplacian`, :func:`divergence`, :func:`time_derivative`, :func:`jet`), propagated
+  forward through the network's layers (the forward Laplacian), so every engine differentiates
+  them as ordinary operations.
+"""
+
+from .operators import Jet, Sin, divergence, gradient, jet, laplacian, time_derivative
+from .residuals import Residual, Residuals
+
+__all__ = [
+    "Jet",
+    "Residual",
+    "Residuals",
+    "Sin",
+    "divergence",
+    "gradient",
+    "jet",
+    "laplacian",
+    "time_derivative",
+]

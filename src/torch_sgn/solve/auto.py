@@ -6,7 +6,8 @@ mini-batch, though, the truncated CG step is the better step: it moves along the
 of largest curvature, where an exact step with a small damping also fits the batch's noise and
 the directions the data barely determine (Boston's 101-sample batches for 11,601 parameters, the
 sine fit's plateau). So ``"auto"`` starts with CG and switches for good to exact steps when
-either test says they do better:
+either test says they do better (a run that fits one batch, where there is no noise to fit,
+takes exact steps at once):
 
 - **probe**: every :data:`PROBE_EVERY` steps (from the first) the step's exact solution is
   computed as well (its own damping attempts and line search on the batch), and the point it
@@ -74,12 +75,18 @@ def stalled(losses: list) -> bool:
 
 
 def plan(
-    state: dict, t: int, route: Optional[str], loss0: float, loss_at: Callable[[Tensor], float]
+    state: dict,
+    t: int,
+    route: Optional[str],
+    loss0: float,
+    loss_at: Callable[[Tensor], float],
+    one_batch: bool = False,
 ) -> Phase:
     """The phase of step ``t``. ``route``: the exact route the step could take (``None`` where
     only CG can run); ``loss0``: the batch loss at the current point; ``loss_at``: the batch loss
-    at a point (the candidate's)."""
-    if route is None or state.get("exact", False):
+    at a point (the candidate's); ``one_batch``: the run fits one batch (a full-batch fit, a
+    least-squares problem), where no noise argues for CG: exact steps at once."""
+    if route is None or state.get("exact", False) or one_batch:
         return Phase(route)
     candidate = state.get("candidate")
     if candidate is not None:

@@ -1,0 +1,290 @@
+"""Physics-informed networks: SGN against Adam, L-BFGS and the paper's SGN, by CPU seconds.
+
+Command (from the repository root; one thread, float64)::
+
+    PYTHONPATH=src python benchmarks/pinn.py --problem poisson2d --net 2-64-1 --seconds 300 \\
+        --out benchmarks/results/<record>
+
+Problems (Dangel, Mueller, Zeinhofer, NeurIPS 2024, "Kronecker-Factored Approximate Curvature
+for Physics-Informed Neural Networks", as its public experiments set them up):
+
+* ``poisson2d``: -Laplace(u) = 2 pi^2 sin(pi x) sin(pi y) on [0, 1]^2, u = 0 on the boundary;
+  exact u = sin(pi x) sin(pi y); 900 interior and 120 boundary points drawn once.
+* ``heat1d``: du/dt = (1/4) d2u/dx2 on (t, x) in [0, 1]^2, u(0, x) = sin(pi x), u = 0 at x = 0
+  and x = 1; exact u = exp(-pi^2 t / 4) sin(pi x); 900 interior, 120 boundary and initial points.
+* ``poisson5d``: -Laplace(u) = pi^2 sum cos(pi x_i) on [0, 1]^5, boundary values of the exact
+  u = sum cos(pi x_i); 3000 interior and 500 boundary points drawn anew at each step.
+
+Loss: the mean squared interior residual plus the mean squared boundary (and initial) residual.
+The error is the relative L2 error against the exact solution on 10,000 held-out uniform points
+(drawn once from their own seed). Each method runs for ``--seconds`` of this process's CPU time
+(evaluations excluded), one thread; the record holds the error against time and steps.
+
+Methods: ``sgn`` (SGN's defaults on :class:`torch_sgn.pinn.Residuals`), ``sgn-paper``
+(:meth:`SGN.paper`, CG with 10 iterations), ``adam-<lr>``, ``lbfgs`` (torch's, strong Wolfe line
+search, history 100). A finished run is not run again (its JSON is kept): an interrupted
+benchmark resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, List, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from torch_sgn import SGN
+from torch_sgn.pinn import Residual, Residuals, laplacian, time_derivative
+
+D = torch.float64
+
+
+@dataclass
+class Problem:
+    name: str
+    dim: int
+    exact: Callable[[Tensor], Tensor]
+    blocks: Callable[[nn.Module], dict]
+    resample: bool
+
+
+def _boundary_square(n: int, g: torch.Generator) -> Tensor:
+    """``n`` points on the boundary of [0, 1]^2, a quarter on each edge."""
+    t = torch.rand(n, 1, generator=g, dtype=D)
+    side = torch.arange(n) % 4
+    zero, one = torch.zeros_like(t), torch.ones_like(t)
+    x = torch.where((side == 0)[:, None], zero, torch.where((side == 1)[:, None], one, t))
+    y = torch.where((side == 2)[:, None], zero, torch.where((side == 3)[:, None], one, t))
+    return torch.cat([x, y], 1)
+
+
+def _boundary_cube(n: int, d: int, g: torch.Generator) -> Tensor:
+    """``n`` points on the boundary of [0, 1]^d: one coordinate set to 0 or 1."""
+    x = torch.rand(n, d, generator=g, dtype=D)
+    face = torch.randint(0, d, (n,), generator=g)
+    x[torch.arange(n), face] = torch.randint(0, 2, (n,), generator=g).to(D)
+    return x
+
+
+def poisson2d(seed: int) -> Problem:
+    g = torch.Generator().manual_seed(seed)
+    x_in, x_bd = torch.rand(900, 2, generator=g, dtype=D), _boundary_square(120, g)
+    pi = math.pi
+
+    def exact(x: Tensor) -> Tensor:
+        return torch.sin(pi * x[:, :1]) * torch.sin(pi * x[:, 1:2])
+
+    def f(x: Tensor) -> Tensor:
+        return 2 * pi**2 * exact(x)
+
+    def blocks(net: nn.Module) -> dict:
+        return {
+            "interior": Residual(lambda u, x: -laplacian(u, x) - f(x), points=x_in),
+            "boundary": Residual(lambda u, x: u(x), points=x_bd),
+        }
+
+    return Problem("poisson2d", 2, exact, blocks, False)
+
+
+def heat1d(seed: int) -> Problem:
+    g = torch.Generator().manual_seed(seed)
+    x_in = torch.rand(900, 2, generator=g, dtype=D)  # (t, x)
+    t_b = torch.rand(120, 1, generator=g, dtype=D)
+    side = (torch.arange(120) % 3)[:, None]
+    x_b = torch.where(side == 0, torch.zeros_like(t_b), torch.ones_like(t_b))
+    pts = torch.where(
+        side == 2, torch.cat([torch.zeros_like(t_b), t_b], 1), torch.cat([t_b, x_b], 1)
+    )
+    pi, kappa = math.pi, 0.25
+
+    def exact(x: Tensor) -> Tensor:
+        return torch.exp(-kappa * pi**2 * x[:, :1]) * torch.sin(pi * x[:, 1:2])
+
+    def pde(u: nn.Module, x: Tensor) -> Tensor:
+        return time_derivative(u, x, 0) - kappa * laplacian(u, x, dims=[1])
+
+    def blocks(net: nn.Module) -> dict:
+        return {
+            "interior": Residual(pde, points=x_in),
+            "boundary": Residual(lambda u, x: u(x) - exact(x), points=pts),
+        }
+
+    return Problem("heat1d", 2, exact, blocks, False)
+
+
+def poisson5d(seed: int) -> Problem:
+    pi, d = math.pi, 5
+    g = torch.Generator().manual_seed(seed)
+
+    def exact(x: Tensor) -> Tensor:
+        return torch.cos(pi * x).sum(1, keepdim=True)
+
+    def f(x: Tensor) -> Tensor:
+        return pi**2 * torch.cos(pi * x).sum(1, keepdim=True)
+
+    def blocks(net: nn.Module) -> dict:
+        return {
+            "interior": Residual(
+                lambda u, x: -laplacian(u, x) - f(x),
+                sample=lambda step: torch.rand(3000, d, generator=g, dtype=D),
+            ),
+            "boundary": Residual(
+                lambda u, x: u(x) - exact(x), sample=lambda step: _boundary_cube(500, d, g)
+            ),
+        }
+
+    return Problem("poisson5d", d, exact, blocks, True)
+
+
+PROBLEMS = {"poisson2d": poisson2d, "heat1d": heat1d, "poisson5d": poisson5d}
+
+
+def network(spec: str, dim: int, seed: int) -> nn.Module:
+    """A tanh MLP from ``"2-64-64-1"`` (the first number must be the problem's dimension)."""
+    widths = [int(w) for w in spec.split("-")]
+    if widths[0] != dim:
+        raise SystemExit(f"--net {spec}: the input width must be the problem's dimension {dim}")
+    torch.manual_seed(seed)
+    layers: List[nn.Module] = []
+    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+        layers.append(nn.Linear(a, b))
+        if i < len(widths) - 2:
+            layers.append(nn.Tanh())
+    return nn.Sequential(*layers).to(D)
+
+
+def run(problem: Problem, net_spec: str, method: str, seconds: float, seed: int) -> dict:
+    net = network(net_spec, problem.dim, seed)
+    residuals = Residuals(net, problem.blocks(net))
+    g = torch.Generator().manual_seed(10_000 + seed)
+    x_eval = torch.rand(10_000, problem.dim, generator=g, dtype=D)
+    u_eval = problem.exact(x_eval)
+
+    def error() -> float:
+        with torch.no_grad():
+            return float((net(x_eval) - u_eval).norm() / u_eval.norm())
+
+    step_fn = _method(method, residuals, net)
+    curve: List[Tuple[float, int, float, float]] = [(0.0, 0, error(), float("nan"))]
+    clock, steps, next_eval = 0.0, 0, 0.5
+    while clock < seconds:
+        inputs, targets = residuals.batch(steps)
+        t0 = time.process_time()
+        loss = step_fn(inputs, targets)
+        clock += time.process_time() - t0
+        steps += 1
+        if not math.isfinite(loss):
+            break
+        if clock >= next_eval or clock >= seconds:
+            curve.append((clock, steps, error(), loss))
+            next_eval = clock * 1.25
+    return {
+        "problem": problem.name,
+        "net": net_spec,
+        "parameters": sum(p.numel() for p in net.parameters()),
+        "method": method,
+        "seconds": seconds,
+        "seed": seed,
+        "steps": steps,
+        "final_error": curve[-1][2],
+        "best_error": min(c[2] for c in curve),
+        "curve": curve,
+    }
+
+
+def _method(method: str, residuals: Residuals, net: nn.Module) -> Callable:
+    if method in ("sgn", "sgn-paper"):
+        opt = (
+            SGN(residuals, residuals.loss)
+            if method == "sgn"
+            else SGN.paper(residuals, residuals.loss)
+        )
+        return lambda inputs, targets: opt.step(inputs, targets).loss_after
+    if method.startswith("adam-"):
+        adam = torch.optim.Adam(net.parameters(), lr=float(method[5:]))
+
+        def adam_step(inputs, targets):
+            adam.zero_grad()
+            loss = residuals(*inputs).square().sum()
+            loss.backward()
+            adam.step()
+            return float(loss.detach())
+
+        return adam_step
+    if method == "lbfgs":
+        lbfgs = torch.optim.LBFGS(
+            net.parameters(), lr=1.0, history_size=100, max_iter=20,
+            line_search_fn="strong_wolfe", tolerance_grad=0.0, tolerance_change=0.0,
+        )  # fmt: skip
+
+        def lbfgs_step(inputs, targets):
+            def closure():
+                lbfgs.zero_grad()
+                loss = residuals(*inputs).square().sum()
+                loss.backward()
+                return loss
+
+            return float(lbfgs.step(closure))
+
+        return lbfgs_step
+    raise SystemExit(f"unknown method {method!r}")
+
+
+def main(argv: List[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--problem", choices=sorted(PROBLEMS), default="poisson2d")
+    p.add_argument("--net", default="2-64-1")
+    p.add_argument("--methods", nargs="+", default=["sgn", "sgn-paper", "adam-0.001", "lbfgs"])
+    p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    os.makedirs(args.out, exist_ok=True)
+    meta = {
+        "command": "PYTHONPATH=src python benchmarks/pinn.py " + " ".join(sys.argv[1:]),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpus": os.cpu_count(),
+        "threads": args.threads,
+        "commit": subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True
+        ).stdout.strip(),
+    }
+    rows = []
+    for seed in args.seeds:
+        for method in args.methods:
+            name = f"{args.problem}_{args.net}_{method}_s{seed}_{int(args.seconds)}s.json"
+            path = os.path.join(args.out, name)
+            if os.path.exists(path):  # finished before: resume without running it again
+                with open(path) as f:
+                    result = json.load(f)
+            else:
+                problem = PROBLEMS[args.problem](seed)
+                result = {**run(problem, args.net, method, args.seconds, seed), "meta": meta}
+                with open(path + ".tmp", "w") as f:
+                    json.dump(result, f)
+                os.replace(path + ".tmp", path)
+            rows.append(result)
+            print(
+                f"{args.problem:10s} {args.net:22s} {method:12s} seed {seed}: "
+                f"rel. L2 {result['final_error']:.2e} (best {result['best_error']:.2e}) "
+                f"after {result['steps']} steps, {args.seconds:.0f} s",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+r"""The output Jacobian ``J`` formed row by row, for exact steps on any per-sample model.
+
+The direct solver needs ``G = J^\top H J`` (``P x P``) or the sample-space matrix ``J J^\top``
+(``R x R``, ``R`` the batch's outputs). The layer-wise engine forms both from its chains' own
+per-layer factors. For other models, forming ``G`` from ``P`` products ``G e_i`` costs ``P``
+passes; but where each sample's outputs depend on that sample alone (no batch statistics, no
+attention across the batch), each row block of ``J`` is the gradient of one sample's outputs,
+and ``torch.func.vmap`` over samples of ``torch.func.jacrev`` forms all of them in one batched
+reverse pass:
+
+.. math::
+    J = \begin{bmatrix} \partial f(\theta; x_1) / \partial\theta \\ \vdots \\
+        \partial f(\theta; x_N) / \partial\theta \end{bmatrix}
+
+(Physics-informed residuals whose derivatives are propagated forward, as
+:mod:`torch_sgn.pinn.operators` does, are such models: a point's residual depends on that point
+alone.) Whether a model is per-sample is checked, not assumed: the rows' outputs must equal the
+batched forward pass's (:func:`per_sample`), else the route is not taken.
+
+A model may also say how its rows are formed: a module with a ``jacobian_blocks(inputs)``
+method (:class:`torch_sgn.pinn.Residuals`) returns the blocks of rows whose Jacobians are
+taken separately (its residual blocks, each over its own points).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable, List, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from ..linearization import Batch, Linearization, SampleSpace, loss_and_output_gradient
+from ..losses import OutputLoss
+from ..model.flat_model import FunctionalModel
+
+__all__ = ["JacobianBlock", "jacobian_rows", "per_sample", "with_jacobian"]
+
+
+class JacobianBlock:
+    """Rows of the model's outputs taken together: ``rows(flat, *point) -> outputs of one
+    point`` (flat), vmapped over ``points`` (tensors sharing their leading dimension; none for a
+    block of the parameters alone, whose ``rows(flat)`` is taken once)."""
+
+    def __init__(self, rows: Callable[..., Tensor], points: Sequence[Tensor]):
+        self.rows, self.points = rows, tuple(points)
+
+
+def _model_blocks(fmodel: FunctionalModel, batch: Batch) -> List[JacobianBlock]:
+    blocks = getattr(fmodel.model, "jacobian_blocks", None)
+    if blocks is not None:
+        return blocks(fmodel, batch.args)
+
+    def rows(flat: Tensor, *point: Tensor) -> Tensor:
+        return fmodel(flat, tuple(p.unsqueeze(0) for p in point)).reshape(-1)
+
+    return [JacobianBlock(rows, batch.args)]
+
+
+def jacobian_rows(fmodel: FunctionalModel, flat: Tensor, batch: Batch) -> Tuple[Tensor, Tensor]:
+    """``(outputs, J)``: the model's outputs at ``flat`` on ``batch`` (flat, ``R``) and their
+    Jacobian (``R x P``, in the parameters' dtype), formed by ``vmap`` over the samples of
+    ``jacrev`` of one sample's outputs."""
+    outs, jacs = [], []
+    for block in _model_blocks(fmodel, batch):
+        one = torch.func.jacrev(_with_value(block.rows), has_aux=True)
+        if block.points:
+            n = block.points[0].shape[0]
+            if n == 0:
+                continue
+            dims = (None,) + (0,) * len(block.points)
+            jac, out = torch.func.vmap(one, in_dims=dims)(flat, *block.points)
+        else:
+            jac, out = one(flat)
+        outs.append(out.reshape(-1))
+        jacs.append(jac.reshape(-1, flat.numel()))
+    if not outs:
+        return flat.new_zeros(0), flat.new_zeros((0, flat.numel()))
+    return torch.cat(outs), torch.cat(jacs)
+
+
+def _with_value(rows: Callable[..., Tensor]) -> Callable[..., Tuple[Tensor, Tensor]]:
+    """``rows`` returning its value twice, the second as ``jacrev``'s auxiliary output."""
+
+    def both(flat: Tensor, *point: Tensor) -> Tuple[Tensor, Tensor]:
+        out = rows(flat, *point)
+        return out, out.detach()
+
+    return both
+
+
+def per_sample(fmodel: FunctionalModel, flat: Tensor, batch: Batch) -> bool:
+    """Whether the model's outputs, taken one sample (or one block's point) at a time, equal the
+    batched forward pass's up to rounding. A model whose samples interact (batch statistics,
+    attention across the batch) gives other values; one that ``vmap`` cannot run (random
+    draws, an operator without a batching rule) is not taken either."""
+    try:
+        with torch.no_grad():
+            rows = torch.cat(
+                [
+                    torch.func.vmap(block.rows, in_dims=(None,) + (0,) * len(block.points))(
+                        flat, *block.points
+                    ).reshape(-1)
+                    if block.points
+                    else block.rows(flat).reshape(-1)
+                    for block in _model_blocks(fmodel, batch)
+                    if not block.points or block.points[0].shape[0]
+                ]
+            )
+            batched = fmodel(flat, batch.inputs).reshape(-1)
+    except Exception:  # noqa: BLE001 - whatever vmap cannot run is not taken
+        return False
+    if rows.shape != batched.shape:
+        return False
+    if not rows.numel():
+        return True
+    tol = 1e3 * torch.finfo(batched.dtype).eps * max(batched.abs().max().item(), 1.0)
+    return bool((rows - batched).abs().max() <= tol)
+
+
+def with_jacobian(
+    lin: Linearization, fmodel: FunctionalModel, loss: OutputLoss, flat: Tensor, batch: Batch
+) -> Linearization:
+    """``lin`` with ``G`` and the sample space formed from :func:`jacobian_rows`, for a model
+    that is :func:`per_sample` on ``batch``. ``J`` is formed once, when a direct solve first
+    asks for it; a step that solves by CG never forms it."""
+    with torch.no_grad():
+        outputs = lin.outputs if lin.outputs is not None else fmodel(flat, batch.inputs)
+    outputs = outputs.detach()
+    _, output_grad = loss_and_output_gradient(loss, outputs, batch.targets, check=False)
+    hessian = loss.hessian(outputs, batch.targets)
+    formed: List[Tensor] = []
+
+    def jac() -> Tensor:
+        if not formed:
+            with torch.enable_grad():
+                formed.append(jacobian_rows(fmodel, flat, batch)[1].to(torch.float64))
+        return formed[0]
+
+    def hessian_columns() -> Tensor:  # H J (R x P), float64
+        cols = jac().T.reshape(-1, *outputs.shape).to(outputs.dtype)
+        try:
+            h = torch.func.vmap(hessian)(cols)
+        except Exception:  # noqa: BLE001 - a loss whose Hessian products cannot be batched
+            h = torch.stack([hessian(c) for c in cols.unbind(0)])
+        return h.reshape(cols.shape[0], -1).T.to(torch.float64)
+
+    space = SampleSpace(
+        outputs=outputs,
+        output_grad=output_grad,
+        hessian=hessian,
+        vjp=lambda u: (jac().T @ u.reshape(-1).to(torch.float64)).to(flat.dtype),
+        kernel=lambda: _symmetric(jac() @ jac().T),
+    )
+    return replace(lin, dense_ggn=lambda: jac().T @ hessian_columns(), sample_space=space)
+
+
+def _symmetric(k: Tensor) -> Tensor:
+    """``(K + K^T) / 2``: a product ``J J^T`` is symmetric only up to rounding, and the sample
+    space's Cholesky route needs it exactly so."""
+    return (k + k.mT).mul_(0.5)

@@ -1,0 +1,264 @@
+r"""Residual least squares: physics-informed networks, operator fits, curve fits.
+
+A problem is a sum of weighted blocks of residuals,
+
+.. math::
+    L(\theta) = \sum_b \frac{w_b}{N_b} \sum_{i=1}^{N_b} \lVert r_b(\theta; x_{b,i}) \rVert^2,
+
+each block ``b`` a function of the network and its own ``N_b`` points (the interior of a domain
+and its boundary, say), or of the parameters alone. :class:`Residuals` is that problem as an
+``nn.Module`` whose output is the vector of weighted residuals
+:math:`\sqrt{w_b / N_b}\, r_b`, so that :class:`~torch_sgn.SGN` with the sum of squares
+(:attr:`Residuals.loss`) takes Gauss-Newton steps on :math:`L` itself: ``G = 2 J^T J``.
+
+Each point's residual depends on that point alone, so SGN forms the Jacobian row-batched, one
+block at a time (``jacobian_blocks``; see :mod:`torch_sgn.engines.jacobian`), for its exact
+steps: through the ``P x P`` matrix where the parameters are few, through the ``R x R`` Gram
+matrix ``J J^T`` where the residuals are fewer.
+
+Example (the 2-D Poisson equation :math:`-\Delta u = f` with zero boundary values)::
+
+    net = nn.Sequential(nn.Linear(2, 64), nn.Tanh(), nn.Linear(64, 1)).double()
+    problem = Residuals(net, {
+        "interior": Residual(lambda u, x: -laplacian(u, x) - f(x), points=x_interior),
+        "boundary": Residual(lambda u, x: u(x), points=x_boundary),
+    })
+    opt = SGN(problem, problem.loss, solver="auto")
+    for step in range(1000):
+        info = opt.step(*problem.batch(step))
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from ..engines.jacobian import JacobianBlock
+from ..model.flat_model import FunctionalModel
+
+__all__ = ["Residual", "Residuals"]
+
+Points = Union[Tensor, Sequence[Tensor]]
+
+
+class Residual:
+    """One block of residuals.
+
+    Args:
+        fn: ``fn(u, *points) -> residuals`` with ``u`` the network (call it, or pass it to the
+            operators of :mod:`torch_sgn.pinn.operators`) and ``points`` this block's tensors,
+            whose leading dimension counts the points; the residuals have that leading
+            dimension too (one row, of any shape, per point). For a block without points,
+            ``fn(u)`` returns a tensor of any shape (a residual of the parameters alone: a
+            prior, a constraint, a curve fit's data folded into ``fn``).
+        points: a tensor, or a tuple of tensors sharing their leading dimension; ``None`` for
+            a block without points. A block with zero points contributes nothing.
+        weight: ``w_b >= 0``, the block's weight in the loss (its mean squared residual is
+            multiplied by it).
+        sample: ``step -> points``, drawn anew at each step (:meth:`Residuals.batch`); replaces
+            ``points``.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Tensor],
+        points: Optional[Points] = None,
+        weight: float = 1.0,
+        sample: Optional[Callable[[int], Points]] = None,
+    ):
+        if not callable(fn):
+            raise TypeError(f"Residual needs a callable fn(u, *points), got {type(fn).__name__}")
+        if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight >= 0):
+            raise ValueError(f"invalid weight={weight!r}: must be a finite number >= 0")
+        if sample is not None and not callable(sample):
+            raise TypeError("sample must be a callable step -> points")
+        self.fn, self.weight, self.sample = fn, float(weight), sample
+        self.points = None if points is None else _as_points(points, "points")
+
+    @property
+    def has_points(self) -> bool:
+        return self.points is not None or self.sample is not None
+
+
+class Residuals(nn.Module):
+    """A least-squares problem of residual blocks, as a module whose output is the weighted
+    residual vector (see the module's docstring).
+
+    Args:
+        network: the module whose parameters are fitted (a network, or an ``nn.Module`` of
+            ``nn.Parameter`` for a curve fit); each block's ``fn`` receives it.
+        blocks: the residual blocks by name, in the order their rows are stacked.
+
+    The module's ``forward(*tensors)`` takes every block's point tensors in order (as
+    :meth:`batch` gives them) and returns the weighted residuals, flat.
+    """
+
+    #: The loss SGN takes with this problem: the sum of squares of :meth:`forward`'s output
+    #: (targets zero, :meth:`batch`), which equals the weighted sum of the blocks' mean squared
+    #: residuals.
+    loss = nn.MSELoss(reduction="sum")
+
+    def __init__(self, network: nn.Module, blocks: Mapping[str, Residual]):
+        super().__init__()
+        if not isinstance(network, nn.Module):
+            raise TypeError(f"network must be an nn.Module, got {type(network).__name__}")
+        if not blocks or not all(isinstance(b, Residual) for b in blocks.values()):
+            raise TypeError("blocks must be a non-empty mapping of names to Residual blocks")
+        self.network = network
+        self.names: Tuple[str, ...] = tuple(blocks)
+        self.blocks: Tuple[Residual, ...] = tuple(blocks.values())
+        self._arity: Tuple[int, ...] = ()
+        self._arity = tuple(self._count(b) for b in self.blocks)
+
+    @staticmethod
+    def _count(block: Residual) -> int:
+        if block.points is not None:
+            return len(block.points)
+        if block.sample is not None:
+            return len(_as_points(block.sample(0), "sample(0)"))
+        return 0
+
+    # --- data ---------------------------------------------------------------------------------
+    def batch(self, step: Optional[int] = None) -> Tuple[Tuple[Tensor, ...], Tensor]:
+        """``(inputs, targets)`` for ``opt.step(inputs, targets)``: every block's points (drawn
+        anew with ``step`` where a block has ``sample``; fixed points otherwise) and zero
+        targets, one per residual."""
+        tensors: List[Tensor] = []
+        for name, block, arity in zip(self.names, self.blocks, self._arity):
+            if block.sample is not None:
+                pts = _as_points(block.sample(0 if step is None else step), f"{name}: sample")
+                if len(pts) != arity:
+                    raise ValueError(
+                        f"block {name!r}: sample returned {len(pts)} tensors, expected {arity}"
+                    )
+            else:
+                pts = block.points or ()
+            tensors.extend(pts)
+        inputs = tuple(tensors)
+        with torch.no_grad():
+            n = self.count(inputs)
+        like = next(self.network.parameters(), None)
+        targets = torch.zeros(
+            n,
+            dtype=like.dtype if like is not None else torch.get_default_dtype(),
+            device=like.device if like is not None else None,
+        )
+        return inputs, targets
+
+    def count(self, inputs: Sequence[Tensor]) -> int:
+        """The number of residuals ``R`` on ``inputs`` (one forward pass where a block's rows
+        are not one number each)."""
+        return self(*inputs).numel()
+
+    def split(self, inputs: Sequence[Tensor]) -> Dict[str, Tuple[Tensor, ...]]:
+        """The block's point tensors of ``inputs`` (as :meth:`batch` lays them out), by name."""
+        if len(inputs) != sum(self._arity):
+            raise ValueError(
+                f"Residuals takes {sum(self._arity)} point tensors (blocks "
+                f"{dict(zip(self.names, self._arity))}), got {len(inputs)}: pass "
+                "problem.batch()'s inputs"
+            )
+        out, i = {}, 0
+        for name, arity in zip(self.names, self._arity):
+            pts = tuple(inputs[i : i + arity])
+            i += arity
+            if arity and any(p.shape[0] != pts[0].shape[0] for p in pts):
+                raise ValueError(
+                    f"block {name!r}: its point tensors differ in their leading dimension "
+                    f"{[tuple(p.shape) for p in pts]}"
+                )
+            out[name] = pts
+        return out
+
+    # --- residuals ----------------------------------------------------------------------------
+    def residual(self, name: str, *points: Tensor) -> Tensor:
+        """Block ``name``'s residuals on ``points``, unweighted, one row per point."""
+        block = self.blocks[self.names.index(name)]
+        r = block.fn(self.network, *points)
+        if not isinstance(r, Tensor):
+            raise TypeError(f"block {name!r}: fn returned {type(r).__name__}, not a tensor")
+        if points and (r.dim() == 0 or r.shape[0] != points[0].shape[0]):
+            raise ValueError(
+                f"block {name!r}: fn returned residuals of shape {tuple(r.shape)} for "
+                f"{points[0].shape[0]} points; return one row per point (leading dimension "
+                f"{points[0].shape[0]})"
+            )
+        return r
+
+    def forward(self, *inputs: Tensor, only: Optional[str] = None) -> Tensor:
+        if only is not None:  # one block's unweighted rows (the Jacobian's blocks)
+            return self.residual(only, *inputs)
+        parts = []
+        for (name, pts), block in zip(self.split(inputs).items(), self.blocks):
+            n = pts[0].shape[0] if pts else 1
+            if n == 0 or block.weight == 0:
+                continue
+            r = self.residual(name, *pts)
+            parts.append(r.reshape(-1) * math.sqrt(block.weight / n))
+        if not parts:
+            like = next(self.network.parameters())
+            return like.new_zeros(0)
+        return torch.cat(parts)
+
+    def losses(self, inputs: Optional[Sequence[Tensor]] = None) -> Dict[str, float]:
+        """Each block's mean squared residual (unweighted) on ``inputs`` (:meth:`batch`'s by
+        default)."""
+        if inputs is None:
+            inputs = self.batch()[0]
+        with torch.no_grad():
+            out = {}
+            for name, pts in self.split(inputs).items():
+                if pts and pts[0].shape[0] == 0:
+                    out[name] = 0.0
+                    continue
+                r = self.residual(name, *pts)
+                n = pts[0].shape[0] if pts else 1
+                out[name] = float(r.square().sum()) / n
+        return out
+
+    # --- the row-batched Jacobian (torch_sgn.engines.jacobian) --------------------------------
+    def jacobian_blocks(
+        self, fmodel: FunctionalModel, inputs: Sequence[Tensor]
+    ) -> List[JacobianBlock]:
+        """One :class:`~torch_sgn.engines.jacobian.JacobianBlock` per residual block: the
+        weighted rows of one point, evaluated at a flat parameter vector."""
+        out = []
+        for (name, pts), block in zip(self.split(inputs).items(), self.blocks):
+            n = pts[0].shape[0] if pts else 1
+            if n == 0 or block.weight == 0:
+                continue
+            scale = math.sqrt(block.weight / n)
+
+            out.append(JacobianBlock(_Rows(self, fmodel, name, scale), pts))
+        return out
+
+
+class _Rows:
+    """``(flat, *point) -> block name's weighted residual rows at one point``."""
+
+    def __init__(self, problem: Residuals, fmodel: FunctionalModel, name: str, scale: float):
+        self.problem, self.fmodel, self.name, self.scale = problem, fmodel, name, scale
+
+    def __call__(self, flat: Tensor, *point: Tensor) -> Tensor:
+        params = self.fmodel.unflatten(flat)
+        one = tuple(p.unsqueeze(0) for p in point)
+        r = torch.func.functional_call(
+            self.problem, params, one, {"only": self.name}, tie_weights=False
+        )
+        return r.reshape(-1) * self.scale
+
+
+def _as_points(points: Points, what: str) -> Tuple[Tensor, ...]:
+    pts = (points,) if isinstance(points, Tensor) else tuple(points)
+    if not pts or not all(isinstance(p, Tensor) for p in pts):
+        raise TypeError(f"{what} must be a tensor or a tuple of tensors")
+    if any(p.dim() == 0 for p in pts):
+        raise ValueError(f"{what}: each tensor needs a leading dimension counting the points")
+    if any(p.shape[0] != pts[0].shape[0] for p in pts):
+        raise ValueError(
+            f"{what}: the tensors differ in their leading dimension {[tuple(p.shape) for p in pts]}"
+        )
+    return pts
