@@ -21,7 +21,7 @@ from .engines.selection import (
     engine_name,
     select_engine,
 )
-from .linearization import Batch, Inputs, Linearization
+from .linearization import Batch, Inputs, Linearization, check_loss_parameters
 from .losses import LossSpec, OutputLoss, resolve_loss
 from .model.flat_model import FunctionalModel
 from .options import KEYS, check_loaded_state, check_options
@@ -563,6 +563,7 @@ class SGN(torch.optim.Optimizer):
         self._warn_unfrozen()
         with self._fmodel.consistent():
             lin = self._comm.linearize(t, self._step_engine(t), theta, batch, buffers)
+            check_loss_parameters(self._loss, self._fmodel, lin, theta, batch)
             work = state  # what the direction is computed from
             if trainable is not None:  # restricted to the parameters still trainable
                 lin, work = _restrict(lin, trainable), _restrict_state(state, trainable)
