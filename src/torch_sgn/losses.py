@@ -13,9 +13,11 @@ small (one block per sample) and, for the usual losses, known in closed form:
 * binary cross-entropy on logits: ``H = diag(s (1 - s))`` with ``s = sigmoid(z)``, divided by
   the number of elements for ``mean``.
 
-Any other callable is treated generically: its Hessian products come from forward-over-reverse
-autograd in output space (never in parameter space), or reverse-over-reverse where the loss's
-backward has no forward-mode rule (``nn.HuberLoss``, ``nn.SoftMarginLoss``).
+Any other callable is treated generically: its Hessian products come from reverse-over-reverse
+autograd in output space (never in parameter space), exact for any loss PyTorch differentiates
+twice. A callable must depend on the parameters through the outputs alone: one that reads the
+model's parameters (a penalty inside the loss) is refused, once per model, by
+:meth:`OutputLoss.check_parameters`, since no engine would differentiate that term.
 
 An :class:`OutputLoss` is the one place that knows what its loss is: besides the value and the
 Hessian, its :attr:`~OutputLoss.reduction`, the :meth:`~OutputLoss.normalizer` of a batch (what
@@ -340,7 +342,7 @@ class _Generic(OutputLoss):
         # one backward pass through it, d/dz [grad(z) . u]. Forward-over-reverse
         # (jvp of grad) gives the same H but fails on some of torch's losses: the forward-mode
         # formula of mse_loss_backward divides the targets' zero tangent in place ("ZeroTensors
-        # are immutable"), huber_loss_backward has none; and it cost 10 to 30 times more per
+        # are immutable"), huber_loss_backward has none; and it cost 6 to 100 times more per
         # product on every loss measured (benchmarks/loss_hessian_cost.py). Values the loss
         # computes under torch.no_grad are constants here, as in its gradient.
         z = outputs.detach()

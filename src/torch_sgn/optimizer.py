@@ -153,8 +153,10 @@ class SGN(torch.optim.Optimizer):
             buffers.
         loss: ``"mse"``, ``"cross_entropy"``, ``"bce_with_logits"``, the matching ``torch.nn``
             loss module (``reduction`` ``"mean"`` or ``"sum"``; ``label_smoothing``), or any
-            callable ``loss(outputs, targets) -> scalar`` convex in ``outputs``. Required: a
-            loss that does not fit the model must fail, not train silently.
+            callable ``loss(outputs, targets) -> scalar`` convex in ``outputs``, of the
+            outputs alone (one that reads the model's parameters, a penalty inside the loss,
+            raises ``ValueError`` at the first step). Required: a loss that does not fit the
+            model must fail, not train silently.
         lr: step size :math:`\alpha` (the original's ``ALPHA``). Default 1, the natural step of
             a Newton-type method and the paper's value; kept in ``param_groups`` so
             ``torch.optim.lr_scheduler`` can change it.
