@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from .engines.selection import select_engine
-from .linearization import Batch, Inputs
+from .linearization import Batch, Inputs, check_loss_parameters
 from .losses import LossSpec, resolve_loss
 from .model.flat_model import FunctionalModel
 
@@ -71,7 +71,9 @@ class GGN:
         if model.training:
             self._fmodel.freeze_rng()  # every product sees the same dropout masks
         self._flat = self._fmodel.flat()
-        self._lin = linearize(self._flat, Batch(inputs, targets))
+        batch = Batch(inputs, targets)
+        self._lin = linearize(self._flat, batch)
+        check_loss_parameters(self._loss, self._fmodel, self._lin, self._flat, batch)
 
     @property
     def shape(self) -> torch.Size:

@@ -11,12 +11,15 @@ CG, the data-parallel communicator and the CUDA-graph capture consume it; the en
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol, Tuple, Union
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from .losses import OutputLoss
+
+if TYPE_CHECKING:
+    from .model.flat_model import FunctionalModel
 
 __all__ = [
     "Batch",
@@ -24,6 +27,7 @@ __all__ = [
     "Inputs",
     "Linearization",
     "SampleSpace",
+    "check_loss_parameters",
     "ggn_matrix",
     "loss_and_output_gradient",
 ]
@@ -165,6 +169,19 @@ def loss_and_output_gradient(
         value = loss.value(z, targets)
         (dz,) = torch.autograd.grad(value, z)
     return value.detach(), dz
+
+
+def check_loss_parameters(
+    loss: OutputLoss, fmodel: FunctionalModel, lin: Linearization, flat: Tensor, batch: Batch
+) -> None:
+    """Raises ``ValueError`` where the loss reads the model's parameters (a penalty inside a
+    callable, which no engine differentiates): once per loss and model, on the outputs the
+    engine kept, else on one more forward pass."""
+
+    def outputs() -> Tensor:
+        return lin.outputs if lin.outputs is not None else fmodel(flat, batch.inputs)
+
+    loss.check_parameters(fmodel.params, outputs, batch.targets)
 
 
 def ggn_matrix(

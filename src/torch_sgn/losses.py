@@ -13,9 +13,11 @@ small (one block per sample) and, for the usual losses, known in closed form:
 * binary cross-entropy on logits: ``H = diag(s (1 - s))`` with ``s = sigmoid(z)``, divided by
   the number of elements for ``mean``.
 
-Any other callable is treated generically: its Hessian products come from forward-over-reverse
-autograd in output space (never in parameter space), or reverse-over-reverse where the loss's
-backward has no forward-mode rule (``nn.HuberLoss``, ``nn.SoftMarginLoss``).
+Any other callable is treated generically: its Hessian products come from reverse-over-reverse
+autograd in output space (never in parameter space), exact for any loss PyTorch differentiates
+twice. A callable must depend on the parameters through the outputs alone: one that reads the
+model's parameters (a penalty inside the loss) is refused, once per model, by
+:meth:`OutputLoss.check_parameters`, since no engine would differentiate that term.
 
 An :class:`OutputLoss` is the one place that knows what its loss is: besides the value and the
 Hessian, its :attr:`~OutputLoss.reduction`, the :meth:`~OutputLoss.normalizer` of a batch (what
@@ -25,15 +27,14 @@ data-parallel weighting and CUDA graphs ask it.
 
 from __future__ import annotations
 
-from typing import Callable, Union
+from typing import Callable, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .diagnostics import warn
-from .model.attributes import model_attributes
-from .model.forward_mode import gradient_stop, missing_rule
+from .model.forward_mode import missing_rule
 
 LossSpec = Union[str, nn.Module, Callable[[Tensor, Tensor], Tensor]]
 
@@ -76,6 +77,12 @@ class OutputLoss:
 
     def check_targets(self, outputs: Tensor, targets: Tensor) -> None:
         """Raises ``ValueError`` if ``targets`` cannot be the targets of ``outputs``."""
+
+    def check_parameters(
+        self, parameters: Sequence[Tensor], outputs: Callable[[], Tensor], targets: Tensor
+    ) -> None:
+        """Raises ``ValueError`` where the loss reads the model's ``parameters`` (only a
+        callable can); ``outputs()`` gives the outputs where a check needs them."""
 
     def normalizer(self, targets: Tensor) -> float:
         """What a ``mean`` over this batch divides by, whatever :attr:`reduction` is.
@@ -326,40 +333,22 @@ class _Generic(OutputLoss):
             )
         return loss.reshape(())
 
-    #: products by reverse-over-reverse: set when the loss's backward lacks a forward rule, or
-    #: where the loss computes from the outputs under ``torch.no_grad`` (see :meth:`hessian`)
-    reverse_over_reverse = False
-    _stop_settings: object = None  # the loss module's attributes when last checked
-
     def hvp(self, outputs: Tensor, targets: Tensor, u: Tensor) -> Tensor:
         return self.hessian(outputs, targets)(u)
 
     def hessian(self, outputs: Tensor, targets: Tensor) -> Callable[[Tensor], Tensor]:
-        # Forward-over-reverse in output space: d/de grad(outputs + e u) at e = 0. Where the
-        # loss's backward has no forward-mode rule (huber_loss_backward), reverse-over-reverse
-        # instead: the graph of z -> grad(z) is recorded once per step and a product is one
-        # backward pass through it.
+        # Reverse-over-reverse in output space: the graph of z -> grad(z) is recorded once (one
+        # forward and one backward pass of the loss, with create_graph) and a product H u is
+        # one backward pass through it, d/dz [grad(z) . u]. Forward-over-reverse
+        # (jvp of grad) gives the same H but fails on some of torch's losses: the forward-mode
+        # formula of mse_loss_backward divides the targets' zero tangent in place ("ZeroTensors
+        # are immutable"), huber_loss_backward has none; and it cost 6 to 100 times more per
+        # product on every loss measured (benchmarks/loss_hessian_cost.py). Values the loss
+        # computes under torch.no_grad are constants here, as in its gradient.
         z = outputs.detach()
         graph: list = []
-        settings = model_attributes(self.fn) if isinstance(self.fn, nn.Module) else ()
-        if not self.reverse_over_reverse and settings != self._stop_settings:
-            # a value the gradient takes as a constant: checked once, and again where the loss
-            # module's attributes changed (a flag may switch the block on)
-            self._stop_settings = settings
-            with torch.enable_grad():
-                w = z.clone().requires_grad_(True)
-                stop = gradient_stop(lambda: self.value(w, targets), "the outputs")
-            if stop is not None:
-                self.reverse_over_reverse = True
-                warn(
-                    f"the loss {self.name!r} {stop}; its Hessian products are taken by double "
-                    "backward in output space"
-                )
 
-        def grad_fn(z_: Tensor) -> Tensor:
-            return torch.func.grad(lambda w: self.value(w, targets))(z_)
-
-        def by_double_backward(u: Tensor) -> Tensor:
+        def product(u: Tensor) -> Tensor:
             with torch.enable_grad():
                 if not graph:
                     w = z.clone().requires_grad_(True)
@@ -382,30 +371,54 @@ class _Generic(OutputLoss):
                     ) from error
             return torch.zeros_like(u) if hu is None else hu
 
-        def product(u: Tensor) -> Tensor:
-            if not self.reverse_over_reverse:
-                try:
-                    with torch.enable_grad():
-                        return torch.func.jvp(grad_fn, (z,), (u,))[1]
-                except (NotImplementedError, RuntimeError) as error:
-                    op = missing_rule(error)
-                    if op is None:
-                        raise
-                    hu = by_double_backward(u)  # raises where the loss has no second derivative
-                    self.reverse_over_reverse = True
-                    warn(
-                        f"forward-mode AD has no rule for {op} (in the loss {self.name!r}); its "
-                        "Hessian products are taken by double backward in output space instead"
-                    )
-                    return hu
-            return by_double_backward(u)
-
         return product
+
+    def check_parameters(
+        self, parameters: Sequence[Tensor], outputs: Callable[[], Tensor], targets: Tensor
+    ) -> None:
+        """Raises ``ValueError`` where the loss's value depends on ``parameters`` (a penalty
+        inside the callable): checked once per set of parameters; ``outputs`` is called only
+        then."""
+        key = tuple(map(id, parameters))
+        if key == self._parameters_checked:
+            return
+        if _parameters_read(self, parameters, outputs(), targets):
+            raise ValueError(
+                f"the loss {self.name!r} depends on the model's parameters, not only on its "
+                "outputs (a penalty on the parameters inside the loss?): that term is not part "
+                "of the Gauss-Newton model, so SGN's steps would ignore it. For an L2 penalty "
+                "use the optimizer's weight_decay; for another, return it as extra residual "
+                "outputs of the model (e.g. concatenate sqrt(lam) * p.flatten() to the "
+                "outputs, with zero targets) so that the loss sees it"
+            )
+        self._parameters_checked = key
+
+    _parameters_checked: tuple = ()
 
     def normalizer(self, targets: Tensor) -> float:
         if self._per_element:  # torch's loss modules average over elements
             return float(targets.numel())
         return super().normalizer(targets)
+
+
+def _parameters_read(
+    loss: OutputLoss, parameters: Sequence[Tensor], outputs: Tensor, targets: Tensor
+) -> bool:
+    """Whether the loss's value at ``outputs`` has a gradient path to any of ``parameters``.
+
+    The engines evaluate the loss on outputs computed from parameters of their own, so a loss
+    that reads the model's ``nn.Parameter`` tensors adds a term whose derivatives no engine
+    sees: its value would count in the loss reported but not in the step.
+    """
+    trainable = [p for p in parameters if p.requires_grad]
+    if not trainable:
+        return False
+    with torch.enable_grad():
+        value = loss.value(outputs.detach(), targets)
+        if not value.requires_grad:
+            return False
+        grads = torch.autograd.grad(value, trainable, allow_unused=True)
+    return any(g is not None for g in grads)
 
 
 class _WeightedCrossEntropy(_Generic):
@@ -439,6 +452,12 @@ class _WeightedBCEWithLogits(_Generic):
 _NAMED = {"mse": _MSE, "cross_entropy": _CrossEntropy, "bce_with_logits": _BCEWithLogits}
 
 
+def _is_plain(loss: object, module: type) -> bool:
+    """Whether ``loss`` is a ``module`` that computes what ``module`` does: a subclass with a
+    ``forward`` of its own computes something else, and is a callable like any other."""
+    return isinstance(loss, module) and type(loss).forward is module.forward
+
+
 def resolve_loss(loss: LossSpec) -> OutputLoss:
     """Turns a loss given by name, ``torch.nn`` module or callable into an :class:`OutputLoss`.
 
@@ -460,14 +479,14 @@ def resolve_loss(loss: LossSpec) -> OutputLoss:
                 "a callable loss(outputs, targets) -> scalar"
             )
         return _NAMED[loss]()
-    if isinstance(loss, nn.MSELoss):
+    if _is_plain(loss, nn.MSELoss):
         return _MSE(loss.reduction)
-    if isinstance(loss, nn.CrossEntropyLoss):
+    if _is_plain(loss, nn.CrossEntropyLoss):
         if loss.weight is None:
             return _CrossEntropy(loss.reduction, loss.label_smoothing, loss.ignore_index)
         _check_reduction(loss.reduction)
         return _WeightedCrossEntropy(loss, "cross_entropy")
-    if isinstance(loss, nn.NLLLoss):
+    if _is_plain(loss, nn.NLLLoss):
         _check_reduction(loss.reduction)
         warn(
             "nn.NLLLoss is linear in the model's outputs (log-probabilities), so its "
@@ -477,7 +496,7 @@ def resolve_loss(loss: LossSpec) -> OutputLoss:
             "for class weights"
         )
         return _WeightedCrossEntropy(loss, "nll")
-    if isinstance(loss, nn.L1Loss):
+    if _is_plain(loss, nn.L1Loss):
         _check_reduction(loss.reduction)
         warn(
             "nn.L1Loss is piecewise linear in the model's outputs, so its Gauss-Newton matrix "
@@ -485,12 +504,12 @@ def resolve_loss(loss: LossSpec) -> OutputLoss:
             "with curvature near the targets, pass nn.HuberLoss() or nn.SmoothL1Loss()"
         )
         return _Generic(loss)
-    if isinstance(loss, nn.BCEWithLogitsLoss):
+    if _is_plain(loss, nn.BCEWithLogitsLoss):
         if loss.weight is None and loss.pos_weight is None:
             return _BCEWithLogits(loss.reduction)
         _check_reduction(loss.reduction)
         return _WeightedBCEWithLogits(loss, "bce_with_logits")
-    if isinstance(loss, nn.KLDivLoss):
+    if _is_plain(loss, nn.KLDivLoss):
         _check_reduction(loss.reduction, ("mean", "sum", "batchmean"))
         warn(
             "nn.KLDivLoss is linear in the model's outputs (log-probabilities), so its "

@@ -22,7 +22,7 @@ from .engines.selection import (
     engine_name,
     select_engine,
 )
-from .linearization import Batch, Inputs, Linearization
+from .linearization import Batch, Inputs, Linearization, check_loss_parameters
 from .losses import LossSpec, OutputLoss, resolve_loss
 from .model.flat_model import FunctionalModel
 from .options import KEYS, check_loaded_state, check_options
@@ -154,8 +154,10 @@ class SGN(torch.optim.Optimizer):
             buffers.
         loss: ``"mse"``, ``"cross_entropy"``, ``"bce_with_logits"``, the matching ``torch.nn``
             loss module (``reduction`` ``"mean"`` or ``"sum"``; ``label_smoothing``), or any
-            callable ``loss(outputs, targets) -> scalar`` convex in ``outputs``. Required: a
-            loss that does not fit the model must fail, not train silently.
+            callable ``loss(outputs, targets) -> scalar`` convex in ``outputs``, of the
+            outputs alone (one that reads the model's parameters, a penalty inside the loss,
+            raises ``ValueError`` at the first step). Required: a loss that does not fit the
+            model must fail, not train silently.
         lr: step size :math:`\alpha` (the original's ``ALPHA``). Default 1, the natural step of
             a Newton-type method and the paper's value; kept in ``param_groups`` so
             ``torch.optim.lr_scheduler`` can change it.
@@ -567,6 +569,7 @@ class SGN(torch.optim.Optimizer):
         self._warn_unfrozen()
         with self._fmodel.consistent():
             lin = self._comm.linearize(t, self._step_engine(t), theta, batch, buffers)
+            check_loss_parameters(self._loss, self._fmodel, lin, theta, batch)
             if self._jacobian_applies(lin, theta, batch):
                 lin = with_jacobian(lin, self._fmodel, self._loss, theta, batch)
             work = state  # what the direction is computed from

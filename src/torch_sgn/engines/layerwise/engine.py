@@ -458,9 +458,22 @@ def _dense_ggn(chain, first: int, fmodel: FunctionalModel, hessian, z: Tensor) -
 
     for o, step, ctx, u in _output_cotangents(chain, first, fmodel, z):
         step.sample_jacobian(ctx, u, lambda slot, rows, o=o: put(slot, o, rows))
-    # H J column by column (as outputs-shaped tangents), then G = J^T (H J).
-    hj = torch.func.vmap(hessian, in_dims=-1, out_dims=-1)(jac.view(*z.shape, -1))
+    # H J column by column (as outputs-shaped tangents), then G = (H J)^T J.
+    hj = _hessian_columns(hessian, jac.view(-1, fmodel.numel).T.reshape(-1, *z.shape))
     # Summed in float64 whatever the model's dtype: in float32 the rounding of the sums over
     # samples would bury every eigenvalue of G below about 1e-7 of its largest.
-    jac = jac.view(-1, fmodel.numel).double()
-    return jac.T @ hj.reshape(-1, fmodel.numel).double()
+    return hj.reshape(fmodel.numel, -1).double() @ jac.view(-1, fmodel.numel).double()
+
+
+def _hessian_columns(hessian: Callable[[Tensor], Tensor], columns: Tensor) -> Tensor:
+    """``H c`` for each ``c`` along the first dimension of ``columns``: batched by ``vmap``,
+    one by one where ``vmap`` cannot batch the product.
+
+    The columns lead: batched along a trailing dimension, the double backward of
+    ``torch.abs`` (an L1 loss's) breaks inside ``vmap`` (torch 2.13: expanded sizes of
+    garbage), along the leading one it holds.
+    """
+    try:
+        return torch.func.vmap(hessian)(columns)
+    except (RuntimeError, NotImplementedError):
+        return torch.stack([hessian(c) for c in columns.unbind(0)])
