@@ -49,3 +49,19 @@ def test_resnet_fashion_mnist_quick(capsys):
     except data.DatasetNotFoundError:
         pytest.skip("Fashion-MNIST is not installed (e.g. Debian's dataset-fashion-mnist)")
     _check(_run("resnet_fashion_mnist", capsys))
+
+
+@pytest.mark.slow
+def test_pinn_poisson_quick(capsys):
+    spec = importlib.util.spec_from_file_location("pinn_poisson", EXAMPLES / "pinn_poisson.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    try:
+        module.main(["--quick", "--threads", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    rows = re.findall(r"loss (\S+)\s+rel\. L2 error (\S+)\s+\((\w+)", capsys.readouterr().out)
+    assert len(rows) >= 2 and all(solver == "direct" for _, _, solver in rows)
+    errors = [float(e) for _, e, _ in rows]
+    assert errors[-1] < 0.1 * errors[0] and errors[-1] < 2e-2
