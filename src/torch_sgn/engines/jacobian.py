@@ -33,6 +33,7 @@ from torch import Tensor
 from ..linearization import Batch, Linearization, SampleSpace, loss_and_output_gradient
 from ..losses import OutputLoss
 from ..model.flat_model import FunctionalModel
+from ..model.forward_mode import backward_hooks
 
 __all__ = ["JacobianBlock", "jacobian_rows", "per_sample", "with_jacobian"]
 
@@ -92,9 +93,15 @@ def _with_value(rows: Callable[..., Tensor]) -> Callable[..., Tuple[Tensor, Tens
 def per_sample(fmodel: FunctionalModel, flat: Tensor, batch: Batch) -> bool:
     """Whether the model's outputs, taken one sample (or one block's point) at a time, equal the
     batched forward pass's up to rounding. A model whose samples interact (batch statistics,
-    attention across the batch) gives other values; one that ``vmap`` cannot run (random
-    draws, an operator without a batching rule) is not taken either."""
+    attention across the batch) gives other values; one that ``vmap`` or ``jacrev`` cannot run
+    (random draws, an operator without a batching rule, backward hooks) is not taken either."""
+    if backward_hooks(fmodel.model) is not None:  # J's rows would skip what the hooks do
+        return False
     try:
+        with torch.enable_grad():  # one point of each block through jacrev: it can run
+            for block in _model_blocks(fmodel, batch):
+                if block.points and block.points[0].shape[0]:
+                    torch.func.jacrev(block.rows)(flat, *(p[0] for p in block.points))
         with torch.no_grad():
             rows = torch.cat(
                 [
