@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .linearization import Batch, Engine, Linearization
+from .linearization import Batch, Engine, Linearization, linearize
 from .losses import OutputLoss
 from .model.flat_model import FunctionalModel
 
@@ -136,7 +136,7 @@ class SingleProcess:
     def linearize(
         self, step: int, engine: Engine, flat: Tensor, batch: Batch, buffers_out: dict | None = None
     ) -> Linearization:
-        return engine(flat, batch, buffers_out)
+        return linearize(engine, flat, batch, buffers_out)
 
     def loss_value(self, compute: Callable[[], Tensor]) -> float:
         return compute().item()
@@ -229,7 +229,7 @@ class DataParallel:
                 if buffers_out is not None:
                     buffers_out.update({k: b.clone() for k, b in fmodel.model.named_buffers()})
             else:
-                lin = engine(flat, batch, buffers_out)
+                lin = linearize(engine, flat, batch, buffers_out)
                 if scale == 0:  # every target ignored: its forward pass counts for the
                     # buffers only (its own mean is NaN, and NaN * 0 is NaN)
                     lin = Linearization(flat.new_zeros(()), flat.new_zeros(n), None)

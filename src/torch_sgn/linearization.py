@@ -29,6 +29,7 @@ __all__ = [
     "SampleSpace",
     "check_loss_parameters",
     "ggn_matrix",
+    "linearize",
     "loss_and_output_gradient",
 ]
 
@@ -156,6 +157,24 @@ class Engine(Protocol):
     def __call__(
         self, flat: Tensor, batch: Batch, buffers_out: Optional[dict] = None
     ) -> Linearization: ...
+
+
+def linearize(
+    engine: Engine, flat: Tensor, batch: Batch, buffers_out: Optional[dict] = None
+) -> Linearization:
+    """``engine(flat, batch, buffers_out)``, with autograd's error for a loss that has no path to
+    the parameters turned into one that says what it means."""
+    try:
+        return engine(flat, batch, buffers_out)
+    except RuntimeError as error:
+        if "does not require grad and does not have a grad_fn" not in str(error):
+            raise
+        raise ValueError(
+            "the model's outputs have no gradient path to its trainable parameters: an output "
+            "(a residual) that does not depend on the parameters, or a forward pass that "
+            "computes it with autograd off (torch.no_grad, .detach()); make the outputs "
+            "depend on the parameters. Nothing was changed"
+        ) from error
 
 
 def loss_and_output_gradient(

@@ -177,7 +177,12 @@ class Residuals(nn.Module):
     def residual(self, name: str, *points: Tensor) -> Tensor:
         """Block ``name``'s residuals on ``points``, unweighted, one row per point."""
         block = self.blocks[self.names.index(name)]
-        r = block.fn(self.network, *points)
+        try:
+            r = block.fn(self.network, *points)
+        except (RuntimeError, IndexError) as error:  # points of the wrong shape, typically
+            shapes = [tuple(p.shape) for p in points]
+            kind = RuntimeError if isinstance(error, RuntimeError) else IndexError
+            raise kind(f"block {name!r} on points of shape {shapes}: {error}") from error
         if not isinstance(r, Tensor):
             raise TypeError(f"block {name!r}: fn returned {type(r).__name__}, not a tensor")
         if points and (r.dim() == 0 or r.shape[0] != points[0].shape[0]):
