@@ -3,11 +3,21 @@
 Public API::
 
     from torch_sgn import SGN, GGN, StepInfo, conjugate_gradient, CGResult
+    from torch_sgn import least_squares, LeastSquaresResult
 """
 
 from .ggn import GGN
+from .least_squares import LeastSquaresResult, least_squares
 from .optimizer import SGN, StepInfo
 from .solve.cg import CGResult, conjugate_gradient
 
-__all__ = ["SGN", "GGN", "StepInfo", "CGResult", "conjugate_gradient"]
+__all__ = [
+    "SGN",
+    "GGN",
+    "StepInfo",
+    "CGResult",
+    "conjugate_gradient",
+    "least_squares",
+    "LeastSquaresResult",
+]
 __version__ = "0.1.0"

@@ -1,0 +1,394 @@
+r"""A driver that runs SGN to convergence on a nonlinear least-squares problem.
+
+:func:`least_squares` minimizes the cost
+
+.. math::
+    F(\theta) = \tfrac12 \lVert r(\theta) \rVert^2
+
+of a residual vector ``r`` of a module's parameters (a curve fit's model and data, or a
+:class:`~torch_sgn.pinn.Residuals` problem) by :class:`~torch_sgn.SGN`'s steps, and stops by
+the tests of :func:`scipy.optimize.least_squares` (``method="trf"``, no bounds, unit
+``x_scale``), with its status codes:
+
+* ``gtol`` (status 1): :math:`\lVert g \rVert_\infty < \text{gtol}`, with
+  :math:`g = J^\top r` the gradient of ``F``;
+* ``ftol`` (status 2): :math:`dF < \text{ftol}\, F` at a step whose ratio of actual to
+  predicted reduction exceeds 1/4;
+* ``xtol`` (status 3): :math:`\lVert d\theta \rVert < \text{xtol}\,(\text{xtol} +
+  \lVert\theta\rVert)`;
+* status 4: ``ftol`` and ``xtol`` at the same step; 0: ``max_steps`` steps taken; -1: a step
+  failed (a non-finite loss or gradient at an accepted point).
+
+Example::
+
+    class Decay(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Parameter(torch.tensor(1.0, dtype=torch.float64))
+            self.k = nn.Parameter(torch.tensor(0.1, dtype=torch.float64))
+
+    model = Decay()
+    result = least_squares(lambda m: m.a * torch.exp(-m.k * t) - y, model)
+    result.x, result.cost, result.status, result.message
+
+References:
+    M. A. Branch, T. F. Coleman, Y. Li. A Subspace, Interior, and Conjugate Gradient Method for
+    Large-Scale Bound-Constrained Minimization Problems. SIAM J. Sci. Comput. 21(1), 1999
+    (scipy's ``trf``, whose tests these are). J. J. More, B. S. Garbow, K. E. Hillstrom. User
+    Guide for MINPACK-1. Argonne ANL-80-74, 1980.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from .optimizer import SGN, StepInfo
+from .pinn.residuals import Residual, Residuals
+
+__all__ = ["LeastSquaresResult", "least_squares"]
+
+#: scipy's messages for its status codes (``scipy.optimize.least_squares``).
+MESSAGES = {
+    -1: "a step failed",
+    0: "the maximum number of steps is exceeded",
+    1: "`gtol` termination condition is satisfied",
+    2: "`ftol` termination condition is satisfied",
+    3: "`xtol` termination condition is satisfied",
+    4: "both `ftol` and `xtol` termination conditions are satisfied",
+}
+
+#: ``max_steps=None`` with a tolerance set: this many steps per parameter (scipy's ``trf``
+#: allows ``100 n`` function evaluations by default; one SGN step is at least one).
+STEPS_PER_PARAMETER = 100
+
+
+@dataclass(frozen=True)
+class LeastSquaresResult:
+    """What :func:`least_squares` found.
+
+    Attributes:
+        x: the solution, flat (the trainable parameters in the module's order, detached); the
+            module holds it too.
+        cost: :math:`\\tfrac12 \\lVert r \\rVert^2` at ``x`` (scipy's ``cost``).
+        fun: the residuals at ``x``, flat.
+        grad_norm: :math:`\\lVert J^\\top r \\rVert_\\infty` at ``x`` (scipy's ``optimality``).
+        status: scipy's code: 1 ``gtol``, 2 ``ftol``, 3 ``xtol``, 4 ``ftol`` and ``xtol``,
+            0 ``max_steps`` reached, -1 a step failed.
+        message: what the status means.
+        success: ``status > 0``.
+        steps: the SGN steps taken (a step whose start already met ``gtol`` is undone and not
+            counted).
+        evaluations: residual evaluations: one at the start (the driver's checks), and per
+            step one at its point (the linearization) plus its trial points
+            (:attr:`~torch_sgn.StepInfo.loss_evals`).
+        last_step: the last step's :class:`~torch_sgn.StepInfo` (``None`` without steps).
+    """
+
+    x: Tensor
+    cost: float
+    fun: Tensor
+    grad_norm: float
+    status: int
+    message: str
+    success: bool
+    steps: int
+    evaluations: int
+    last_step: Optional[StepInfo] = None
+
+
+ResidualFn = Callable[..., Tensor]
+
+
+def least_squares(
+    residuals: Union[ResidualFn, Residuals],
+    params_or_module: Union[nn.Module, Tensor, None] = None,
+    *,
+    xtol: float = 1e-8,
+    ftol: float = 1e-8,
+    gtol: float = 1e-8,
+    max_steps: Optional[int] = None,
+    solver: str = "auto",
+    **sgn_options,
+) -> LeastSquaresResult:
+    r"""Minimizes :math:`\tfrac12 \lVert r(\theta) \rVert^2` by SGN's steps until scipy's
+    tests stop it (see the module's docstring).
+
+    Args:
+        residuals: ``residuals(module) -> tensor`` of any shape (the residuals, a function of
+            the module's parameters), or a :class:`~torch_sgn.pinn.Residuals` problem on fixed
+            points (its weighted residual vector is ``r``).
+        params_or_module: the module whose trainable parameters are fitted (updated in
+            place), or one tensor of parameters: then ``residuals(x)`` takes that tensor, an
+            ``nn.Parameter`` is updated in place, any other tensor is copied. ``None`` (or the
+            problem's network) for a :class:`~torch_sgn.pinn.Residuals` problem.
+        xtol: relative step size: stop once :math:`\lVert d\theta \rVert < \text{xtol}\,
+            (\text{xtol} + \lVert\theta\rVert)`. Default ``1e-8``, as scipy; 0 turns it off.
+        ftol: relative reduction of the cost: stop once :math:`dF < \text{ftol}\, F` at a step
+            whose actual reduction is more than a quarter of the predicted one. Default
+            ``1e-8``, as scipy; 0 turns it off.
+        gtol: stop once the gradient's largest entry :math:`\lVert J^\top r\rVert_\infty <
+            \text{gtol}` (an absolute test, as scipy's ``trf``). Default ``1e-8``, as scipy;
+            0 turns it off.
+        max_steps: the most SGN steps. Default ``None``: 100 per parameter, or, with every
+            tolerance 0, an error (nothing would stop the fit).
+        solver: SGN's ``solver``. Default ``"auto"``, which takes exact Levenberg-Marquardt
+            steps at once on such problems.
+        **sgn_options: any other argument of :class:`~torch_sgn.SGN` (``damping``,
+            ``geodesic_acceleration``, ``attempts``, ...), except ``keep_grad``, which the
+            driver sets (``.grad`` is restored after the fit). ``engine`` defaults to
+            ``"functional"`` here: exact steps need no ``G v`` products, and the other engines
+            prepare them at every fit.
+
+    Returns:
+        A :class:`LeastSquaresResult`.
+
+    Raises:
+        ValueError: the residuals are not finite at the start; they do not depend on (some
+            of) the trainable parameters; every tolerance is 0 and ``max_steps`` is ``None``;
+            a negative tolerance; a problem whose points are drawn anew at each step.
+        TypeError: ``residuals`` or ``params_or_module`` of the wrong kind.
+
+    .. note::
+        scipy's trust region retries a rejected step inside one iteration; SGN's step does
+        that by its line search (and ``attempts``). The ``ftol`` test's ratio is therefore
+        taken at the step accepted by the line search, :math:`\text{pred}(a) =
+        \text{pred}(1)\, a (2 - a)` for the step ``a d`` along the Gauss-Newton direction
+        ``d`` (exact for CG and direct solutions, which satisfy :math:`g^\top d = -d^\top
+        (G + \rho I) d`). Where SGN finds the predicted reduction within rounding of the cost
+        (its trust-region ratio is NaN), the ``ftol`` test takes MINPACK's form instead: the
+        actual and predicted reductions both below ``ftol F``. A step that does not move
+        meets ``xtol`` when the bound :math:`\lVert d \rVert \le \sqrt{2\,\text{pred}/\rho}`
+        on its direction does. ``gtol`` is tested at the start and then from each step's
+        gradient at its starting point: a step that finds its start met ``gtol`` is undone.
+    """
+    for name, tol in (("xtol", xtol), ("ftol", ftol), ("gtol", gtol)):
+        if not (isinstance(tol, (int, float)) and tol >= 0 and math.isfinite(tol)):
+            raise ValueError(f"invalid {name}={tol!r}: must be a finite number >= 0 (0: off)")
+    if max_steps is not None and not (isinstance(max_steps, int) and max_steps >= 0):
+        raise ValueError(f"invalid max_steps={max_steps!r}: must be an int >= 0 or None")
+    if xtol == ftol == gtol == 0 and max_steps is None:
+        raise ValueError(
+            "xtol, ftol and gtol are all 0 and max_steps is None: nothing would stop the fit; "
+            "set a tolerance > 0 or max_steps=<number of steps>"
+        )
+    if "keep_grad" in sgn_options:
+        raise TypeError("keep_grad is set by least_squares (it reads each step's gradient)")
+
+    # Exact steps form J row-batched (torch_sgn.engines.jacobian) and need no G v products: the
+    # functional engine, which prepares nothing, saves the traced engine's tracing at every
+    # fit (Misra1a, 8 steps, one thread: 50-60 ms a fit with it, 200-400 ms with "auto").
+    sgn_options.setdefault("engine", "functional")
+    problem, params = _problem(residuals, params_or_module)
+    inputs, targets = problem.batch()
+    if max_steps is None:
+        max_steps = STEPS_PER_PARAMETER * sum(p.numel() for p in params)
+    saved_grads = [p.grad for p in params]
+    try:
+        return _run(
+            problem, params, inputs, targets, xtol, ftol, gtol, max_steps, solver, sgn_options
+        )
+    finally:
+        for p, g in zip(params, saved_grads):
+            p.grad = g
+
+
+def _run(
+    problem: Residuals,
+    params: List[nn.Parameter],
+    inputs: Tuple[Tensor, ...],
+    targets: Tensor,
+    xtol: float,
+    ftol: float,
+    gtol: float,
+    max_steps: int,
+    solver: str,
+    sgn_options: dict,
+) -> LeastSquaresResult:
+    fun, grad = _residuals_and_gradient(problem, params, inputs, check=True)
+    evaluations, steps, info = 1, 0, None
+    status = 1 if _sup(grad) < gtol else None
+    if status is None and max_steps > 0:
+        opt = SGN(problem, problem.loss, solver=solver, keep_grad=True, **sgn_options)
+        lr = opt.param_groups[0]["lr"]
+    while status is None and steps < max_steps:
+        x = _flat(params)
+        try:
+            info = opt.step(inputs, targets)
+        except FloatingPointError:
+            status = -1
+            break
+        evaluations += 1 + info.loss_evals
+        # SGN's loss is sum r^2 = 2 F: its gradient, reductions and predictions are twice the
+        # cost's.
+        if steps > 0 and _sup(_grads(params)) / 2 < gtol:
+            _write(params, x)  # the step's start met gtol: it stays the solution
+            status = 1
+            break
+        steps += 1
+        status = _test(info, x, _flat(params), lr, xtol, ftol)
+    if status is None:
+        status = 0
+    fun, grad = _residuals_and_gradient(problem, params, inputs, check=False)
+    return LeastSquaresResult(
+        x=_flat(params),
+        cost=0.5 * float(fun.square().sum()),
+        fun=fun,
+        grad_norm=_sup(grad),
+        status=status,
+        message=MESSAGES[status],
+        success=status > 0,
+        steps=steps,
+        evaluations=evaluations,
+        last_step=info,
+    )
+
+
+def _test(
+    info: StepInfo, before: Tensor, after: Tensor, lr: float, xtol: float, ftol: float
+) -> Optional[int]:
+    """scipy's ``check_termination`` on one step (``None``: go on)."""
+    cost = info.loss / 2
+    reduction = (info.loss - info.loss_after) / 2
+    predicted_full = max(-info.predicted_change / 2, 0.0)
+    a = info.step_size / lr if lr > 0 else 0.0
+    predicted = predicted_full * a * (2 - a)
+    ratio = reduction / predicted if predicted > 0 else math.nan
+    noise = info.tr_ratio is not None and math.isnan(info.tr_ratio)
+    ftol_met = reduction < ftol * cost and (
+        ratio > 0.25 or (noise and predicted_full < ftol * cost)
+    )
+    if a > 0:
+        dx = float((after - before).norm())
+    elif info.damping > 0:  # no move: the bound on the rejected direction's length
+        dx = math.sqrt(2 * predicted_full / info.damping)
+    else:
+        dx = math.inf
+    xtol_met = dx < xtol * (xtol + float(before.norm()))
+    if ftol_met and xtol_met:
+        return 4
+    if ftol_met:
+        return 2
+    if xtol_met:
+        return 3
+    return None
+
+
+# --- the problem ------------------------------------------------------------------------------
+class _Vector(nn.Module):
+    """One tensor of parameters, for ``least_squares(fn, x)``."""
+
+    def __init__(self, x: nn.Parameter):
+        super().__init__()
+        self.x = x
+
+
+def _problem(
+    residuals: Union[ResidualFn, Residuals], params_or_module: Union[nn.Module, Tensor, None]
+) -> Tuple[Residuals, List[nn.Parameter]]:
+    if isinstance(residuals, Residuals):
+        if params_or_module is not None and params_or_module not in (
+            residuals,
+            residuals.network,
+        ):
+            raise TypeError(
+                "params_or_module: with a Residuals problem pass None (its network's "
+                "parameters are fitted), or the problem or its network"
+            )
+        drawn = [n for n, b in zip(residuals.names, residuals.blocks) if b.sample is not None]
+        if drawn:
+            raise ValueError(
+                f"residuals: block(s) {drawn} draw their points anew at each step (sample=); "
+                "least_squares fits a fixed problem: pass fixed points=..."
+            )
+        problem = residuals
+    elif callable(residuals):
+        if isinstance(params_or_module, nn.Module):
+            problem = Residuals(params_or_module, {"residuals": Residual(residuals)})
+        elif isinstance(params_or_module, Tensor):
+            x = params_or_module
+            if not isinstance(x, nn.Parameter):
+                x = nn.Parameter(x.detach().clone())
+            fn = residuals
+            problem = Residuals(_Vector(x), {"residuals": Residual(lambda u: fn(u.x))})
+        else:
+            raise TypeError(
+                "params_or_module must be the nn.Module whose parameters are fitted (or one "
+                f"tensor of parameters), got {type(params_or_module).__name__}"
+            )
+    else:
+        raise TypeError(
+            "residuals must be a callable module -> residual tensor or a "
+            f"torch_sgn.pinn.Residuals, got {type(residuals).__name__}"
+        )
+    params = [p for p in problem.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("params_or_module has no trainable parameters to fit")
+    return problem, params
+
+
+def _residuals_and_gradient(
+    problem: Residuals, params: List[nn.Parameter], inputs: Sequence[Tensor], check: bool
+) -> Tuple[Tensor, Tensor]:
+    """The residuals, flat and detached, and the cost's gradient :math:`J^\\top r`."""
+    with torch.enable_grad():
+        r = problem(*inputs).reshape(-1)
+        if check:
+            _check_start(problem, params, r)
+        if r.grad_fn is None:
+            return r.detach(), torch.zeros_like(_flat(params))
+        grads = torch.autograd.grad(0.5 * r.square().sum(), params, allow_unused=True)
+    flat = torch.cat([
+        (torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads)
+    ])  # fmt: skip
+    return r.detach(), flat
+
+
+def _check_start(problem: Residuals, params: List[nn.Parameter], r: Tensor) -> None:
+    bad = ~torch.isfinite(r.detach())
+    if bad.any():
+        first = int(bad.nonzero()[0])
+        raise ValueError(
+            f"residuals: {int(bad.sum())} of {r.numel()} residuals are not finite at the "
+            f"starting point (the first at index {first}); start from parameters where the "
+            "model is finite"
+        )
+    if r.numel() == 0:
+        raise ValueError("residuals: the residual vector is empty")
+    if r.grad_fn is None:
+        raise ValueError(
+            "residuals: the residuals do not depend on the parameters (no gradient reaches "
+            "them): compute them from the module passed (not from detached copies or .data)"
+        )
+    reached = torch.autograd.grad(r.sum(), params, allow_unused=True, retain_graph=True)
+    names = {id(p): n for n, p in problem.network.named_parameters()}
+    unused = [names[id(p)] for p, g in zip(params, reached) if g is None]
+    if unused:
+        raise ValueError(
+            f"residuals: do not depend on parameter(s) {unused}: use them in the residuals or "
+            "freeze them (requires_grad_(False))"
+        )
+
+
+def _flat(params: Sequence[Tensor]) -> Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+def _grads(params: Sequence[Tensor]) -> Tensor:
+    return torch.cat([
+        (torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in params
+    ])  # fmt: skip
+
+
+def _write(params: Sequence[nn.Parameter], flat: Tensor) -> None:
+    with torch.no_grad():
+        for p, chunk in zip(params, flat.split([p.numel() for p in params])):
+            p.copy_(chunk.view_as(p))
+
+
+def _sup(v: Tensor) -> float:
+    return float(v.abs().max()) if v.numel() else 0.0
