@@ -1,4 +1,4 @@
-"""NIST StRD nonlinear regression: torch_sgn.least_squares beside scipy's lm and trf.
+"""NIST StRD nonlinear regression: torch_sgn.fitting beside scipy's lm and trf.
 
 Command (from the repository root; one thread, float64)::
 
@@ -14,7 +14,7 @@ them in its ``NIST_STRD`` folder::
 
 Every problem runs from both starts with each method at the tolerances ``xtol = ftol = gtol =
 --tol`` (default 1e-8, the defaults of both; 1e-15 asks for all the digits float64 holds):
-``sgn`` (:func:`torch_sgn.least_squares.least_squares`, parameters an ``nn.Module`` of scalar
+``sgn`` (:func:`torch_sgn.fitting.least_squares`, parameters an ``nn.Module`` of scalar
 ``nn.Parameter`` s, options ``--sgn-options``), ``lm`` and ``trf``
 (``scipy.optimize.least_squares``, Jacobians by finite differences as a user calls it).
 Reported per fit: digits of agreement with the certified parameters (the log relative error
@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from torch_sgn.least_squares import least_squares
+from torch_sgn.fitting import least_squares
 
 PI = math.pi
 

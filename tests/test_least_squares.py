@@ -1,4 +1,4 @@
-"""torch_sgn.least_squares against scipy.optimize.least_squares and exact solutions, float64."""
+"""torch_sgn.fitting against scipy.optimize.least_squares and exact solutions, float64."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from torch_sgn.least_squares import LeastSquaresResult, least_squares
+from torch_sgn.fitting import LeastSquaresResult, least_squares
 from torch_sgn.pinn import Residual, Residuals
 
 TIGHT = dict(xtol=1e-15, ftol=1e-15, gtol=1e-15)

@@ -6,8 +6,8 @@ Public API::
     from torch_sgn import least_squares, LeastSquaresResult
 """
 
+from .fitting import LeastSquaresResult, least_squares
 from .ggn import GGN
-from .least_squares import LeastSquaresResult, least_squares
 from .optimizer import SGN, StepInfo
 from .solve.cg import CGResult, conjugate_gradient
 
