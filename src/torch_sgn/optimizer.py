@@ -39,6 +39,7 @@ from .solve.damping import (
 )
 from .solve.direct import DirectResult
 from .solve.line_search import LineSearchResult, backtracking
+from .step_call import batch_of_call
 
 __all__ = ["SGN", "StepInfo"]
 
@@ -532,12 +533,21 @@ class SGN(torch.optim.Optimizer):
 
     # --- one step ----------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, inputs: Inputs, targets: Optional[Tensor] = None) -> StepInfo:  # type: ignore[override]
+    def step(  # type: ignore[override]
+        self,
+        inputs: Optional[Inputs] = None,
+        targets: Optional[Tensor] = None,
+        *,
+        closure: Optional[Callable[[], object]] = None,
+    ) -> StepInfo:
         """Performs one SGN iteration on the mini-batch ``(inputs, targets)``.
 
         Args:
             inputs: the model's input: a tensor, or a tuple of tensors passed positionally.
             targets: the loss's targets for this batch (required).
+            closure: called once, with gradients enabled, before the step; its value is not
+                used. For training loops that pass one beside the batch (PyTorch Lightning's
+                ``self.optimizers().step(inputs=x, targets=y)`` passes its hooks' wrapper).
 
         Returns:
             A :class:`StepInfo` describing the step.
@@ -547,7 +557,8 @@ class SGN(torch.optim.Optimizer):
                 its gradient, or targets that do not fit the loss.
             FloatingPointError: the loss or its gradient is not finite at the current point
                 on a finite batch.
-            TypeError: a closure instead of a batch (see below).
+            TypeError: a closure instead of a batch (see below; under PyTorch Lightning's
+                automatic optimization the message says how to switch to manual).
 
         .. note::
             Unlike :class:`torch.optim.LBFGS`, SGN takes no closure: a closure returns the
@@ -557,6 +568,7 @@ class SGN(torch.optim.Optimizer):
             built keeps its value: steps are taken in the other parameters alone. One made
             trainable after SGN was built is not trained (SGN warns once): build a new SGN.
         """
+        inputs, targets = batch_of_call(inputs, targets, closure)
         group = self.param_groups[0]
         check_options(group, in_step=True)  # a user or a scheduler may have changed them
         state = self._global_state()
