@@ -3,11 +3,21 @@
 Public API::
 
     from torch_sgn import SGN, GGN, StepInfo, conjugate_gradient, CGResult
+    from torch_sgn import nystrom, NystromApproximation
 """
 
 from .ggn import GGN
 from .optimizer import SGN, StepInfo
 from .solve.cg import CGResult, conjugate_gradient
+from .solve.nystrom import NystromApproximation, nystrom
 
-__all__ = ["SGN", "GGN", "StepInfo", "CGResult", "conjugate_gradient"]
+__all__ = [
+    "SGN",
+    "GGN",
+    "StepInfo",
+    "CGResult",
+    "conjugate_gradient",
+    "NystromApproximation",
+    "nystrom",
+]
 __version__ = "0.1.0"
