@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -50,7 +50,7 @@ def conjugate_gradient(
     rtol: float = 0.0,
     progress_tol: float = 0.0,
     x0: Optional[Tensor] = None,
-    preconditioner: Optional[Tensor] = None,
+    preconditioner: Optional[Union[Tensor, Callable[[Tensor], Tensor]]] = None,
 ) -> CGResult:
     r"""Approximately solves ``A x = b`` for symmetric positive definite ``A``.
 
@@ -87,8 +87,10 @@ def conjugate_gradient(
         rtol: relative 2-norm residual tolerance (see above).
         progress_tol: the relative-progress rule's :math:`\epsilon` (see above).
         x0: starting point; zero when ``None`` (which saves one product).
-        preconditioner: diagonal ``M`` (an approximation of ``A^{-1}``) as a vector, applied
-            elementwise.
+        preconditioner: ``M``, an approximation of ``A^{-1}``, symmetric positive definite:
+            a diagonal as a vector, applied elementwise, or a callable ``v -> M v`` (e.g.
+            :meth:`NystromApproximation.preconditioner
+            <torch_sgn.solve.nystrom.NystromApproximation.preconditioner>`).
 
     Returns:
         A :class:`CGResult`.
@@ -117,7 +119,8 @@ def conjugate_gradient(
         r = matvec(x) - b
         if not bool(torch.isfinite(r).all()):
             return CGResult(torch.zeros_like(b), -b, 0, "non_finite")
-    z = r if preconditioner is None else preconditioner * r
+    precondition = _as_callable(preconditioner)
+    z = r if precondition is None else precondition(r)
     p = -z
     # One host transfer: the tests' inputs, ||b||^2 and phi(x0) = x0^T (r0 - b) / 2.
     extra = [torch.dot(b, b)]
@@ -148,7 +151,7 @@ def conjugate_gradient(
         alpha = rz / curvature
         r_next = r.add(ap, alpha=alpha)
         del ap
-        z = r_next if preconditioner is None else preconditioner * r_next
+        z = r_next if precondition is None else precondition(r_next)
         scalars = [torch.dot(r_next, z)]
         if rtol > 0 and preconditioner is not None:
             scalars.append(torch.dot(r_next, r_next))
@@ -174,6 +177,20 @@ def conjugate_gradient(
         p.mul_(rz_next / rz).sub_(z)
         rz = rz_next
     return CGResult(x, r, max_iters, "max_iters")
+
+
+def _as_callable(
+    preconditioner: Optional[Union[Tensor, Callable[[Tensor], Tensor]]],
+) -> Optional[Callable[[Tensor], Tensor]]:
+    """``v -> M v`` for a diagonal ``M`` given as a vector, or the callable as given."""
+    if preconditioner is None or not isinstance(preconditioner, Tensor):
+        if preconditioner is not None and not callable(preconditioner):
+            raise TypeError(
+                f"preconditioner must be a tensor or a callable, got {type(preconditioner)}"
+            )
+        return preconditioner
+    diagonal = preconditioner
+    return lambda v: diagonal * v
 
 
 def _stalled(phi: list, eps: float) -> bool:
