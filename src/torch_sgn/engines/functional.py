@@ -119,10 +119,10 @@ class FunctionalEngine:
         """Gets around the operator ``error`` names (or re-raises); returns the operator and
         what changed, for the warning.
 
-        A missing forward-mode rule turns on double backward: measured on a small transformer
-        and an LSTM on a CPU (``benchmarks/fallback_cost.py``) it is cheaper than forward mode
-        on the kernels that have a rule. An operator whose backward is not differentiable in
-        turn (the fused attention kernels) is switched to a kernel whose backward is.
+        A missing forward-mode rule turns on double backward (before any switch to a kernel
+        that has a rule; its cost is in ``docs/PERFORMANCE.md``). An operator whose backward is
+        not differentiable in turn (the fused attention kernels) is switched to a kernel whose
+        backward is.
         """
         op = missing_rule(error)
         if op is None:

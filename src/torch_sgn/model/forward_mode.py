@@ -20,9 +20,9 @@ those have a twin kernel whose backward is, and :func:`kernels` runs the model w
 (:data:`SWITCHES`: the math attention kernel, the modules' composite paths instead of their
 fast paths, the native RNN kernels instead of oneDNN's or cuDNN's).
 
-Measured on a small transformer and an LSTM on a CPU (``benchmarks/fallback_cost.py``), double
-backward costs less per product than forward mode on the twin kernels (which are slower for
-RNNs), so it comes first; it keeps one more graph through the step.
+Double backward is the route taken first where an operator has no forward-mode rule, before
+switching to a twin kernel that has one; it keeps one more graph (the gradient's) through the
+step. Its cost against forward mode is in ``docs/PERFORMANCE.md``.
 """
 
 from __future__ import annotations

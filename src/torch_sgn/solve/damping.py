@@ -27,8 +27,8 @@ DAMPING_MAX = 1e16
 
 #: The damping floor where ``SGN(damping_min=None)`` (the default) leaves it to the solver that
 #: runs. CG: the paper's 1e-6; its inexact steps gain nothing from a smaller damping. An exact
-#: solve: low enough that the damping never stops a fit to high precision (measured by
-#: ``benchmarks/regression.py``); growth after a failed step keeps it stable.
+#: solve: low enough that the damping never stops a fit to high precision (``docs/SOLVERS.md``);
+#: growth after a failed step keeps it stable.
 CG_DAMPING_MIN = 1e-6
 DIRECT_DAMPING_MIN = 1e-15
 
