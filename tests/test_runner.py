@@ -30,15 +30,6 @@ from torch_sgn.options import ARGUMENT_NAMES
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The machine is shared: two threads fighting other processes run many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def boston_data():
     return boston()

@@ -23,15 +23,6 @@ from torch_sgn.model.flat_model import FunctionalModel
 D = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one thread spares the tests the waits of a shared machine's thread pool."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def dense_reference(model, loss_fn, inputs, targets, seed=None):
     """(G, g) from full Jacobians and the output-space Hessian by autograd; every evaluation
     works on fresh copies of the buffers, as one forward pass of the step does, and with
