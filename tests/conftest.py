@@ -8,6 +8,17 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """One intra-op thread in every test process (serial, or each pytest-xdist worker): the
+    tests' models are tiny, so a second thread gains nothing, and two threads in each of two
+    workers, or beside other jobs on the cores, wait on each other many times over."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -21,7 +21,11 @@ from torch_sgn.distributed import is_main_process, rank, shard, world_size
 WORKER = Path(__file__).with_name("_dist_worker.py")
 SRC = Path(__file__).parents[1] / "src"
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable"),
+    # one pytest-xdist worker (--dist loadgroup): the ranks of `equivalence` launch once
+    pytest.mark.xdist_group("distributed"),
+]
 
 
 def _launch(scenario: str, out: Path, deadline: float, pg_timeout: float = 30.0) -> list:

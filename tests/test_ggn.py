@@ -1,3 +1,5 @@
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -11,23 +13,29 @@ CASES = [(m, lc) for m in MODELS for lc in LOSSES]
 IDS = [f"{m.name}-{lc.name}" for m, lc in CASES]
 
 
-@pytest.mark.parametrize("model_case,loss_case", CASES, ids=IDS)
-def test_ggn_matches_dense_jacobian_reference(model_case, loss_case):
+@functools.cache
+def _ggn_of_case(model_case, loss_case, engine):
+    """(model, x, y, G, G's dense matrix) of one case on one engine, built once for the tests
+    below (the dense matrix is one product per parameter)."""
     model, x, y = make_batch(model_case, loss_case)
-    loss = loss_case.make()
-    G_ref, g_ref, _ = dense_ggn(model, loss, x, y)
-    G = GGN(model, loss, x, y)
+    G = GGN(model, loss_case.make(), x, y, engine=engine)
+    return model, x, y, G, G.to_dense()
+
+
+@pytest.mark.parametrize("model_case,loss_case", CASES, ids=IDS)
+def test_ggn_matches_dense_jacobian_reference(model_case, loss_case, each_engine):
+    model, x, y, G, dense = _ggn_of_case(model_case, loss_case, each_engine)
+    G_ref, g_ref, _ = dense_ggn(model, loss_case.make(), x, y)
     assert G.shape == G_ref.shape
     torch.testing.assert_close(G.gradient, g_ref, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(G.to_dense(), G_ref, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(dense, G_ref, rtol=1e-9, atol=1e-11)
     v = torch.randn(G.shape[0], dtype=torch.float64)
     torch.testing.assert_close(G @ v, G_ref @ v, rtol=1e-9, atol=1e-11)
 
 
 @pytest.mark.parametrize("model_case,loss_case", CASES, ids=IDS)
-def test_ggn_is_symmetric_positive_semidefinite(model_case, loss_case):
-    model, x, y = make_batch(model_case, loss_case, seed=1)
-    dense = GGN(model, loss_case.make(), x, y).to_dense()
+def test_ggn_is_symmetric_positive_semidefinite(model_case, loss_case, each_engine):
+    dense = _ggn_of_case(model_case, loss_case, each_engine)[-1]
     torch.testing.assert_close(dense, dense.T, rtol=1e-10, atol=1e-12)
     eigs = torch.linalg.eigvalsh(dense)
     assert eigs.min() >= -1e-10 * max(1.0, eigs.max().item())

@@ -30,15 +30,6 @@ from torch_sgn.options import ARGUMENT_NAMES
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The machine is shared: two threads fighting other processes run many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def boston_data():
     return boston()
@@ -126,6 +117,7 @@ def test_sgn_warmup_uses_ten_cg_iterations_first(tmp_path, boston_data):
     assert all(k <= 10 for k in cg[:10]) and max(cg[:10]) > 2 and cg[10:] == [2, 2]
 
 
+@pytest.mark.slow  # 30 epochs of training: a reproduction
 def test_paper_boston_sgn10_after_30_epochs(tmp_path, boston_data):
     """The paper's headline Boston number: SGN(10), 30 epochs, train/test loss ~0.0100/0.0098.
 

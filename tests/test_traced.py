@@ -23,15 +23,6 @@ from torch_sgn.model.flat_model import FunctionalModel
 D = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one thread spares the tests the waits of a shared machine's thread pool."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def dense_reference(model, loss_fn, inputs, targets, seed=None):
     """(G, g) from full Jacobians and the output-space Hessian by autograd; every evaluation
     works on fresh copies of the buffers, as one forward pass of the step does, and with
@@ -424,6 +415,7 @@ def test_untraceable_model_falls_back_to_functional_with_the_reason_once():
         torch.testing.assert_close(G, G_ref, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.slow  # a ResNet block against the dense reference, behind torch.compile's wrapper
 def test_a_model_compiled_by_torch_compile_is_traced_as_the_module_it_wraps():
     model, x, y, loss = _family("resnet-bn")
     compiled = torch.compile(model)  # compiled at its first call, which never comes here
@@ -1144,6 +1136,7 @@ def _steps(model, x, y, loss, n=2, **options):
     return [opt.step(x, y) for _ in range(n)]
 
 
+@pytest.mark.slow  # Inductor compiles C++ kernels: 5-10 s per model
 @pytest.mark.parametrize("name", ["resnet-bn", "attention", "mha-mask"])
 def test_compiled_steps_match_uncompiled_steps(name, monkeypatch):
     # torch.compile on the CPU (a C++ compiler): batch norm's running statistics written in
