@@ -23,7 +23,8 @@ The error is the relative L2 error against the exact solution on 10,000 held-out
 Methods: ``sgn`` (SGN's defaults on :class:`torch_sgn.pinn.Residuals`), ``sgn-paper``
 (:meth:`SGN.paper`, CG with 10 iterations), ``adam-<lr>``, ``lbfgs`` (torch's, strong Wolfe line
 search, history 100). A finished run is not run again (its JSON is kept): an interrupted
-benchmark resumes where it stopped.
+benchmark resumes where it stopped; a run in progress keeps its curve so far in a ``.partial``
+file beside it.
 """
 
 from __future__ import annotations
@@ -162,7 +163,14 @@ def network(spec: str, dim: int, seed: int) -> nn.Module:
     return nn.Sequential(*layers).to(D)
 
 
-def run(problem: Problem, net_spec: str, method: str, seconds: float, seed: int) -> dict:
+def run(
+    problem: Problem,
+    net_spec: str,
+    method: str,
+    seconds: float,
+    seed: int,
+    progress: Callable[[dict], None] = lambda partial: None,
+) -> dict:
     net = network(net_spec, problem.dim, seed)
     residuals = Residuals(net, problem.blocks(net))
     g = torch.Generator().manual_seed(10_000 + seed)
@@ -187,6 +195,7 @@ def run(problem: Problem, net_spec: str, method: str, seconds: float, seed: int)
         if clock >= next_eval or clock >= seconds:
             curve.append((clock, steps, error(), loss))
             next_eval = clock * 1.25
+            progress({"net": net_spec, "method": method, "steps": steps, "curve": curve})
     return {
         "problem": problem.name,
         "net": net_spec,
@@ -239,6 +248,33 @@ def _method(method: str, residuals: Residuals, net: nn.Module) -> Callable:
     raise SystemExit(f"unknown method {method!r}")
 
 
+def table(folder: str) -> str:
+    """The markdown table of the finished runs in ``folder``: the error at the end of each
+    run's budget, and the CPU seconds at which it first reached each order of magnitude."""
+    rows = []
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".json"):
+            with open(os.path.join(folder, name)) as f:
+                row = json.load(f)
+            if "curve" in row:  # a run (the folder may hold other records)
+                rows.append(row)
+    out = [
+        "| problem | net (parameters) | method | budget | steps | rel. L2 error | "
+        "first <= 1e-4 / 1e-6 / 1e-8 (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=lambda r: (r["problem"], r["parameters"], r["method"])):
+        reach = []
+        for level in (1e-4, 1e-6, 1e-8):
+            t = next((c[0] for c in r["curve"] if c[2] <= level), None)
+            reach.append("-" if t is None else f"{t:.0f}")
+        out.append(
+            f"| {r['problem']} | {r['net']} ({r['parameters']:,}) | {r['method']} | "
+            f"{r['seconds']:.0f} s | {r['steps']} | {r['final_error']:.1e} | {' / '.join(reach)} |"
+        )
+    return "\n".join(out)
+
+
 def main(argv: List[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--problem", choices=sorted(PROBLEMS), default="poisson2d")
@@ -248,7 +284,11 @@ def main(argv: List[str] | None = None) -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", required=True)
+    p.add_argument("--table", action="store_true", help="print the table of --out's runs, run none")
     args = p.parse_args(argv)
+    if args.table:
+        print(table(args.out))
+        return
     torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
     meta = {
@@ -273,10 +313,18 @@ def main(argv: List[str] | None = None) -> None:
                     result = json.load(f)
             else:
                 problem = PROBLEMS[args.problem](seed)
-                result = {**run(problem, args.net, method, args.seconds, seed), "meta": meta}
+
+                def progress(partial: dict, path: str = path) -> None:  # the curve so far
+                    with open(path + ".partial", "w") as f:
+                        json.dump({**partial, "meta": meta}, f)
+
+                result = run(problem, args.net, method, args.seconds, seed, progress)
+                result["meta"] = meta
                 with open(path + ".tmp", "w") as f:
                     json.dump(result, f)
                 os.replace(path + ".tmp", path)
+                if os.path.exists(path + ".partial"):
+                    os.remove(path + ".partial")
             rows.append(result)
             print(
                 f"{args.problem:10s} {args.net:22s} {method:12s} seed {seed}: "

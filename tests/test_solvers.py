@@ -12,6 +12,7 @@ from torch import nn
 
 from cases import LOSS, LOSSES, MODELS, dense_ggn, make_batch
 from torch_sgn import SGN, linearization
+from torch_sgn.engines import jacobian
 from torch_sgn.engines.selection import select_engine
 from torch_sgn.linearization import Batch, ggn_matrix
 from torch_sgn.losses import resolve_loss
@@ -518,12 +519,14 @@ def test_direct_result_is_shaped_like_a_cg_result():
 
 
 def test_levenberg_marquardt_re_solves_reuse_the_matrix(monkeypatch):
-    model, x, y = make_batch(MODELS[1], LOSS["mse"])  # the CNN: G from products
+    model, x, y = make_batch(MODELS[1], LOSS["mse"])  # the CNN: G from J's rows
     formed, solved = [], []
     solve = solvers.solve_damped
     monkeypatch.setattr(
         linearization, "ggn_matrix", lambda *a, **k: formed.append(1) or ggn_matrix(*a, **k)
     )
+    rows = jacobian.jacobian_rows  # with solver="direct" the CNN's G comes from J's rows
+    monkeypatch.setattr(jacobian, "jacobian_rows", lambda *a: formed.append(1) or rows(*a))
     monkeypatch.setattr(solvers, "solve_damped", lambda *a: solved.append(a[2]) or solve(*a))
     opt = SGN(model, "mse", solver="direct", lr=30.0, attempts=4, line_search=False)
     info = opt.step(x, y)

@@ -91,12 +91,27 @@ def test_the_cg_phase_is_the_cg_solver_step_for_step(monkeypatch):
 
 def test_a_stall_switches_without_a_probe(monkeypatch):
     # The same noisy batch again and again: CG reaches its minimum, and the loss stops falling.
+    # Copies of it, all alive (distinct tensors), so that the run is not taken for a full-batch
+    # fit, where solver="auto" takes exact steps at once.
     monkeypatch.setattr(switching, "exact_wins", lambda exact, cg: False)
     model, data = _linear()
     opt = SGN(model, "mse")
-    solvers = [opt.step(*data[0]).solver for _ in range(3 * switching.WINDOW)]
+    x, y = data[0]
+    copies = [x.clone() for _ in range(3 * switching.WINDOW)]
+    solvers = [opt.step(c, y).solver for c in copies]
     first = solvers.index("direct")  # both windows full first, then direct for good
     assert first >= 2 * switching.WINDOW and set(solvers[first:]) == {"direct"}
+
+
+def test_a_full_batch_fit_takes_exact_steps_from_its_second_step(monkeypatch):
+    # The first step cannot tell; the second sees the same tensors, unchanged: one batch.
+    monkeypatch.setattr(switching, "exact_wins", lambda exact, cg: False)
+    model, data = _linear()
+    opt = SGN(model, "mse")
+    x, y = data[0]
+    assert [opt.step(x, y).solver for _ in range(3)] == ["cg", "direct", "direct"]
+    x.add_(0.0)  # written in place: a new version, so not taken for the same batch
+    assert opt.step(x, y).solver == "cg"
 
 
 def test_a_resumed_run_takes_the_same_steps_through_the_switch():

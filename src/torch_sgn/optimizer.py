@@ -957,10 +957,14 @@ class SGN(torch.optim.Optimizer):
     def _may_solve_through_outputs(self) -> bool:
         """Whether steps may go through the batch's outputs (the engine and the options allow
         it; each batch decides): ``solver="direct"`` then checks the ``P x P`` matrix's memory
-        at the steps that cannot, not at construction. Any engine may, where the model is
-        per-sample (:mod:`torch_sgn.engines.jacobian`)."""
+        at the steps that cannot, not at construction. The layer-wise engine may, and any
+        engine on a residual problem (:mod:`torch_sgn.engines.jacobian`)."""
         return (
-            isinstance(self._comm, SingleProcess)
+            (
+                getattr(self._engine, "may_solve_through_outputs", False)
+                or hasattr(self._fmodel.model, "jacobian_blocks")
+            )
+            and isinstance(self._comm, SingleProcess)
             and self.param_groups[0]["gradient_averaging"] == 0
             and self._curvature_fraction == 1
         )
@@ -976,11 +980,16 @@ class SGN(torch.optim.Optimizer):
 
     def _jacobian_applies(self, lin: Linearization, theta: Tensor, batch: Batch) -> bool:
         """Whether this step's exact solves form ``J`` row by row
-        (:func:`~torch_sgn.engines.jacobian.with_jacobian`): where an exact step may be taken,
-        the engine has no faster route of its own, and the model is per-sample on batches of
-        this shape (checked once per shape and mode)."""
+        (:func:`~torch_sgn.engines.jacobian.with_jacobian`): on a residual problem
+        (:class:`torch_sgn.pinn.Residuals`) unless CG is asked for, and on any model with
+        ``solver="direct"`` (in place of ``P`` products); where the engine has no route of its
+        own, CUDA graphs are off, and the model is per-sample on batches of this shape (checked
+        once per shape and mode). ``solver="auto"`` keeps its cost rule on other models."""
+        residual_problem = hasattr(self._fmodel.model, "jacobian_blocks")
         if (
             self._solver == "cg"
+            or (self._solver == "auto" and not residual_problem)
+            or self._engine_options[1]  # cuda_graphs: the captured products are the route
             or lin.dense_ggn is not None
             or lin.sample_space is not None
             or not isinstance(self._comm, SingleProcess)

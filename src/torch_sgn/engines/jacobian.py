@@ -98,10 +98,12 @@ def per_sample(fmodel: FunctionalModel, flat: Tensor, batch: Batch) -> bool:
     if backward_hooks(fmodel.model) is not None:  # J's rows would skip what the hooks do
         return False
     try:
-        with torch.enable_grad():  # one point of each block through jacrev: it can run
+        with torch.enable_grad():  # two points of each block as J is formed: it can run
             for block in _model_blocks(fmodel, batch):
                 if block.points and block.points[0].shape[0]:
-                    torch.func.jacrev(block.rows)(flat, *(p[0] for p in block.points))
+                    dims = (None,) + (0,) * len(block.points)
+                    few = tuple(p[:2] for p in block.points)
+                    torch.func.vmap(torch.func.jacrev(block.rows), in_dims=dims)(flat, *few)
         with torch.no_grad():
             rows = torch.cat(
                 [
