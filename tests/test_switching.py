@@ -91,10 +91,14 @@ def test_the_cg_phase_is_the_cg_solver_step_for_step(monkeypatch):
 
 def test_a_stall_switches_without_a_probe(monkeypatch):
     # The same noisy batch again and again: CG reaches its minimum, and the loss stops falling.
+    # Copies of it, all alive (distinct tensors), so that the run is not taken for a full-batch
+    # fit, where solver="auto" takes exact steps at once.
     monkeypatch.setattr(switching, "exact_wins", lambda exact, cg: False)
     model, data = _linear()
     opt = SGN(model, "mse")
-    solvers = [opt.step(*data[0]).solver for _ in range(3 * switching.WINDOW)]
+    x, y = data[0]
+    copies = [x.clone() for _ in range(3 * switching.WINDOW)]
+    solvers = [opt.step(c, y).solver for c in copies]
     first = solvers.index("direct")  # both windows full first, then direct for good
     assert first >= 2 * switching.WINDOW and set(solvers[first:]) == {"direct"}
 
