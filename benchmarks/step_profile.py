@@ -38,6 +38,7 @@ from typing import Dict, List
 import torch
 
 import torch_sgn.optimizer as optimizer
+import torch_sgn.solve.descents as descents
 from torch_sgn import SGN
 from torch_sgn.losses import resolve_loss
 from torch_sgn.model.flat_model import FunctionalModel
@@ -98,9 +99,9 @@ def measure(name: str, engine: str, k: int, rounds: int, device: torch.device) -
         return lin
 
     opt._engine = engine_call
-    loss_at, solve = optimizer.SGN._loss_at, optimizer.conjugate_gradient
+    loss_at, solve = optimizer.SGN._loss_at, descents.conjugate_gradient
     optimizer.SGN._loss_at = meter.wrap("trial", loss_at)
-    optimizer.conjugate_gradient = meter.wrap("cg", solve)
+    descents.conjugate_gradient = meter.wrap("cg", solve)
     try:
         opt.step(x, y)  # traces
         state = copy.deepcopy(opt.state_dict())
@@ -132,7 +133,7 @@ def measure(name: str, engine: str, k: int, rounds: int, device: torch.device) -
             for key, value in row.items():
                 rows.setdefault(key, []).append(value)
     finally:
-        optimizer.SGN._loss_at, optimizer.conjugate_gradient = loss_at, solve
+        optimizer.SGN._loss_at, descents.conjugate_gradient = loss_at, solve
     return {"model": name, "engine": engine, "k": k, "rounds": rows}
 
 

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from cases import dense_parts
 from torch_sgn import SGN, optimizer
 from torch_sgn.solve import geodesic
+from torch_sgn.solve import step as step_module
 from torch_sgn.solve.direct import solve_damped
 from torch_sgn.solve.line_search import LineSearchResult
 
@@ -186,7 +187,7 @@ def test_the_line_search_backtracks_along_the_parabola(monkeypatch):
         slopes.append(slope)
         return LineSearchResult(0.5, loss_along(0.5), 1, True)
 
-    monkeypatch.setattr(optimizer, "backtracking", half)
+    monkeypatch.setattr(step_module, "backtracking", half)
     opt = SGN(model, "mse", damping=rho, trust_region=False, lr=1.0, solver="direct")
     info = opt.step(x, y)
     assert info.accelerated and info.step_size == 0.5

@@ -95,7 +95,7 @@ def test_the_threshold_rule_retries_with_its_own_factor():
 def test_attempts_count_the_solves_and_one_attempt_is_the_paper_step():
     model, x, y = _hard_batch()
     solves = []
-    original = SGN._step_solver
+    original = SGN._descent
 
     def counting(self, *args):
         solve = original(self, *args)
@@ -106,7 +106,7 @@ def test_attempts_count_the_solves_and_one_attempt_is_the_paper_step():
 
         return wrapped
 
-    SGN._step_solver = counting
+    SGN._descent = counting
     try:
         info = SGN(model, "mse", damping=1e-8, damping_min=1e-12, attempts=3, solver="direct").step(
             x, y
@@ -118,7 +118,7 @@ def test_attempts_count_the_solves_and_one_attempt_is_the_paper_step():
         info = one.step(x, y)
         assert info.attempts == len(solves) == 1
     finally:
-        SGN._step_solver = original
+        SGN._descent = original
 
 
 def test_a_step_that_raises_during_a_retry_changes_nothing():

@@ -10,7 +10,7 @@ CG, the data-parallel communicator and the CUDA-graph capture consume it; the en
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Optional, Protocol, Tuple, Union
 
 import torch
@@ -145,6 +145,21 @@ class Linearization:
                 matrix = ggn_matrix(self.ggn_vp, self.grad.numel(), self.grad)
             self._matrix = matrix.to(torch.float64)
         return self._matrix
+
+    def restricted(self, mask: Tensor) -> Linearization:
+        """The linearization in the directions where ``mask`` is 1 (the parameters still
+        trainable): ``P g`` and ``P G P``, with ``P`` the diagonal of ``mask``."""
+        ggn_vp = self.ggn_vp
+        dense = None
+        if self.dense_ggn is not None:
+            dense = lambda: self.ggn_matrix() * mask[:, None] * mask[None, :]  # noqa: E731
+        return replace(
+            self,
+            grad=self.grad * mask,
+            ggn_vp=lambda v: ggn_vp(v * mask) * mask,
+            dense_ggn=dense,
+            sample_space=None,  # its J spans the frozen directions too
+        )
 
 
 class Engine(Protocol):

@@ -3,134 +3,43 @@
 from __future__ import annotations
 
 import logging
-import math
 import warnings
-from dataclasses import dataclass, replace
-from types import MappingProxyType
-from typing import Callable, Mapping, Optional
+from dataclasses import replace
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor, nn
 
+from .checks import check_batch, finite_loss
 from .diagnostics import warn
 from .distributed import ProcessGroup, SingleProcess, communicator
 from .engines.jacobian import per_sample, with_jacobian
-from .engines.selection import (
-    ENGINE_ALIASES,
-    ENGINES,
-    curvature_subset,
-    engine_name,
-    select_engine,
-)
+from .engines.selection import curvature_subset, engine_name, select_engine
 from .linearization import Batch, Inputs, Linearization, check_loss_parameters
-from .losses import LossSpec, OutputLoss, resolve_loss
+from .losses import LossSpec, resolve_loss
 from .model.flat_model import FunctionalModel
-from .options import KEYS, check_loaded_state, check_options
+from .options import KEYS, PAPER_OPTIONS, check_arguments, check_loaded_state, check_options
 from .solve import auto, direct, geodesic
-from .solve.cg import CGResult, conjugate_gradient
-from .solve.damping import (
-    CG_DAMPING_MIN,
-    DIRECT_DAMPING_MIN,
-    GROWTH_START,
-    nielsen_update,
-    rejected_update,
-    scheduled_damping,
-    trust_region_update,
+from .solve.damping import GROWTH_START
+from .solve.descents import (
+    CG,
+    MATRIX,
+    SAMPLES,
+    CGDescent,
+    Descent,
+    MatrixDescent,
+    SampleSpaceDescent,
 )
 from .solve.direct import DirectResult
-from .solve.line_search import LineSearchResult, backtracking
+from .solve.routes import choose_route
+from .solve.state import StepState
+from .solve.step import DampingRule, LineSearch, Outcome, Problem, damped_step
 from .step_call import batch_of_call
+from .step_info import StepInfo
 
 __all__ = ["SGN", "StepInfo"]
 
 logger = logging.getLogger("torch_sgn")
-
-#: The paper's configuration (Gargiani et al., 2020, Section 4, with the original
-#: implementation's settings of its runs): the arguments :meth:`SGN.paper` passes, and the one
-#: place the benchmark runner's paper presets read them from.
-PAPER_OPTIONS: Mapping[str, object] = MappingProxyType(
-    dict(
-        lr=1.0,
-        damping=1e-4,
-        damping_min=1e-6,
-        solver="cg",
-        cg_iters=10,
-        cg_tol=1e-6,
-        cg_rtol=0.0,
-        cg_progress_tol=0.0,
-        attempts=1,
-        damping_update="threshold",
-        line_search=True,
-        trust_region=True,
-        momentum=0.0,
-        warmup_cg_iters=10,
-        warmup_steps=10,
-        damping_schedule="constant",
-        damping_decay_steps=10,
-        preconditioner=False,
-        preconditioner_exponent=1.0,
-        warm_start=0.0,
-        ls_c=1e-4,
-        ls_shrink=0.5,
-        ls_max_evals=10,
-        geodesic_acceleration=False,
-        curvature_fraction=1.0,
-    )
-)
-
-
-@dataclass(frozen=True)
-class StepInfo:
-    """What one :meth:`SGN.step` did.
-
-    Attributes:
-        loss: mini-batch loss before the step.
-        loss_after: mini-batch loss at the accepted point (same batch).
-        grad_norm: 2-norm of the mini-batch gradient.
-        cg_iters: conjugate-gradient iterations run.
-        cg_residual: 2-norm of the final CG residual ``(G + damping I) d + m_hat``.
-        cg_stop: why CG stopped (see :class:`~torch_sgn.solve.cg.CGResult`).
-        damping: the damping ``rho`` used in this step.
-        next_damping: the damping the next step will use.
-        step_size: the step length taken along the CG direction, ``lr * a`` with ``a`` the
-            line-search factor (0 when no step was taken).
-        tr_ratio: actual over predicted reduction at the full step (``None`` when the trust
-            region is off).
-        predicted_change: the damped quadratic model's change at the full step.
-        loss_evals: loss evaluations at trial points (trust-region test and line search).
-        line_search_ok: whether the Armijo condition held (``True`` when line search is off).
-        attempts: how many times the step's system was solved: a solution that fails the
-            Armijo test at its full step is solved again with a larger damping, up to
-            ``SGN(attempts=...)`` times (Levenberg-Marquardt). ``damping``, ``cg_*``,
-            ``tr_ratio`` and ``predicted_change`` describe the last attempt.
-        solver: ``"cg"`` or ``"direct"``, the solver that ran (see ``SGN(solver=...)``). For
-            the direct solver ``cg_iters`` is 0, ``cg_residual`` the residual of the system it
-            solved, and ``cg_stop`` how it solved it: ``"cholesky"``; ``"eigh"`` where
-            Cholesky failed in floating point (the eigenvalues of ``G`` clipped to ``>= 0``);
-            ``"scaled_gradient"`` where that failed too; ``"lu"`` (or ``"pinv"`` where that
-            failed) for the non-symmetric system through the batch's outputs of a loss whose
-            output-space Hessian is not a multiple of the identity; ``"non_finite"`` (no step).
-        accelerated: whether the step carried a geodesic acceleration (see
-            ``SGN(geodesic_acceleration=...)``); ``step_size`` is then the factor along the
-            parabola ``s d + s^2 a / 2``.
-    """
-
-    loss: float
-    loss_after: float
-    grad_norm: float
-    cg_iters: int
-    cg_residual: float
-    cg_stop: str
-    damping: float
-    next_damping: float
-    step_size: float
-    tr_ratio: Optional[float]
-    predicted_change: float
-    loss_evals: int
-    line_search_ok: bool
-    attempts: int = 1
-    solver: str = "cg"
-    accelerated: bool = False
 
 
 class SGN(torch.optim.Optimizer):
@@ -305,7 +214,8 @@ class SGN(torch.optim.Optimizer):
             (its rows: parameters, or the batch's outputs). Default 4000 (the matrix and its
             factor take about 384 MB: they are float64).
 
-    :meth:`SGN.paper` builds the paper's configuration (:data:`PAPER_OPTIONS`) whatever the
+    :meth:`SGN.paper` builds the paper's configuration
+    (:data:`~torch_sgn.options.PAPER_OPTIONS`) whatever the
     defaults here.
 
     Example:
@@ -382,47 +292,8 @@ class SGN(torch.optim.Optimizer):
         )  # fmt: skip
         assert set(defaults) == set(KEYS)
         check_options(defaults)
-        _check(
-            engine in ENGINES or engine in ENGINE_ALIASES,
-            "engine",
-            engine,
-            f"must be one of {ENGINES}",
-        )
+        check_arguments(engine, compile, cuda_graphs, curvature_fraction, solver, direct_max_params)
         engine = engine_name(engine)
-        _check(
-            not compile or engine in ("traced", "auto"),
-            "compile",
-            compile,
-            "needs engine='traced' or 'auto' (only the traced engine runs compiled graphs)",
-        )
-        _check(
-            not (compile and cuda_graphs),
-            "compile",
-            compile,
-            "cannot be combined with cuda_graphs=True: on a GPU, cuda_graphs=True alone "
-            "removes the kernel launches that dominate small models' steps",
-        )
-        _check(
-            not (cuda_graphs and engine == "functional"),
-            "cuda_graphs",
-            cuda_graphs,
-            "needs engine='layerwise', 'traced' or 'auto' (the functional engine captures no CUDA "
-            "graphs)",
-        )
-        _check(
-            0 < curvature_fraction <= 1,
-            "curvature_fraction",
-            curvature_fraction,
-            "must be in (0, 1]",
-        )
-
-        _check(solver in direct.SOLVERS, "solver", solver, f"must be one of {direct.SOLVERS}")
-        _check(
-            type(direct_max_params) is int and direct_max_params >= 0,
-            "direct_max_params",
-            direct_max_params,
-            "must be an int >= 0",
-        )
 
         if isinstance(model, nn.parallel.DistributedDataParallel) and process_group is None:
             process_group = model.process_group  # (FunctionalModel takes the module it wraps)
@@ -454,11 +325,12 @@ class SGN(torch.optim.Optimizer):
     def paper(cls, model: nn.Module, loss: LossSpec, **overrides) -> SGN:
         """SGN configured exactly as the paper's experiments ran it.
 
-        The arguments are :data:`PAPER_OPTIONS`: CG, damping ``1e-4`` with floor ``1e-6``, the
-        threshold trust-region rule (:func:`~torch_sgn.solve.damping.trust_region_update`), one
-        solve per step (no Levenberg-Marquardt re-solves), 10 CG iterations stopped only by
-        the absolute ``cg_tol=1e-6``, 10 CG iterations during the first 10 steps
-        (``warmup_cg_iters``), Armijo backtracking, step size 1. ``overrides`` replace any
+        The arguments are :data:`~torch_sgn.options.PAPER_OPTIONS`: CG, damping ``1e-4`` with
+        floor ``1e-6``, the threshold trust-region rule
+        (:func:`~torch_sgn.solve.damping.trust_region_update`), one solve per step (no
+        Levenberg-Marquardt re-solves), 10 CG iterations stopped only by the absolute
+        ``cg_tol=1e-6``, 10 CG iterations during the first 10 steps (``warmup_cg_iters``),
+        Armijo backtracking, step size 1. ``overrides`` replace any
         of them or set any other argument of :class:`SGN`, e.g.
         ``SGN.paper(model, "mse", cg_iters=5)`` for the paper's SGN(5). The benchmark
         runner's paper presets and grids are built this way.
@@ -522,14 +394,14 @@ class SGN(torch.optim.Optimizer):
             self._engine = select_engine(self._fmodel, self._loss, *self._engine_options)
 
     def _global_state(self) -> dict:
-        """SGN's state, kept on the first parameter so that load_state_dict casts it."""
-        state = self.state[self._fmodel.params[0]]
-        if not state:
-            state["step"] = 0
-            state["damping"] = float(self.param_groups[0]["damping"])
-            if self.param_groups[0]["damping_update"] == "nielsen":
-                state["damping_growth"] = GROWTH_START
-        return state
+        """SGN's state (:class:`~torch_sgn.solve.state.StepState` as a dict), kept on the first
+        parameter so that load_state_dict casts it."""
+        stored = self.state[self._fmodel.params[0]]
+        if not stored:
+            group = self.param_groups[0]
+            growth = GROWTH_START if group["damping_update"] == "nielsen" else None
+            StepState(0, float(group["damping"]), growth).write(stored)
+        return stored
 
     # --- one step ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -569,169 +441,219 @@ class SGN(torch.optim.Optimizer):
             trainable after SGN was built is not trained (SGN warns once): build a new SGN.
         """
         inputs, targets = batch_of_call(inputs, targets, closure)
-        group = self.param_groups[0]
-        check_options(group, in_step=True)  # a user or a scheduler may have changed them
-        state = self._global_state()
-        _check_batch(inputs, targets)
-        batch = Batch(inputs, targets)
-        t = state["step"]
-        theta = self._fmodel.flat()
-        buffers: dict = {}
-        trainable = self._trainable_mask()
+        check_options(self.param_groups[0], in_step=True)  # a scheduler may have changed them
+        check_batch(inputs, targets)
+        batch, stored = Batch(inputs, targets), self._global_state()
+        state, theta, buffers = StepState.of(stored), self._fmodel.flat(), {}
+        trainable = self._fmodel.trainable_mask()
         self._warn_unfrozen()
         with self._fmodel.consistent():
-            lin = self._comm.linearize(t, self._step_engine(t), theta, batch, buffers)
-            check_loss_parameters(self._loss, self._fmodel, lin, theta, batch)
-            if self._jacobian_applies(lin, theta, batch):
-                lin = with_jacobian(lin, self._fmodel, self._loss, theta, batch)
+            # Linearize: the loss, its gradient and v -> G v at theta on the batch.
+            lin = self._linearize(state.step, theta, batch, buffers)
             work = state  # what the direction is computed from
             if trainable is not None:  # restricted to the parameters still trainable
-                lin, work = _restrict(lin, trainable), _restrict_state(state, trainable)
-            loss0, grad_norm = _finite_loss(lin, batch, self._loss)
-            rhs, momentum_buffer = self._momentum(lin.grad, work, t)
+                lin, work = lin.restricted(trainable), state.restricted(trainable)
+            # Check: a finite loss and gradient, else raise with nothing changed.
+            loss0, grad_norm = finite_loss(lin, batch, self._loss)
+            # Choose the route: the right-hand side, the descent that may solve exactly, and
+            # for solver="auto" whether this step takes it (or probes it).
+            rhs, momentum_buffer = self._momentum(lin.grad, work)
             route = self._route(lin, rhs)
-
-            def loss_at(displacement: Tensor, a: float = 1.0) -> float:
-                value = self._loss_at(lin, theta + displacement, batch)
-                logger.debug("  line search: a=%.4g loss=%.6g", a, value)
-                return value
-
-            phase = auto.Phase(route)
-            if self._solver == "auto":
-                at = lambda point: self._loss_at(lin, point, batch)  # noqa: E731
-                phase = auto.plan(state, t, route, loss0, at, self._fits_one_batch(batch))
-
-            def attempt(route: Optional[str]) -> _Attempt:
-                solve = self._step_solver(lin, rhs, work, t, route)
-                accelerate = self._accelerator(lin, batch, theta, route, trainable)
-                return self._attempt(
-                    solve, accelerate, lin.grad, rhs, state, t, route, loss0, loss_at
-                )
-
-            run = attempt(phase.route)
+            phase = self._phase(state, route, loss0, lin, batch)
+            # Solve with damping attempts, then the line search (nothing written).
+            problem = Problem(lin.grad, rhs, loss0, self._trial_loss(lin, theta, batch))
+            run = self._solve(phase.route, lin, problem, work, theta, batch, trainable)
             candidate, evals = None, run.evals
             if phase.probe is not None:  # the exact step too, judged on the next batch
-                exact = attempt(phase.probe)
+                exact = self._solve(phase.probe, lin, problem, work, theta, batch, trainable)
                 evals += exact.evals
                 if exact.moved:
-                    candidate = theta + exact.trial.displacement(exact.search.step)
+                    candidate = theta + exact.trial.displacement(exact.step_factor)
                 exact = None
-        trial, search, damping = run.trial, run.search, run.damping
-        ratio, next_damping, growth = run.ratio, run.next_damping, run.growth
-        cg, solution = trial.cg, trial.solution
-        take = run.moved
-        a = search.step if take else 0.0
-
         # Commit: nothing above has touched the model or the optimizer's state.
-        if take:
-            self._fmodel.write(theta + trial.displacement(a))
+        if run.moved:
+            self._fmodel.write(theta + run.trial.displacement(run.step_factor))
         self._fmodel.write_buffers(buffers)
-        if group["keep_grad"]:
+        if self.param_groups[0]["keep_grad"]:
             self._write_grad(lin.grad)
-        state["step"] = t + 1
-        state["damping"] = next_damping
-        if self._solver == "auto" and route is not None:
-            switched = auto.advance(state, t, phase, loss0, candidate)
+        after = self._next_state(state, run, route, phase, loss0, candidate, momentum_buffer)
+        after.write(stored)
+        # Report.
+        info = self._report(run, loss0, grad_norm, evals)
+        self._log(state.step, info)
+        return info
+
+    # --- the step's phases -------------------------------------------------------------------
+    def _linearize(self, t: int, theta: Tensor, batch: Batch, buffers: dict) -> Linearization:
+        """The model and loss linearized at ``theta`` on the batch (reduced over a data-parallel
+        group), with a row-batched Jacobian where exact steps take it."""
+        lin = self._comm.linearize(t, self._step_engine(t), theta, batch, buffers)
+        check_loss_parameters(self._loss, self._fmodel, lin, theta, batch)
+        if self._jacobian_applies(lin, theta, batch):
+            lin = with_jacobian(lin, self._fmodel, self._loss, theta, batch)
+        return lin
+
+    def _momentum(self, grad: Tensor, state: StepState) -> tuple[Tensor, Optional[Tensor]]:
+        """The right-hand side ``m_hat`` and the new moving average (None without momentum)."""
+        beta = self.param_groups[0]["gradient_averaging"]
+        if beta == 0:
+            return grad, None
+        m = state.momentum_buffer
+        m = (1 - beta) * grad if m is None else beta * m + (1 - beta) * grad
+        return m / (1 - beta ** (state.step + 1)), m
+
+    def _route(self, lin: Linearization, rhs: Tensor) -> str:
+        """How this step may solve (:func:`~torch_sgn.solve.routes.choose_route`)."""
+        fm = self._fmodel
+        cg_iters = self.param_groups[0]["cg_iters"]
+        return choose_route(
+            self._solver, lin, rhs, fm.numel, fm.device, cg_iters, self._direct_max_params
+        )
+
+    def _phase(
+        self, state: StepState, route: str, loss0: float, lin: Linearization, batch: Batch
+    ) -> auto.Phase:
+        """The route this step takes, and for ``solver="auto"`` its probe and verdict."""
+        if self._solver != "auto":
+            return auto.Phase(route)
+        at = lambda point: self._loss_at(lin, point, batch)  # noqa: E731
+        return auto.plan(state, state.step, route, loss0, at, self._fits_one_batch(batch))
+
+    def _solve(
+        self,
+        route: str,
+        lin: Linearization,
+        problem: Problem,
+        state: StepState,
+        theta: Tensor,
+        batch: Batch,
+        trainable: Optional[Tensor],
+    ) -> Outcome:
+        """The step by one route: its descent's damping attempts and the line search."""
+        group = self.param_groups[0]
+        descent = self._descent(lin, problem.rhs, state, route)
+        accelerate = self._accelerator(lin, batch, theta, route, trainable)
+        rule = DampingRule.of(group, exact=route != CG)
+        return damped_step(descent, problem, state, rule, LineSearch.of(group), accelerate)
+
+    def _descent(self, lin: Linearization, rhs: Tensor, state: StepState, route: str) -> Descent:
+        r"""``damping -> solution`` of :math:`(G + \rho I) d = -\hat m` for this step's
+        linearization by ``route``: the step's attempts share it and differ only in the
+        damping (the direct solver forms its matrix once and factors it for each)."""
+        if route == SAMPLES:
+            assert lin.sample_space is not None and rhs is lin.grad
+            return SampleSpaceDescent(lin.sample_space, lin.grad, lin.ggn_vp)
+        if route == MATRIX:
+            return MatrixDescent(lin.ggn_matrix, rhs)
+        group = self.param_groups[0]
+        iters = group["cg_iters"]
+        if group["warmup_cg_iters"] is not None and state.step < group["warmup_steps"]:
+            iters = group["warmup_cg_iters"]
+        x0 = None
+        if group["warm_start"] > 0 and state.prev_direction is not None:
+            x0 = group["warm_start"] * state.prev_direction
+        exponent = group["preconditioner_exponent"] if group["preconditioner"] else None
+        return CGDescent(
+            lin.ggn_vp, rhs, iters, group["cg_tol"], group["cg_rtol"], group["cg_progress_tol"],
+            x0, exponent,
+        )  # fmt: skip
+
+    def _accelerator(
+        self,
+        lin: Linearization,
+        batch: Batch,
+        theta: Tensor,
+        route: str,
+        mask: Optional[Tensor],
+    ) -> Optional[Callable[[DirectResult], Optional[Tensor]]]:
+        r"""``solution -> (lr^2 / 2) a``, the geodesic acceleration's term of an exact step
+        (:func:`torch_sgn.solve.geodesic.accelerator`), or ``None`` where no step takes one:
+        CG steps, or the option off.
+
+        In a data-parallel group each rank differences its shard's outputs and the shards'
+        ``J^T H f_vv`` are reduced as the gradient is, so every rank takes the same step."""
+        group = self.param_groups[0]
+        on = group["geodesic_acceleration"]
+        if on is None:
+            on = theta.dtype == torch.float64
+        if route == CG or not on:
+            return None
+        outputs_at = lin.outputs_at
+        if outputs_at is None:
+            outputs_at = lambda flat: self._fmodel(flat, batch.inputs)  # noqa: E731
+        # Through the outputs the system takes its right-hand side in output space.
+        samples = route == SAMPLES
+        vjp = None
+        if not samples:
+            vjp = lin.vjp if lin.vjp is not None else self._vjp_at(theta, batch)
+        return geodesic.accelerator(
+            theta, outputs_at, lambda centre: self._loss.hessian(centre, batch.targets), vjp,
+            self._comm.shares, lin.sample_space.size if samples else theta.numel(),
+            0.5 * group["lr"] ** 2, mask,
+        )  # fmt: skip
+
+    def _trial_loss(self, lin: Linearization, theta: Tensor, batch: Batch) -> Callable[..., float]:
+        """``(displacement, a) -> loss`` at ``theta + displacement`` on the batch."""
+
+        def loss_at(displacement: Tensor, a: float = 1.0) -> float:
+            value = self._loss_at(lin, theta + displacement, batch)
+            logger.debug("  line search: a=%.4g loss=%.6g", a, value)
+            return value
+
+        return loss_at
+
+    def _next_state(
+        self,
+        state: StepState,
+        run: Outcome,
+        route: str,
+        phase: auto.Phase,
+        loss0: float,
+        candidate: Optional[Tensor],
+        momentum_buffer: Optional[Tensor],
+    ) -> StepState:
+        """The state the next step starts from."""
+        group = self.param_groups[0]
+        t = state.step
+        after = replace(state, step=t + 1, damping=run.next_damping)
+        if self._solver == "auto" and route != CG:
+            after, switched = auto.advance(after, t, phase, loss0, candidate)
             if switched is not None:
                 logger.info("step %d: solver='auto' switches to exact steps (%s)", t, switched)
         if group["damping_update"] == "nielsen":
-            state["damping_growth"] = growth
+            after = replace(after, damping_growth=run.growth)
         if momentum_buffer is not None:
-            state["momentum_buffer"] = momentum_buffer
+            after = replace(after, momentum_buffer=momentum_buffer)
         if group["warm_start"] > 0:
-            state["prev_direction"] = cg.x
+            after = replace(after, prev_direction=run.trial.result.x)
+        return after
 
-        info = StepInfo(
+    def _report(self, run: Outcome, loss0: float, grad_norm: float, evals: int) -> StepInfo:
+        trial, search, result = run.trial, run.search, run.trial.result
+        return StepInfo(
             loss=loss0,
-            loss_after=search.loss if take else loss0,
+            loss_after=search.loss if run.moved else loss0,
             grad_norm=grad_norm,
-            cg_iters=cg.iterations,
-            cg_residual=solution.residual_norm,
-            cg_stop=cg.reason,
-            damping=damping,
-            next_damping=next_damping,
-            step_size=group["lr"] * a,
-            tr_ratio=ratio,
-            predicted_change=solution.predicted,
+            iterations=result.iterations,
+            residual=trial.solution.residual_norm,
+            stop_reason=result.reason,
+            damping=run.damping,
+            next_damping=run.next_damping,
+            step_size=self.param_groups[0]["lr"] * run.step_factor,
+            tr_ratio=run.ratio,
+            predicted_change=trial.solution.predicted,
             loss_evals=evals,
             line_search_ok=search.success,
             attempts=run.attempts,
-            solver="direct" if isinstance(cg, DirectResult) else "cg",
-            accelerated=take and trial.curve is not None,
+            solver="direct" if isinstance(result, DirectResult) else "cg",
+            accelerated=run.moved and trial.curve is not None,
         )
-        self._log(t, info)
-        return info
 
-    # --- the step's parts --------------------------------------------------------------------
-    def _attempt(
-        self,
-        solve: Callable[[float], CGResult | DirectResult],
-        accelerate: Optional[Callable[[DirectResult], Optional[Tensor]]],
-        grad: Tensor,
-        rhs: Tensor,
-        state: dict,
-        t: int,
-        route: Optional[str],
-        loss0: float,
-        loss_at: Callable[..., float],
-    ) -> _Attempt:
-        """One step's solution by one route, its damping attempts and its line search; nothing
-        is written."""
-        group = self.param_groups[0]
-        floor = self._floor(route is not None)
-        # Levenberg-Marquardt: a step that fails the sufficient-decrease test is solved
-        # again on the same linearization with a larger damping, up to `attempts` times.
-        damping = self._damping(state, t, floor)
-        growth = state.get("damping_growth", GROWTH_START)
-        evals = 0
-        for attempts in range(1, group["attempts"] + 1):
-            result = solve(damping)
-            curve = None if accelerate is None else accelerate(result)
-            trial = _Trial.of(result, curve, grad, rhs, group, loss0, loss_at)
-            if trial.settled or attempts == group["attempts"]:
-                break
-            evals += trial.evals
-            logger.debug(
-                "  attempt %d rejected: damping %.3g, loss %.6g", attempts, damping, trial.loss
-            )
-            damping, growth = self._rejected(damping, growth, trial.ratio, floor)
-            result = curve = trial = None  # its factorization, freed before the next one
-        ratio, next_damping, growth = self._next_damping(damping, growth, trial, loss0, floor)
-        search = LineSearchResult(1.0, trial.loss, 1, math.isfinite(trial.loss))
-        if group["line_search"] and trial.moved:
-            search = backtracking(
-                lambda a: loss_at(trial.displacement(a), a), loss0, trial.solution.slope,
-                c=group["ls_c"], shrink=group["ls_shrink"], max_evals=group["ls_max_evals"],
-                first=trial.loss,
-            )  # fmt: skip
-            evals += search.evaluations
-        else:
-            evals += trial.evals
-        return _Attempt(trial, search, damping, attempts, ratio, next_damping, growth, evals)
-
-    def _trainable_mask(self) -> Optional[Tensor]:
-        """1 at the parameters still trainable, 0 at those frozen since construction; ``None``
-        when none is frozen."""
-        flags = [p.requires_grad for p in self._fmodel.params]
-        if all(flags):
-            return None
-        fm = self._fmodel
-        return torch.cat([
-            torch.full((n,), float(f), dtype=fm.dtype, device=fm.device)
-            for n, f in zip(fm.numels, flags)
-        ])  # fmt: skip
-
+    # --- helpers -----------------------------------------------------------------------------
     def _warn_unfrozen(self) -> None:
         """Warns once about parameters made trainable after construction: SGN's parameter
         vector was fixed then, and they stay where they are."""
-        if getattr(self, "_unfrozen_warned", False):
-            return
-        own = {id(p) for p in self._fmodel.params}
-        names = [
-            n
-            for n, p in self._fmodel.model.named_parameters()
-            if p.requires_grad and id(p) not in own
-        ]
+        names = [] if getattr(self, "_unfrozen_warned", False) else self._fmodel.unfrozen()
         if names:
             self._unfrozen_warned = True
             warn(
@@ -747,173 +669,6 @@ class SGN(torch.optim.Optimizer):
             return curvature_subset(self._engine, self._loss, self._curvature_fraction, seed=t)
         return self._engine
 
-    def _floor(self, direct: bool) -> float:
-        """The damping floor of this step: ``damping_min``, or where it is ``None`` the floor
-        of the solver that runs."""
-        floor = self.param_groups[0]["damping_min"]
-        if floor is not None:
-            return floor
-        return DIRECT_DAMPING_MIN if direct else CG_DAMPING_MIN
-
-    def _damping(self, state: dict, t: int, floor: float) -> float:
-        group = self.param_groups[0]
-        if group["trust_region"]:
-            return max(state["damping"], floor)  # CG's floor after the direct solver's
-        return scheduled_damping(
-            group["damping_schedule"], group["damping"], min(floor, group["damping"]), t,
-            group["damping_decay_steps"],
-        )  # fmt: skip
-
-    def _rejected(
-        self, damping: float, growth: float, ratio: float, floor: float
-    ) -> tuple[float, float]:
-        """The damping of the next attempt at this step, and Nielsen's growth factor."""
-        group = self.param_groups[0]
-        if group["damping_update"] == "nielsen":
-            return rejected_update(damping, growth)
-        return trust_region_update(damping, ratio, floor), growth
-
-    def _next_damping(
-        self, damping: float, growth: float, trial: _Trial, loss0: float, floor: float
-    ) -> tuple[Optional[float], float, float]:
-        """The trust-region ratio (``None`` with the trust region off), the next step's damping
-        and growth factor.
-
-        A predicted change within rounding of the loss (at a minimum, or with a vanishing
-        gradient) says nothing about the model's quality: the damping is then kept, where the
-        plain rule would read the rounding noise as a failed prediction and raise the damping
-        step after step until it overflows.
-        """
-        group = self.param_groups[0]
-        if not group["trust_region"]:
-            return None, damping, growth
-        if trial.noise:
-            return math.nan, damping, growth
-        if group["damping_update"] == "threshold":
-            return (
-                trial.ratio,
-                trust_region_update(damping, trial.ratio, floor),
-                growth,
-            )
-        if trial.accepted:
-            return (
-                trial.ratio,
-                nielsen_update(damping, trial.ratio, floor),
-                GROWTH_START,
-            )
-        return (trial.ratio, *rejected_update(damping, growth))
-
-    def _momentum(self, grad: Tensor, state: dict, t: int) -> tuple[Tensor, Optional[Tensor]]:
-        """The CG right-hand side ``m_hat`` and the new moving average (None without momentum)."""
-        beta = self.param_groups[0]["gradient_averaging"]
-        if beta == 0:
-            return grad, None
-        m = state.get("momentum_buffer")
-        m = (1 - beta) * grad if m is None else beta * m + (1 - beta) * grad
-        return m / (1 - beta ** (t + 1)), m
-
-    def _step_solver(
-        self, lin: Linearization, rhs: Tensor, state: dict, t: int, route: Optional[str]
-    ) -> Callable[[float], CGResult | DirectResult]:
-        r"""``damping -> solution`` of :math:`(G + \rho I) d = -\hat m` for this step's
-        linearization: the step's attempts share it and differ only in the damping (the
-        direct solver forms its matrix once and factors it for each). ``route``: see
-        :meth:`_route`."""
-        if route == "samples":
-            space = lin.sample_space
-            assert space is not None and rhs is lin.grad
-            return lambda damping: self._logged(
-                direct.solve_in_sample_space(space, lin.grad, damping, lin.ggn_vp), damping
-            )
-        if route == "matrix":
-            return lambda damping: self._logged(
-                direct.solve_damped(lin.ggn_matrix(), rhs, damping), damping
-            )
-        group = self.param_groups[0]
-        iters = group["cg_iters"]
-        if group["warmup_cg_iters"] is not None and t < group["warmup_steps"]:
-            iters = group["warmup_cg_iters"]
-        x0 = None
-        previous = state.get("prev_direction")
-        if group["warm_start"] > 0 and previous is not None:
-            x0 = group["warm_start"] * previous
-
-        def solve(damping: float) -> CGResult:
-            precond = None
-            if group["preconditioner"]:
-                precond = (rhs.square() + damping).pow(-group["preconditioner_exponent"])
-
-            def damped(v: Tensor) -> Tensor:
-                return lin.ggn_vp(v).add_(v, alpha=damping)  # a product is a fresh tensor
-
-            result = conjugate_gradient(
-                damped, -rhs, max_iters=iters, tol=group["cg_tol"], rtol=group["cg_rtol"],
-                progress_tol=group["cg_progress_tol"], x0=x0, preconditioner=precond,
-            )  # fmt: skip
-            if result.breakdown:
-                logger.warning(
-                    "CG stopped early (%s) after %d iterations; using its last good iterate",
-                    result.reason, result.iterations,
-                )  # fmt: skip
-            return result
-
-        return solve
-
-    def _accelerator(
-        self,
-        lin: Linearization,
-        batch: Batch,
-        theta: Tensor,
-        route: Optional[str],
-        mask: Optional[Tensor],
-    ) -> Optional[Callable[[DirectResult], Optional[Tensor]]]:
-        r"""``solution -> (lr^2 / 2) a``, the geodesic acceleration's term of an exact step
-        (:mod:`torch_sgn.solve.geodesic`; ``None`` where it is not used), or ``None`` where no step
-        takes one: CG steps, or the option off.
-
-        In a data-parallel group each rank differences its shard's outputs and the shards'
-        ``J^T H f_vv`` are reduced as the gradient is, so every rank takes the same step."""
-        group = self.param_groups[0]
-        on = group["geodesic_acceleration"]
-        if on is None:
-            on = theta.dtype == torch.float64
-        if route is None or not on:
-            return None
-        outputs_at = lin.outputs_at
-        if outputs_at is None:
-            outputs_at = lambda flat: self._fmodel(flat, batch.inputs)  # noqa: E731
-        vjp = lin.vjp
-        centre = None  # the outputs at theta, shared by the step's attempts
-        scale = 0.5 * group["lr"] ** 2
-        # Through the outputs the system takes its right-hand side in output space.
-        size = lin.sample_space.size if route == "samples" else theta.numel()
-
-        def curve(result: DirectResult) -> Optional[Tensor]:
-            if result.again is None or result.breakdown:
-                return None
-            v = result.x
-
-            def local() -> tuple[Tensor, Tensor]:  # (J^T) H f_vv and the rounding's norms
-                nonlocal vjp, centre
-                if centre is None:
-                    centre = outputs_at(theta)
-                fvv, norms = geodesic.second_difference(outputs_at, theta, v, centre)
-                hf = self._loss.hessian(centre, batch.targets)(fvv)
-                if route == "samples":
-                    return hf, norms
-                if vjp is None:
-                    vjp = self._vjp_at(theta, batch)
-                b = vjp(hf)
-                return (b if mask is None else b * mask), norms
-
-            b, norms = self._comm.shares(local, (size, 4), "the geodesic acceleration")
-            if not geodesic.above_rounding(norms, theta.dtype):
-                return None
-            a = geodesic.accepted(v, result.again(b))
-            return None if a is None else a.mul_(scale)
-
-        return curve
-
     def _vjp_at(self, theta: Tensor, batch: Batch) -> Callable[[Tensor], Tensor]:
         """``u -> J^T u`` at ``theta`` by a forward and a backward pass, for engines that keep
         no graph."""
@@ -925,34 +680,6 @@ class SGN(torch.optim.Optimizer):
             return jtu
 
         return vjp
-
-    def _route(self, lin: Linearization, rhs: Tensor) -> Optional[str]:
-        """How this step solves: ``None`` by CG, ``"matrix"`` directly through the ``P x P``
-        matrix ``G``, ``"samples"`` directly through the batch's outputs
-        (:func:`~torch_sgn.solve.direct.solve_in_sample_space`). ``solver="auto"``: the direct
-        solver wherever its matrix has at most ``direct_max_params`` rows, through the outputs
-        where they are fewer than the parameters, and through ``G`` only where the engine forms
-        it from the per-sample Jacobian (or ``P <= cg_iters``): from products with the
-        identity's columns ``G`` costs ``P`` products, which on a model of thousands of
-        parameters is hundreds of times CG's ``k``. Else CG. A rule, not a timing, so that a
-        run takes the same steps on every machine."""
-        if self._solver == "cg":
-            return None
-        if self._samples_fit(lin, rhs):
-            return "samples"
-        if self._solver == "direct":
-            fm = self._fmodel
-            try:  # raised here, before the step changes anything
-                direct.check_direct_fits(fm.numel, torch.float64, fm.device)
-            except ValueError as e:
-                raise ValueError(
-                    f"{e}. This step could not go through the batch's outputs either (that "
-                    "route needs fewer outputs than parameters, no momentum, one process and "
-                    "a chain of linear layers and activations); the step was not taken"
-                ) from None
-            return "matrix"
-        cheap = lin.dense_ggn is not None or self._fmodel.numel <= self.param_groups[0]["cg_iters"]
-        return "matrix" if cheap and self._matrix_fits() else None
 
     def _may_solve_through_outputs(self) -> bool:
         """Whether steps may go through the batch's outputs (the engine and the options allow
@@ -1005,30 +732,6 @@ class SGN(torch.optim.Optimizer):
             self._per_sample[key] = per_sample(self._fmodel, theta, batch)
         return self._per_sample[key]
 
-    def _samples_fit(self, lin: Linearization, rhs: Tensor) -> bool:
-        """Whether the step can be solved through the batch's outputs, more cheaply than
-        through ``G`` (fewer outputs than parameters), within ``direct_max_params`` for
-        ``"auto"`` and in the free memory."""
-        space = lin.sample_space
-        if space is None or rhs is not lin.grad or space.size >= self._fmodel.numel:
-            return False
-        if self._solver == "auto" and space.size > self._direct_max_params:
-            return False
-        return _fits(space.size, torch.float64, self._fmodel.device)
-
-    def _matrix_fits(self) -> bool:
-        fm = self._fmodel
-        return fm.numel <= self._direct_max_params and _fits(fm.numel, torch.float64, fm.device)
-
-    def _logged(self, result: DirectResult, damping: float) -> DirectResult:
-        if result.reason not in ("cholesky", "lu"):  # an indefinite G, or rounding
-            logger.debug(
-                "  the direct solve's factorization failed at damping %.3g; solved by the %s "
-                "fallback",
-                damping, result.reason,
-            )  # fmt: skip
-        return result
-
     def _loss_at(self, lin: Linearization, flat: Tensor, batch: Batch) -> float:
         if lin.value_at is not None:
             return self._comm.loss_value(lambda: lin.value_at(flat))
@@ -1047,228 +750,8 @@ class SGN(torch.optim.Optimizer):
             t, info.loss, info.loss_after, info.damping, info.step_size,
         )  # fmt: skip
         logger.debug(
-            "  |g| %.4g, CG %d it (%s), |r| %.3g, ratio %s, %d loss evals",
-            info.grad_norm, info.cg_iters, info.cg_stop, info.cg_residual,
+            "  |g| %.4g, %s %d it (%s), |r| %.3g, ratio %s, %d loss evals",
+            info.grad_norm, "CG" if info.solver == "cg" else "direct", info.iterations,
+            info.stop_reason, info.residual,
             "-" if info.tr_ratio is None else f"{info.tr_ratio:.3g}", info.loss_evals,
         )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class _Solution:
-    """What the step's decisions need from the CG solution ``d``, copied to the host at once."""
-
-    predicted: float  # the damped quadratic model's change at ``s = lr d``
-    slope: float  # ``m_hat^T s``, the line search's directional derivative
-    residual_norm: float
-    moved: bool  # ``d != 0``
-
-    @staticmethod
-    def of(grad: Tensor, rhs: Tensor, cg: CGResult | DirectResult, lr: float) -> _Solution:
-        r"""The change :math:`g^\top s + \frac12 s^\top A s` uses CG's residual, which gives
-        :math:`A d = r - \hat m` without another product."""
-        d = cg.x
-        g_d, curv, m_d, res, d_max = torch.stack([
-            torch.dot(grad, d), torch.dot(d, cg.residual - rhs), torch.dot(rhs, d),
-            torch.linalg.vector_norm(cg.residual), d.abs().max(),
-        ]).tolist()  # fmt: skip
-        return _Solution(lr * g_d + 0.5 * lr * lr * curv, lr * m_d, res, d_max != 0)
-
-
-@dataclass(frozen=True)
-class _Trial:
-    """One attempt at a step: the solution at one damping and the loss at its full step."""
-
-    cg: CGResult
-    solution: _Solution
-    step: Tensor  # lr d
-    curve: Optional[Tensor]  # lr^2 a / 2, the geodesic acceleration's term; None without
-    loss: float  # at the full step (loss0 when d = 0)
-    evals: int  # loss evaluations made (0 or 1)
-    ratio: float  # actual over predicted change; NaN unless the prediction is a decrease
-    accepted: bool  # the Armijo condition holds at the full step
-    noise: bool  # the predicted change is within rounding of the loss
-
-    @property
-    def moved(self) -> bool:
-        return self.solution.moved
-
-    def displacement(self, a: float) -> Tensor:
-        """The change of the parameters at the line search's factor ``a``: ``a lr d``, and
-        with a geodesic acceleration the parabola ``a lr d + a^2 lr^2 a_geo / 2``."""
-        if self.curve is None:
-            return a * self.step
-        return torch.add(self.step, self.curve, alpha=a).mul_(a)
-
-    @property
-    def settled(self) -> bool:
-        """Whether another attempt with a larger damping is pointless."""
-        return self.accepted or self.noise or not self.moved
-
-    @staticmethod
-    def of(
-        cg: CGResult,
-        curve: Optional[Tensor],
-        grad: Tensor,
-        rhs: Tensor,
-        group: dict,
-        loss0: float,
-        loss_at: Callable[[Tensor], float],
-    ) -> _Trial:
-        solution = _Solution.of(grad, rhs, cg, group["lr"])
-        step = group["lr"] * cg.x
-        moved = solution.moved
-        loss = loss_at(step if curve is None else step + curve) if moved else loss0
-        predicted = solution.predicted
-        dtype = grad.dtype
-        noise = 100 * torch.finfo(dtype).eps * max(abs(loss0), torch.finfo(dtype).tiny)
-        within_noise = abs(predicted) <= noise and not cg.breakdown and math.isfinite(loss)
-        ratio = (loss - loss0) / predicted if predicted < 0 else math.nan
-        # The line search's first test, at a = 1.
-        accepted = moved and math.isfinite(loss) and loss <= loss0 + group["ls_c"] * solution.slope
-        return _Trial(cg, solution, step, curve, loss, int(moved), ratio, accepted, within_noise)
-
-
-@dataclass(frozen=True)
-class _Attempt:
-    """A step's outcome by one route: the last attempt's trial, its line search, the damping it
-    was solved at, the attempts made, the trust-region ratio, the next damping and growth factor,
-    and the loss evaluations made."""
-
-    trial: _Trial
-    search: LineSearchResult
-    damping: float
-    attempts: int
-    ratio: Optional[float]
-    next_damping: float
-    growth: float
-    evals: int
-
-    @property
-    def moved(self) -> bool:
-        """Whether the step changes the parameters (a finite loss where it ends)."""
-        return self.trial.moved and math.isfinite(self.search.loss)
-
-
-def _finite_loss(lin: Linearization, batch: Batch, loss_fn: OutputLoss) -> tuple[float, float]:
-    """The loss and the gradient's norm (one host transfer); raises unless both are finite.
-
-    The batch is scanned for NaN and infinite values only then, to name the cause: a
-    non-finite entry that reaches the loss or the gradient is found without a pass over the
-    batch in every step (on a distributed step, every rank sees the reduced values, so all
-    raise together).
-    """
-    norm = torch.linalg.vector_norm(lin.grad).to(lin.loss.dtype)
-    loss, grad_norm = torch.stack([lin.loss.reshape(()), norm]).tolist()
-    # A norm that overflows on finite entries is settled by the exact test.
-    finite = math.isfinite(loss) and (
-        math.isfinite(grad_norm) or bool(torch.isfinite(lin.grad).all())
-    )
-    if not finite:
-        _check_finite_batch(batch.inputs, batch.targets)
-        _check_counted_targets(batch.targets, loss_fn)
-    if not math.isfinite(loss):
-        raise FloatingPointError(
-            f"the loss is {loss} at the current parameters on this batch; the parameters were "
-            "not changed. Check the data and the model's output (e.g. lower the learning rate "
-            "of an earlier optimizer, or raise `damping`)"
-        )
-    if not finite:
-        raise FloatingPointError(
-            "the gradient has non-finite entries at the current parameters; the parameters "
-            "were not changed"
-        )
-    return loss, grad_norm
-
-
-def _restrict(lin: Linearization, mask: Tensor) -> Linearization:
-    """The linearization in the directions where ``mask`` is 1: ``P g`` and ``P G P``."""
-    ggn_vp = lin.ggn_vp
-    dense = None
-    if lin.dense_ggn is not None:
-        dense = lambda: lin.ggn_matrix() * mask[:, None] * mask[None, :]  # noqa: E731
-    return replace(
-        lin,
-        grad=lin.grad * mask,
-        ggn_vp=lambda v: ggn_vp(v * mask) * mask,
-        dense_ggn=dense,
-        sample_space=None,  # its J spans the frozen directions too
-    )
-
-
-def _fits(n: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the direct solver's ``n x n`` matrices fit in the device's free memory."""
-    try:
-        direct.check_direct_fits(n, dtype, device)
-    except ValueError:
-        return False
-    return True
-
-
-def _restrict_state(state: dict, mask: Tensor) -> dict:
-    """A view of the state whose vectors (gradient average, previous direction) are zero where
-    ``mask`` is: CG's iterates then stay in the trainable directions."""
-    view = dict(state)
-    for key in ("momentum_buffer", "prev_direction"):
-        if view.get(key) is not None:
-            view[key] = view[key] * mask
-    return view
-
-
-def _check_batch(inputs: Inputs, targets: Optional[Tensor]) -> None:
-    if targets is None:
-        if callable(inputs):
-            raise TypeError(
-                "SGN.step takes the mini-batch, opt.step(inputs, targets), not a closure: SGN "
-                "needs the model's outputs and the targets, not only the loss a closure "
-                "returns, to form the Gauss-Newton matrix J^T H J, and runs the forward passes "
-                "itself"
-            )
-        raise TypeError("SGN.step(inputs, targets) needs the targets of the batch")
-    items = inputs if isinstance(inputs, tuple) else (inputs,)
-    for i, x in enumerate(items):
-        if not isinstance(x, Tensor):
-            raise TypeError(
-                f"inputs must be a tensor or a tuple of tensors; item {i} is {type(x).__name__}"
-            )
-    if not isinstance(targets, Tensor):
-        raise TypeError(f"targets must be a tensor, got {type(targets).__name__}")
-
-
-def _check_counted_targets(targets: Tensor, loss: OutputLoss) -> None:
-    """Raises ``ValueError`` if the batch has no target that a mean of the loss counts."""
-    if targets.numel() == 0:
-        raise ValueError(
-            f"the batch is empty (targets of shape {tuple(targets.shape)}): the mean loss of no "
-            "samples is NaN; skip empty batches"
-        )
-    if loss.reduction == "mean" and loss.normalizer(targets) == 0:
-        raise ValueError(
-            f"no target of this batch counts toward the mean {loss.name} loss (each one is "
-            "ignore_index, or of a class of weight 0), so the mean is 0 / 0: skip such "
-            "batches, or use reduction='sum'"
-        )
-
-
-def _check_finite_batch(inputs: Inputs, targets: Tensor) -> None:
-    items = inputs if isinstance(inputs, tuple) else (inputs,)
-    for i, x in enumerate(items):
-        if x.is_floating_point() and not _all_finite(x):
-            where = "inputs" if not isinstance(inputs, tuple) else f"inputs[{i}]"
-            raise ValueError(f"{where} contain NaN or infinite values; clean the batch first")
-    if targets.is_floating_point() and not _all_finite(targets):
-        raise ValueError("targets contain NaN or infinite values; clean the batch first")
-
-
-def _all_finite(x: Tensor) -> bool:
-    """Whether every entry is finite, without temporaries the size of ``x``.
-
-    ``isfinite(x)`` allocates about twice the batch in temporaries, more than the rest of a
-    step on an input-heavy model; one sum is finite exactly when no entry is NaN or infinite,
-    unless finite entries overflow it, and then the exact test decides.
-    """
-    return bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
-
-
-def _check(ok: bool, name: str, value: object, what: str) -> None:
-    if not ok:
-        raise ValueError(f"invalid {name}={value!r}: {what}")

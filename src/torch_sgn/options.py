@@ -1,5 +1,6 @@
 """SGN's options as kept in ``param_groups``: checked at construction, at every step (a user or
-a scheduler may have changed them since) and when a ``state_dict`` is loaded.
+a scheduler may have changed them since) and when a ``state_dict`` is loaded; the constructor's
+other arguments (:func:`check_arguments`); the paper's configuration (:data:`PAPER_OPTIONS`).
 
 SGN's gradient averaging :math:`\\beta` (the constructor's ``momentum``) is kept under the key
 ``"gradient_averaging"``, not ``"momentum"``: learning-rate schedulers that cycle momentum
@@ -11,11 +12,22 @@ key they refuse ``cycle_momentum=True`` with their own error.
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
 from typing import Callable, Mapping
 
+from .engines.selection import ENGINE_ALIASES, ENGINES, engine_name
 from .solve.damping import DAMPING_SCHEDULES, DAMPING_UPDATES
+from .solve.direct import SOLVERS
 
-__all__ = ["ADDED_KEYS", "ARGUMENT_NAMES", "KEYS", "check_loaded_state", "check_options"]
+__all__ = [
+    "ADDED_KEYS",
+    "ARGUMENT_NAMES",
+    "KEYS",
+    "PAPER_OPTIONS",
+    "check_arguments",
+    "check_loaded_state",
+    "check_options",
+]
 
 #: SGN's options, the keys of its parameter group besides ``"params"``.
 KEYS = (
@@ -38,6 +50,39 @@ ADDED_KEYS = {
 
 #: The constructor's argument for each group key named otherwise.
 ARGUMENT_NAMES = {"gradient_averaging": "momentum"}
+
+#: The paper's configuration (Gargiani et al., 2020, Section 4, with the original
+#: implementation's settings of its runs): the arguments :meth:`SGN.paper` passes, and the one
+#: place the benchmark runner's paper presets read them from.
+PAPER_OPTIONS: Mapping[str, object] = MappingProxyType(
+    dict(
+        lr=1.0,
+        damping=1e-4,
+        damping_min=1e-6,
+        solver="cg",
+        cg_iters=10,
+        cg_tol=1e-6,
+        cg_rtol=0.0,
+        cg_progress_tol=0.0,
+        attempts=1,
+        damping_update="threshold",
+        line_search=True,
+        trust_region=True,
+        momentum=0.0,
+        warmup_cg_iters=10,
+        warmup_steps=10,
+        damping_schedule="constant",
+        damping_decay_steps=10,
+        preconditioner=False,
+        preconditioner_exponent=1.0,
+        warm_start=0.0,
+        ls_c=1e-4,
+        ls_shrink=0.5,
+        ls_max_evals=10,
+        geodesic_acceleration=False,
+        curvature_fraction=1.0,
+    )
+)
 
 
 def check_options(group: Mapping, in_step: bool = False) -> None:
@@ -148,6 +193,65 @@ def check_loaded_state(state_dict: Mapping) -> dict:
         )
     check_options(group)
     return {**state_dict, "param_groups": [group]}
+
+
+def check_arguments(
+    engine: str,
+    compile: bool,
+    cuda_graphs: bool,
+    curvature_fraction: float,
+    solver: str,
+    direct_max_params: int,
+) -> None:
+    """Raises ``ValueError`` naming the first invalid argument of :class:`~torch_sgn.SGN` that
+    is not kept in ``param_groups`` (the engine, its compilation and capture, the curvature
+    subset, the solver)."""
+    _check(
+        engine in ENGINES or engine in ENGINE_ALIASES,
+        "engine",
+        engine,
+        f"must be one of {ENGINES}",
+    )
+    engine = engine_name(engine)
+    _check(
+        not compile or engine in ("traced", "auto"),
+        "compile",
+        compile,
+        "needs engine='traced' or 'auto' (only the traced engine runs compiled graphs)",
+    )
+    _check(
+        not (compile and cuda_graphs),
+        "compile",
+        compile,
+        "cannot be combined with cuda_graphs=True: on a GPU, cuda_graphs=True alone "
+        "removes the kernel launches that dominate small models' steps",
+    )
+    _check(
+        not (cuda_graphs and engine == "functional"),
+        "cuda_graphs",
+        cuda_graphs,
+        "needs engine='layerwise', 'traced' or 'auto' (the functional engine captures no CUDA "
+        "graphs)",
+    )
+    _check(
+        0 < curvature_fraction <= 1,
+        "curvature_fraction",
+        curvature_fraction,
+        "must be in (0, 1]",
+    )
+
+    _check(solver in SOLVERS, "solver", solver, f"must be one of {SOLVERS}")
+    _check(
+        type(direct_max_params) is int and direct_max_params >= 0,
+        "direct_max_params",
+        direct_max_params,
+        "must be an int >= 0",
+    )
+
+
+def _check(ok: bool, name: str, value: object, what: str) -> None:
+    if not ok:
+        raise ValueError(f"invalid {name}={value!r}: {what}")
 
 
 _TORCH_KEYS = {"differentiable", "foreach", "maximize", "capturable", "fused"}

@@ -61,8 +61,8 @@ from torch import Tensor, nn
 from .. import __version__
 from .. import distributed as sgn_dist
 from ..losses import OutputLoss, resolve_loss
-from ..optimizer import PAPER_OPTIONS as _PAPER
 from ..optimizer import SGN
+from ..options import PAPER_OPTIONS as _PAPER
 from .data import Dataset, load
 from .models import PRESETS
 
@@ -95,7 +95,7 @@ class SGNOptions:
 
     The run's optimizer is ``SGN.paper(model, loss, **options)``
     (:meth:`torch_sgn.SGN.paper`); each default here is read from
-    :data:`torch_sgn.optimizer.PAPER_OPTIONS`, so the paper's runs are defined in one place.
+    :data:`torch_sgn.options.PAPER_OPTIONS`, so the paper's runs are defined in one place.
     """
 
     cg_iters: int = _PAPER["cg_iters"]

@@ -171,6 +171,23 @@ class FunctionalModel:
             for name, chunk, shape in zip(self.names, flat.split(self.numels), self.shapes)
         }
 
+    def trainable_mask(self) -> Optional[Tensor]:
+        """1 at the parameters still trainable, 0 at those frozen since construction; ``None``
+        when none is frozen."""
+        flags = [p.requires_grad for p in self.params]
+        if all(flags):
+            return None
+        return torch.cat([
+            torch.full((n,), float(f), dtype=self.dtype, device=self.device)
+            for n, f in zip(self.numels, flags)
+        ])  # fmt: skip
+
+    def unfrozen(self) -> list[str]:
+        """The names of the model's parameters made trainable after construction (not among
+        :attr:`params`)."""
+        own = {id(p) for p in self.params}
+        return [n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in own]
+
     @torch.no_grad()
     def write(self, flat: Tensor) -> None:
         """Copies ``flat`` into the model's parameters."""

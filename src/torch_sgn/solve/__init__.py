@@ -1,5 +1,9 @@
 """Solving the damped Gauss-Newton system, and the step around it: the third layer.
 
+* :mod:`.step`: one damped step: the Levenberg-Marquardt attempts of a descent, the trust
+  region and the line search, over the typed state of :mod:`.state`;
+* :mod:`.descents`: the descents, ``damping -> solution`` by CG, through ``G``, or through the
+  batch's outputs; :mod:`.routes` chooses one;
 * :mod:`.cg`: truncated conjugate gradient;
 * :mod:`.nystrom`: the randomized Nystrom preconditioner for it;
 * :mod:`.direct`: exact solves through ``G`` (``P x P``) or through the batch's outputs;

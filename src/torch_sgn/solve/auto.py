@@ -18,16 +18,20 @@ takes exact steps at once):
 - **stall**: the mean batch loss of the last :data:`WINDOW` steps falls by less than the share
   :data:`STALL` below that of the :data:`WINDOW` steps before (CG's plateau).
 
-The state lives in the optimizer's state dict (keys :data:`KEYS`), so a resumed run takes the
-same steps. A data-parallel group decides alike on every rank: the losses compared are reduced.
+The state lives in the optimizer's :class:`~torch_sgn.solve.state.StepState` (its fields
+:data:`KEYS`), saved with the optimizer's state dict, so a resumed run takes the same steps. A
+data-parallel group decides alike on every rank: the losses compared are reduced.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 from torch import Tensor
+
+from .descents import CG
+from .state import StepState
 
 __all__ = ["KEYS", "MARGIN", "PROBE_EVERY", "STALL", "WINDOW", "Phase", "advance", "plan"]
 
@@ -40,9 +44,9 @@ WINDOW = 20
 #: The relative fall of the windows' mean loss above which it is not a stall.
 STALL = 0.1
 
-#: The keys of the optimizer's state this module keeps: ``"exact"`` (switched), ``"next_probe"``
-#: (the step of the next probe), ``"candidate"`` (the last probe's point, judged at the next
-#: step) and ``"recent"`` (the last ``2 * WINDOW`` batch losses).
+#: The fields of :class:`~torch_sgn.solve.state.StepState` this module keeps: ``"exact"``
+#: (switched), ``"next_probe"`` (the step of the next probe), ``"candidate"`` (the last probe's
+#: point, judged at the next step) and ``"recent"`` (the last ``2 * WINDOW`` batch losses).
 KEYS = ("exact", "next_probe", "candidate", "recent")
 
 
@@ -50,12 +54,13 @@ KEYS = ("exact", "next_probe", "candidate", "recent")
 class Phase:
     """What one step of ``solver="auto"`` does.
 
-    ``route``: the route it takes (``None``: CG); ``probe``: the exact route solved besides, whose
-    point is the next step's candidate (``None``: no probe); ``verdict``: whether the last
-    probe's candidate won on this step's batch (``None``: none was judged).
+    ``route``: the route it takes (:data:`~torch_sgn.solve.descents.ROUTES`); ``probe``: the exact
+    route solved besides, whose point is the next step's candidate (``None``: no probe);
+    ``verdict``: whether the last probe's candidate won on this step's batch (``None``: none was
+    judged).
     """
 
-    route: Optional[str]
+    route: str
     probe: Optional[str] = None
     verdict: Optional[bool] = None
 
@@ -75,48 +80,47 @@ def stalled(losses: list) -> bool:
 
 
 def plan(
-    state: dict,
+    state: StepState,
     t: int,
-    route: Optional[str],
+    route: str,
     loss0: float,
     loss_at: Callable[[Tensor], float],
     one_batch: bool = False,
 ) -> Phase:
-    """The phase of step ``t``. ``route``: the exact route the step could take (``None`` where
+    """The phase of step ``t``. ``route``: the exact route the step could take (``"cg"`` where
     only CG can run); ``loss0``: the batch loss at the current point; ``loss_at``: the batch loss
     at a point (the candidate's); ``one_batch``: the run fits one batch (a full-batch fit, a
     least-squares problem), where no noise argues for CG: exact steps at once."""
-    if route is None or state.get("exact", False) or one_batch:
+    if route == CG or state.exact or one_batch:
         return Phase(route)
-    candidate = state.get("candidate")
-    if candidate is not None:
-        verdict = exact_wins(loss_at(candidate), loss0)
-        return Phase(route if verdict else None, verdict=verdict)
-    return Phase(None, probe=route if t >= state.get("next_probe", 0) else None)
+    if state.candidate is not None:
+        verdict = exact_wins(loss_at(state.candidate), loss0)
+        return Phase(route if verdict else CG, verdict=verdict)
+    next_probe = 0 if state.next_probe is None else state.next_probe
+    return Phase(CG, probe=route if t >= next_probe else None)
 
 
 def advance(
-    state: dict, t: int, phase: Phase, loss0: float, candidate: Optional[Tensor]
-) -> Optional[str]:
-    """Updates ``state`` after the committed step ``t`` of ``solver="auto"`` whose exact route
-    existed (``phase`` from :func:`plan`, ``candidate`` the probe's point, ``None`` where its
-    exact step did not move). Returns the reason of a switch made here (``"probe"``,
-    ``"stall"``) or ``None``."""
-    if state.get("exact", False):
-        return None
+    state: StepState, t: int, phase: Phase, loss0: float, candidate: Optional[Tensor]
+) -> tuple[StepState, Optional[str]]:
+    """The state after the committed step ``t`` of ``solver="auto"`` whose exact route existed
+    (``phase`` from :func:`plan`, ``candidate`` the probe's point, ``None`` where its exact step
+    did not move), and the reason of a switch made here (``"probe"``, ``"stall"``) or
+    ``None``."""
+    if state.exact:
+        return state, None
     reason = None
     if phase.verdict is not None:
-        del state["candidate"]
+        state = replace(state, candidate=None)
         reason = "probe" if phase.verdict else None
     elif phase.probe is not None:
-        state["next_probe"] = t + PROBE_EVERY
+        state = replace(state, next_probe=t + PROBE_EVERY)
         if candidate is not None:
-            state["candidate"] = candidate
-    recent = state["recent"] = [*state.get("recent", ()), loss0][-2 * WINDOW :]
+            state = replace(state, candidate=candidate)
+    recent = [*(state.recent or ()), loss0][-2 * WINDOW :]
+    state = replace(state, recent=recent)
     if reason is None and stalled(recent):
         reason = "stall"
     if reason is not None:
-        state["exact"] = True
-        for key in ("next_probe", "candidate", "recent"):
-            state.pop(key, None)
-    return reason
+        state = replace(state, exact=True, next_probe=None, candidate=None, recent=None)
+    return state, reason

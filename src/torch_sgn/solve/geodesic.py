@@ -32,7 +32,17 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["NOISE", "RATIO", "STEP", "above_rounding", "accepted", "second_difference"]
+from .direct import DirectResult
+
+__all__ = [
+    "NOISE",
+    "RATIO",
+    "STEP",
+    "above_rounding",
+    "accelerator",
+    "accepted",
+    "second_difference",
+]
 
 #: The largest ``2 |a| / |v|`` for which the acceleration is used (Transtrum and Sethna's
 #: :math:`\alpha`).
@@ -92,3 +102,57 @@ def accepted(v: Tensor, a: Tensor) -> Optional[Tensor]:
     if not size == size or not 2 * size <= RATIO * step:  # NaN fails both
         return None
     return a
+
+
+def accelerator(
+    theta: Tensor,
+    outputs_at: Callable[[Tensor], Tensor],
+    hessian_at: Callable[[Tensor], Callable[[Tensor], Tensor]],
+    vjp: Optional[Callable[[Tensor], Tensor]],
+    share: Callable[..., tuple[Tensor, Tensor]],
+    size: int,
+    scale: float,
+    mask: Optional[Tensor] = None,
+) -> Callable[[DirectResult], Optional[Tensor]]:
+    r"""``result -> scale * a``, the acceleration's term of one exact solve of the step at
+    ``theta`` (``None`` where it is not used: no factorization to solve again, a breakdown, a
+    difference within rounding, or an ``a`` too large).
+
+    Args:
+        theta: the point.
+        outputs_at: ``flat -> outputs`` on the step's batch, with the step's random numbers.
+        hessian_at: ``outputs -> (t -> H t)``, the loss's Hessian in output space.
+        vjp: output-shaped ``u -> J^T u`` at ``theta``; ``None`` where the solve takes its
+            right-hand side in output space (through the batch's outputs).
+        share: ``(compute, sizes, what) -> (mean, sum)``, the data-parallel communicator's
+            reduction of each rank's ``J^T H f_vv`` and norms
+            (:meth:`~torch_sgn.distributed.SingleProcess.shares`).
+        size: the length of the right-hand side (``P``, or the batch's outputs ``R``).
+        scale: ``lr^2 / 2``: the term enters the step as ``s d + s^2 scale a``.
+        mask: 1 at the parameters still trainable (``None``: all are).
+    """
+    centre = None  # the outputs at theta, shared by the step's attempts
+
+    def curve(result: DirectResult) -> Optional[Tensor]:
+        if result.again is None or result.breakdown:
+            return None
+        v = result.x
+
+        def local() -> tuple[Tensor, Tensor]:  # (J^T) H f_vv and the rounding's norms
+            nonlocal centre
+            if centre is None:
+                centre = outputs_at(theta)
+            fvv, norms = second_difference(outputs_at, theta, v, centre)
+            hf = hessian_at(centre)(fvv)
+            if vjp is None:
+                return hf, norms
+            b = vjp(hf)
+            return (b if mask is None else b * mask), norms
+
+        b, norms = share(local, (size, 4), "the geodesic acceleration")
+        if not above_rounding(norms, theta.dtype):
+            return None
+        a = accepted(v, result.again(b))
+        return None if a is None else a.mul_(scale)
+
+    return curve

@@ -1,0 +1,292 @@
+"""Records SGN's steps on a set of models and options, and compares two records bit for bit.
+
+A refactor of the step must not change a single bit of what it computes. Record the steps
+before the change, again after it, and compare (from the repository root, CPU)::
+
+    PYTHONPATH=src python scripts/step_equivalence.py record /tmp/before.pt
+    # ... change the code ...
+    PYTHONPATH=src python scripts/step_equivalence.py record /tmp/after.pt
+    PYTHONPATH=src python scripts/step_equivalence.py compare /tmp/before.pt /tmp/after.pt
+
+Each case runs ~20 steps and keeps the parameters after every step, each step's
+:class:`~torch_sgn.StepInfo` (read by attribute, so that renamed fields with aliases compare)
+and the optimizer's final ``state_dict``. ``compare`` checks tensors with ``torch.equal`` and
+numbers with ``==`` (NaN equal to NaN) and exits 1 on the first difference of each case.
+The cases cover the Boston MLP of :mod:`torch_sgn.experiments`, a CNN, a traced
+non-``Sequential`` model, the solvers ``"cg"``, ``"direct"`` (through ``G`` and through the
+batch's outputs) and ``"auto"`` (its probes and switch), geodesic acceleration on and off,
+momentum, the trust region and the line search on and off, Levenberg-Marquardt attempts with
+both damping rules, frozen parameters, a curvature subset and a resumed ``state_dict``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import sys
+from typing import Callable, Dict, List
+
+import torch
+from torch import nn
+
+from torch_sgn import SGN
+from torch_sgn.experiments import data as datasets
+from torch_sgn.experiments.models import mlp
+
+STEPS = 20
+INFO_FIELDS = (
+    "loss", "loss_after", "grad_norm", "cg_iters", "cg_residual", "cg_stop", "damping",
+    "next_damping", "step_size", "tr_ratio", "predicted_change", "loss_evals", "line_search_ok",
+    "attempts", "solver", "accelerated",
+)  # fmt: skip
+
+
+class _Residual(nn.Module):
+    """A non-Sequential model with a custom forward (the traced engine)."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.inp = nn.Linear(13, width)
+        self.hidden = nn.Linear(width, width)
+        self.out = nn.Linear(width, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        return self.out(h + torch.sin(self.hidden(h)))
+
+
+def _cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 3, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(27, 4)
+    )  # fmt: skip
+
+
+def _boston(dtype, batch=101):
+    d = datasets.boston(dtype=dtype)
+    x, y = d.x_train, d.y_train
+    return [(x[i : i + batch], y[i : i + batch]) for i in range(0, len(x) - batch + 1, batch)]
+
+
+def _images(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 32, 1, 8, 8, generator=g, dtype=dtype)
+    y = torch.randint(0, 4, (4, 32), generator=g)
+    return list(zip(x, y))
+
+
+def _case(build, dtype, batches, loss, **options):
+    return dict(build=build, dtype=dtype, batches=batches, loss=loss, options=options)
+
+
+def cases() -> Dict[str, dict]:
+    f32, f64 = torch.float32, torch.float64
+    return {
+        "boston_paper_cg": _case(lambda: mlp(13, (100, 100), 1), f32, "boston", "mse", paper=1),
+        "boston_auto": _case(lambda: mlp(13, (16,), 1), f32, "boston", "mse", cg_iters=2),
+        "linear_auto_switch": _case(
+            lambda: nn.Linear(13, 1), torch.float64, "boston", "mse", cg_iters=1
+        ),  # the probe's exact step wins: auto switches
+        "boston_auto_f64": _case(lambda: mlp(13, (12,), 1), f64, "boston", "mse"),
+        "boston_direct_geodesic_nielsen": _case(
+            lambda: mlp(13, (16,), 1),
+            f64,
+            "boston",
+            "mse",
+            solver="direct",
+            damping_update="nielsen",
+            damping_min=1e-12,
+            attempts=3,
+        ),  # fmt: skip
+        "boston_direct_no_geodesic_no_tr_no_ls": _case(
+            lambda: mlp(13, (16,), 1),
+            f64,
+            "boston",
+            "mse",
+            solver="direct",
+            geodesic_acceleration=False,
+            trust_region=False,
+            line_search=False,
+            damping_schedule="linear",
+            damping=1e-2,
+            damping_min=1e-5,
+        ),  # fmt: skip
+        "boston_samples_route": _case(
+            lambda: mlp(13, (64,), 1),
+            f64,
+            "boston_small",
+            "mse",
+            solver="direct",
+            attempts=2,
+        ),  # fmt: skip
+        "boston_cg_momentum": _case(
+            lambda: mlp(13, (32,), 1),
+            f32,
+            "boston",
+            "mse",
+            solver="cg",
+            momentum=0.9,
+            warm_start=0.5,
+            preconditioner=True,
+            warmup_cg_iters=3,
+            warmup_steps=5,
+            attempts=2,
+            lr=0.5,
+        ),  # fmt: skip
+        "boston_cg_no_tr_cosine": _case(
+            lambda: mlp(13, (32,), 1),
+            f32,
+            "boston",
+            "mse",
+            solver="cg",
+            trust_region=False,
+            damping_schedule="cosine",
+            line_search=False,
+            cg_rtol=0.1,
+        ),  # fmt: skip
+        "boston_direct_momentum": _case(
+            lambda: mlp(13, (8,), 1),
+            f64,
+            "boston",
+            "mse",
+            solver="direct",
+            momentum=0.5,
+            warm_start=1.0,
+        ),  # fmt: skip
+        "boston_curvature_fraction": _case(
+            lambda: mlp(13, (16,), 1), f32, "boston", "mse", solver="cg", curvature_fraction=0.5
+        ),
+        "boston_one_batch_auto": _case(lambda: mlp(13, (8,), 1), f64, "boston_one", "mse"),
+        "cnn_cg": _case(_cnn, f32, "images", "cross_entropy", solver="cg", cg_iters=5),
+        "cnn_auto": _case(_cnn, f64, "images", "cross_entropy", attempts=2),
+        "cnn_direct_nielsen": _case(
+            _cnn,
+            f64,
+            "images",
+            "cross_entropy",
+            solver="direct",
+            damping_update="nielsen",
+            attempts=3,
+        ),  # fmt: skip
+        "traced_cg": _case(_Residual, f32, "boston", "mse", solver="cg", engine="traced"),
+        "traced_direct_geodesic": _case(_Residual, f64, "boston", "mse", solver="direct"),
+        "traced_auto": _case(_Residual, f64, "boston", "mse", cg_iters=1),
+        "frozen_direct": _case(
+            lambda: mlp(13, (8,), 1), f64, "boston", "mse", solver="direct", freeze=1
+        ),
+        "frozen_cg_momentum": _case(
+            lambda: mlp(13, (8,), 1),
+            f32,
+            "boston",
+            "mse",
+            solver="cg",
+            momentum=0.9,
+            warm_start=0.5,
+            freeze=1,
+        ),  # fmt: skip
+    }
+
+
+def _batches(kind: str, dtype) -> List[tuple]:
+    if kind == "boston":
+        return _boston(dtype)
+    if kind == "boston_small":  # fewer outputs than parameters: the sample space
+        return _boston(dtype, batch=40)
+    if kind == "boston_one":  # the same tensors every step: a full-batch fit
+        return _boston(dtype, batch=404)
+    return _images(dtype)
+
+
+def run(case: dict) -> dict:
+    torch.manual_seed(0)
+    options = dict(case["options"])
+    paper, freeze = options.pop("paper", 0), options.pop("freeze", 0)
+    model = case["build"]().to(case["dtype"])
+    build: Callable = SGN.paper if paper else SGN
+    opt = build(model, case["loss"], **options)
+    if freeze:  # frozen after SGN was built: steps in the other parameters
+        next(model.parameters()).requires_grad_(False)
+    batches = _batches(case["batches"], case["dtype"])
+    params, infos = [], []
+    for t in range(STEPS):
+        if t == STEPS // 2 and not freeze:  # a resumed run: a new optimizer loads the state
+            saved = copy.deepcopy(opt.state_dict())
+            opt = build(model, case["loss"], **options)
+            opt.load_state_dict(saved)
+        x, y = batches[t % len(batches)]
+        info = opt.step(x, y)
+        infos.append({k: getattr(info, k) for k in INFO_FIELDS})
+        params.append([p.detach().clone() for p in model.parameters()])
+    return dict(params=params, infos=infos, state=copy.deepcopy(opt.state_dict()))
+
+
+def record(path: str, only: List[str]) -> None:
+    torch.set_num_threads(1)
+    out = {}
+    for name, case in cases().items():
+        if only and name not in only:
+            continue
+        out[name] = run(case)
+        solvers = sorted({i["solver"] for i in out[name]["infos"]})
+        print(f"{name}: loss {out[name]['infos'][-1]['loss_after']:.6g}, solvers {solvers}")
+    torch.save(out, path)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return type(a) is type(b) and a == b
+
+
+def compare(before: str, after: str) -> int:
+    a, b = torch.load(before, weights_only=False), torch.load(after, weights_only=False)
+    failed = 0
+    if a.keys() != b.keys():
+        print(f"different cases: {sorted(a.keys() ^ b.keys())}")
+        failed += 1
+    for name in sorted(a.keys() & b.keys()):
+        x, y = a[name], b[name]
+        bad = [
+            f"step {t} {part}"
+            for t in range(STEPS)
+            for part in ("params", "infos")
+            if not _same(x[part][t], y[part][t])
+        ]
+        if not _same(x["state"], y["state"]):
+            bad.append("final state_dict")
+        print(f"{name}: {'identical' if not bad else 'DIFFERS at ' + bad[0]}")
+        failed += bool(bad)
+    print(f"{len(a.keys() & b.keys()) - failed} of {len(a)} cases bit for bit identical")
+    return 1 if failed else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    rec = sub.add_parser("record")
+    rec.add_argument("path")
+    rec.add_argument("--only", nargs="*", default=[])
+    cmp = sub.add_parser("compare")
+    cmp.add_argument("before")
+    cmp.add_argument("after")
+    args = parser.parse_args()
+    if args.command == "record":
+        record(args.path, args.only)
+        return 0
+    return compare(args.before, args.after)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+r"""The descents: how one step solves its damped Gauss-Newton system for a given damping.
+
+.. math::
+    (G + \rho I)\, d = -\hat m
+
+A *descent* (Optimistix's word, ``optimistix/_solver/levenberg_marquardt.py``) is a small object
+``damping -> result`` built once per step from the step's curvature operator and right-hand side,
+both explicit values; the step's damping attempts (:mod:`~torch_sgn.solve.step`) call it with
+one damping after another and it may keep work between the calls (a matrix formed once, factored
+at each damping). Three descents, one per *route*:
+
+* :class:`CGDescent` (``"cg"``): truncated conjugate gradient on ``v -> G v + rho v``;
+* :class:`MatrixDescent` (``"matrix"``): exactly, through the ``P x P`` matrix ``G``
+  (:func:`~torch_sgn.solve.direct.solve_damped`);
+* :class:`SampleSpaceDescent` (``"samples"``): exactly, through the batch's ``R`` outputs
+  (:func:`~torch_sgn.solve.direct.solve_in_sample_space`).
+
+Every result (:class:`~torch_sgn.solve.cg.CGResult` or
+:class:`~torch_sgn.solve.direct.DirectResult`) has ``x`` (``d``), ``residual``
+(``A d + rhs`` for the matrix ``A`` actually solved), ``iterations``, ``reason`` (why the
+solve stopped, or how it solved) and ``breakdown``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Union
+
+from torch import Tensor
+
+from . import direct
+from .cg import CGResult, conjugate_gradient
+from .direct import DirectResult
+
+if TYPE_CHECKING:
+    from ..linearization import SampleSpace
+
+__all__ = [
+    "CG",
+    "MATRIX",
+    "ROUTES",
+    "SAMPLES",
+    "CGDescent",
+    "Descent",
+    "MatrixDescent",
+    "Result",
+    "SampleSpaceDescent",
+]
+
+logger = logging.getLogger("torch_sgn")
+
+#: The routes: by CG, exactly through ``G``, exactly through the batch's outputs.
+CG, MATRIX, SAMPLES = "cg", "matrix", "samples"
+ROUTES = (CG, MATRIX, SAMPLES)
+
+#: What a descent returns.
+Result = Union[CGResult, DirectResult]
+
+
+class Descent(Protocol):
+    """``damping -> result``: the step's damped system solved at one damping."""
+
+    def __call__(self, damping: float) -> Result: ...
+
+
+@dataclass(frozen=True)
+class CGDescent:
+    r"""Truncated CG on :math:`(G + \rho I) d = -\hat m` (the paper's Algorithm 2).
+
+    Attributes:
+        operator: ``v -> G v`` (a fresh tensor per product).
+        rhs: :math:`\hat m`.
+        max_iters, tol, rtol, progress_tol: CG's stopping rules
+            (:func:`~torch_sgn.solve.cg.conjugate_gradient`).
+        x0: the starting iterate (a warm start), or ``None`` for zero.
+        preconditioner_exponent: the diagonal preconditioner
+            :math:`(\hat m^2 + \rho)^{-\text{exponent}}`, or ``None`` for none.
+    """
+
+    operator: Callable[[Tensor], Tensor]
+    rhs: Tensor
+    max_iters: int
+    tol: float
+    rtol: float = 0.0
+    progress_tol: float = 0.0
+    x0: Optional[Tensor] = None
+    preconditioner_exponent: Optional[float] = None
+
+    def __call__(self, damping: float) -> CGResult:
+        rhs, operator = self.rhs, self.operator
+        precond = None
+        if self.preconditioner_exponent is not None:
+            precond = (rhs.square() + damping).pow(-self.preconditioner_exponent)
+
+        def damped(v: Tensor) -> Tensor:
+            return operator(v).add_(v, alpha=damping)  # a product is a fresh tensor
+
+        result = conjugate_gradient(
+            damped, -rhs, max_iters=self.max_iters, tol=self.tol, rtol=self.rtol,
+            progress_tol=self.progress_tol, x0=self.x0, preconditioner=precond,
+        )  # fmt: skip
+        if result.breakdown:
+            logger.warning(
+                "CG stopped early (%s) after %d iterations; using its last good iterate",
+                result.reason, result.iterations,
+            )  # fmt: skip
+        return result
+
+
+@dataclass(frozen=True)
+class MatrixDescent:
+    """Exactly, through ``G`` formed once (by ``matrix()``, which caches it) and factored at each
+    damping, in float64."""
+
+    matrix: Callable[[], Tensor]
+    rhs: Tensor
+
+    def __call__(self, damping: float) -> DirectResult:
+        return _logged(direct.solve_damped(self.matrix(), self.rhs, damping), damping)
+
+
+@dataclass(frozen=True)
+class SampleSpaceDescent:
+    """Exactly, through the ``R x R`` matrix ``J J^T`` of the batch's outputs (fewer than the
+    parameters). The right-hand side must be the gradient ``J^T g_out`` itself (no momentum):
+    the route solves in output space."""
+
+    space: SampleSpace
+    rhs: Tensor
+    operator: Callable[[Tensor], Tensor]
+
+    def __call__(self, damping: float) -> DirectResult:
+        result = direct.solve_in_sample_space(self.space, self.rhs, damping, self.operator)
+        return _logged(result, damping)
+
+
+def _logged(result: DirectResult, damping: float) -> DirectResult:
+    if result.reason not in ("cholesky", "lu"):  # an indefinite G, or rounding
+        logger.debug(
+            "  the direct solve's factorization failed at damping %.3g; solved by the %s "
+            "fallback",
+            damping, result.reason,
+        )  # fmt: skip
+    return result

@@ -1,0 +1,311 @@
+r"""One damped step: the Levenberg-Marquardt attempts, the trust region and the line search.
+
+Given a descent (:mod:`~torch_sgn.solve.descents`, ``damping -> d``) and the step's local
+problem (gradient, right-hand side, loss at the point and at trial points),
+:func:`damped_step` runs
+
+1. the attempts: solve at the damping :math:`\rho`, evaluate the loss at the full step
+   :math:`s = \alpha d` and test the Armijo condition there; a failed attempt is solved again
+   with a larger damping (:meth:`DampingRule.rejected`), up to ``attempts`` solves;
+2. the trust region: the ratio of the actual to the predicted change at the last attempt's
+   full step sets the next step's damping (:meth:`DampingRule.after`);
+3. the line search: Armijo backtracking along the last attempt's step, its first trial the
+   loss already known.
+
+Nothing is written: the result (:class:`Outcome`) is the optimizer's to commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional
+
+import torch
+from torch import Tensor
+
+from .damping import (
+    CG_DAMPING_MIN,
+    DIRECT_DAMPING_MIN,
+    GROWTH_START,
+    nielsen_update,
+    rejected_update,
+    scheduled_damping,
+    trust_region_update,
+)
+from .descents import Descent, Result
+from .line_search import LineSearchResult, backtracking
+from .state import StepState
+
+__all__ = [
+    "DampingRule",
+    "LineSearch",
+    "Outcome",
+    "Problem",
+    "Solution",
+    "Trial",
+    "damped_step",
+    "damping_floor",
+]
+
+logger = logging.getLogger("torch_sgn")
+
+
+@dataclass(frozen=True)
+class Problem:
+    r"""The step's local problem at :math:`\theta`.
+
+    Attributes:
+        grad: the mini-batch gradient ``g`` (the predicted change's linear term).
+        rhs: :math:`\hat m`, the right-hand side the descent solved for (``g`` without
+            momentum); the line search's slope is :math:`\hat m^\top s`.
+        loss0: the mini-batch loss at :math:`\theta`.
+        loss_at: ``(displacement, a) -> loss`` at :math:`\theta` + displacement on the same batch
+            (``a``, the line search's factor, for the log).
+    """
+
+    grad: Tensor
+    rhs: Tensor
+    loss0: float
+    loss_at: Callable[..., float]
+
+
+@dataclass(frozen=True)
+class LineSearch:
+    """The step length: ``lr`` times the backtracking factor (``line_search`` on) or 1."""
+
+    lr: float
+    on: bool
+    c: float
+    shrink: float
+    max_evals: int
+
+    @classmethod
+    def of(cls, group: Mapping) -> LineSearch:
+        return cls(
+            group["lr"], group["line_search"], group["ls_c"], group["ls_shrink"],
+            group["ls_max_evals"],
+        )  # fmt: skip
+
+
+def damping_floor(damping_min: Optional[float], exact: bool) -> float:
+    """The damping floor of a step: ``damping_min``, or where it is ``None`` the floor of the
+    solver that runs (:data:`~torch_sgn.solve.damping.CG_DAMPING_MIN`,
+    :data:`~torch_sgn.solve.damping.DIRECT_DAMPING_MIN`)."""
+    if damping_min is not None:
+        return damping_min
+    return DIRECT_DAMPING_MIN if exact else CG_DAMPING_MIN
+
+
+@dataclass(frozen=True)
+class DampingRule:
+    """Which damping a step starts from, how a rejected attempt raises it, and which damping
+    the next step carries (the trust region, or a fixed schedule without it).
+
+    Attributes:
+        trust_region: adapt the damping from the trust-region ratio.
+        update: ``"threshold"`` or ``"nielsen"`` (:mod:`~torch_sgn.solve.damping`).
+        floor: the step's floor (:func:`damping_floor`).
+        attempts: most solves in one step.
+        schedule, initial, decay_steps: the schedule used with the trust region off.
+    """
+
+    trust_region: bool
+    update: str
+    floor: float
+    attempts: int
+    schedule: str
+    initial: float
+    decay_steps: int
+
+    @classmethod
+    def of(cls, group: Mapping, exact: bool) -> DampingRule:
+        """The rule of a step by an exact route (``exact``) or by CG, from SGN's options."""
+        return cls(
+            group["trust_region"], group["damping_update"],
+            damping_floor(group["damping_min"], exact), group["attempts"],
+            group["damping_schedule"], group["damping"], group["damping_decay_steps"],
+        )  # fmt: skip
+
+    def start(self, state: StepState) -> tuple[float, float]:
+        """The first attempt's damping, and Nielsen's growth factor."""
+        growth = GROWTH_START if state.damping_growth is None else state.damping_growth
+        if self.trust_region:
+            return max(state.damping, self.floor), growth  # CG's floor after the direct solver's
+        damping = scheduled_damping(
+            self.schedule, self.initial, min(self.floor, self.initial), state.step,
+            self.decay_steps,
+        )  # fmt: skip
+        return damping, growth
+
+    def rejected(self, damping: float, growth: float, ratio: float) -> tuple[float, float]:
+        """The damping of the next attempt at this step, and Nielsen's growth factor."""
+        if self.update == "nielsen":
+            return rejected_update(damping, growth)
+        return trust_region_update(damping, ratio, self.floor), growth
+
+    def after(
+        self, damping: float, growth: float, trial: Trial
+    ) -> tuple[Optional[float], float, float]:
+        """The trust-region ratio (``None`` with the trust region off), the next step's damping
+        and growth factor.
+
+        A predicted change within rounding of the loss (at a minimum, or with a vanishing
+        gradient) says nothing about the model's quality: the damping is then kept, where the
+        plain rule would read the rounding noise as a failed prediction and raise the damping
+        step after step until it overflows.
+        """
+        if not self.trust_region:
+            return None, damping, growth
+        if trial.noise:
+            return math.nan, damping, growth
+        if self.update == "threshold":
+            return trial.ratio, trust_region_update(damping, trial.ratio, self.floor), growth
+        if trial.accepted:
+            return trial.ratio, nielsen_update(damping, trial.ratio, self.floor), GROWTH_START
+        return (trial.ratio, *rejected_update(damping, growth))
+
+
+@dataclass(frozen=True)
+class Solution:
+    """What the step's decisions need from the solution ``d``, copied to the host at once."""
+
+    predicted: float  # the damped quadratic model's change at ``s = lr d``
+    slope: float  # ``m_hat^T s``, the line search's directional derivative
+    residual_norm: float
+    moved: bool  # ``d != 0``
+
+    @staticmethod
+    def of(grad: Tensor, rhs: Tensor, result: Result, lr: float) -> Solution:
+        r"""The change :math:`g^\top s + \frac12 s^\top A s` uses the descent's residual, which
+        gives :math:`A d = r - \hat m` without another product."""
+        d = result.x
+        g_d, curv, m_d, res, d_max = torch.stack([
+            torch.dot(grad, d), torch.dot(d, result.residual - rhs), torch.dot(rhs, d),
+            torch.linalg.vector_norm(result.residual), d.abs().max(),
+        ]).tolist()  # fmt: skip
+        return Solution(lr * g_d + 0.5 * lr * lr * curv, lr * m_d, res, d_max != 0)
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One attempt at a step: the solution at one damping and the loss at its full step."""
+
+    result: Result  # the descent's result (CG's or a direct solve's)
+    solution: Solution
+    step: Tensor  # lr d
+    curve: Optional[Tensor]  # lr^2 a / 2, the geodesic acceleration's term; None without
+    loss: float  # at the full step (loss0 when d = 0)
+    evals: int  # loss evaluations made (0 or 1)
+    ratio: float  # actual over predicted change; NaN unless the prediction is a decrease
+    accepted: bool  # the Armijo condition holds at the full step
+    noise: bool  # the predicted change is within rounding of the loss
+
+    @property
+    def moved(self) -> bool:
+        return self.solution.moved
+
+    def displacement(self, a: float) -> Tensor:
+        """The change of the parameters at the line search's factor ``a``: ``a lr d``, and
+        with a geodesic acceleration the parabola ``a lr d + a^2 lr^2 a_geo / 2``."""
+        if self.curve is None:
+            return a * self.step
+        return torch.add(self.step, self.curve, alpha=a).mul_(a)
+
+    @property
+    def settled(self) -> bool:
+        """Whether another attempt with a larger damping is pointless."""
+        return self.accepted or self.noise or not self.moved
+
+    @staticmethod
+    def of(result: Result, curve: Optional[Tensor], problem: Problem, search: LineSearch) -> Trial:
+        grad, loss0 = problem.grad, problem.loss0
+        solution = Solution.of(grad, problem.rhs, result, search.lr)
+        step = search.lr * result.x
+        moved = solution.moved
+        loss = problem.loss_at(step if curve is None else step + curve) if moved else loss0
+        predicted = solution.predicted
+        dtype = grad.dtype
+        noise = 100 * torch.finfo(dtype).eps * max(abs(loss0), torch.finfo(dtype).tiny)
+        within_noise = abs(predicted) <= noise and not result.breakdown and math.isfinite(loss)
+        ratio = (loss - loss0) / predicted if predicted < 0 else math.nan
+        # The line search's first test, at a = 1.
+        accepted = moved and math.isfinite(loss) and loss <= loss0 + search.c * solution.slope
+        return Trial(result, solution, step, curve, loss, int(moved), ratio, accepted, within_noise)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A step's outcome by one descent: the last attempt's trial, its line search, the damping
+    it was solved at, the attempts made, the trust-region ratio, the next damping and growth
+    factor, and the loss evaluations made."""
+
+    trial: Trial
+    search: LineSearchResult
+    damping: float
+    attempts: int
+    ratio: Optional[float]
+    next_damping: float
+    growth: float
+    evals: int
+
+    @property
+    def moved(self) -> bool:
+        """Whether the step changes the parameters (a finite loss where it ends)."""
+        return self.trial.moved and math.isfinite(self.search.loss)
+
+    @property
+    def step_factor(self) -> float:
+        """The line search's factor ``a`` of the step taken (0 where it does not move)."""
+        return self.search.step if self.moved else 0.0
+
+
+def damped_step(
+    descent: Descent,
+    problem: Problem,
+    state: StepState,
+    rule: DampingRule,
+    search: LineSearch,
+    accelerate: Optional[Callable[[Result], Optional[Tensor]]] = None,
+) -> Outcome:
+    """One step's solution by one descent: its damping attempts and its line search; nothing is
+    written.
+
+    Args:
+        descent: ``damping -> result``.
+        problem: the gradient, right-hand side and losses of the step.
+        state: the state the step starts from (its damping, growth factor and count).
+        rule: the damping rule.
+        search: the step length and line search.
+        accelerate: ``result -> lr^2 a / 2``, the geodesic acceleration's term of an exact
+            step (``None`` where it does not apply to that result), or ``None``.
+    """
+    # Levenberg-Marquardt: a step that fails the sufficient-decrease test is solved
+    # again on the same linearization with a larger damping, up to `attempts` times.
+    damping, growth = rule.start(state)
+    evals = 0
+    for attempts in range(1, rule.attempts + 1):
+        result = descent(damping)
+        curve = None if accelerate is None else accelerate(result)
+        trial = Trial.of(result, curve, problem, search)
+        if trial.settled or attempts == rule.attempts:
+            break
+        evals += trial.evals
+        logger.debug(
+            "  attempt %d rejected: damping %.3g, loss %.6g", attempts, damping, trial.loss
+        )
+        damping, growth = rule.rejected(damping, growth, trial.ratio)
+        result = curve = trial = None  # its factorization, freed before the next one
+    ratio, next_damping, growth = rule.after(damping, growth, trial)
+    found = LineSearchResult(1.0, trial.loss, 1, math.isfinite(trial.loss))
+    if search.on and trial.moved:
+        found = backtracking(
+            lambda a: problem.loss_at(trial.displacement(a), a), problem.loss0,
+            trial.solution.slope, c=search.c, shrink=search.shrink, max_evals=search.max_evals,
+            first=trial.loss,
+        )  # fmt: skip
+        evals += found.evaluations
+    else:
+        evals += trial.evals
+    return Outcome(trial, found, damping, attempts, ratio, next_damping, growth, evals)

@@ -1,0 +1,87 @@
+"""What one step did: :class:`StepInfo`, the result of :meth:`torch_sgn.SGN.step`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["StepInfo"]
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What one :meth:`SGN.step` did.
+
+    Attributes:
+        loss: mini-batch loss before the step.
+        loss_after: mini-batch loss at the accepted point (same batch).
+        grad_norm: 2-norm of the mini-batch gradient.
+        iterations: CG iterations run (``G v`` products after the first residual); 0 for a
+            direct solve.
+        residual: 2-norm of the final residual ``A d + m_hat`` of the system ``A d = -m_hat``
+            the solve ran on: ``A = G + damping I`` for CG (the recurrence's residual), the
+            matrix actually factored for a direct solve (see ``stop_reason``).
+        stop_reason: why CG stopped: ``"converged"``, ``"stalled"``, ``"max_iters"``,
+            ``"non_positive_curvature"``, ``"non_finite"`` (see
+            :class:`~torch_sgn.solve.cg.CGResult`); how a direct solve solved:
+            ``"cholesky"``; ``"eigh"`` where Cholesky failed in floating point (the
+            eigenvalues of ``G`` clipped to ``>= 0``); ``"scaled_gradient"`` where that failed
+            too; ``"lu"`` (or ``"pinv"`` where that failed) for the non-symmetric system
+            through the batch's outputs of a loss whose output-space Hessian is not a multiple
+            of the identity; ``"non_finite"`` (no step).
+        damping: the damping ``rho`` used in this step.
+        next_damping: the damping the next step will use.
+        step_size: the step length taken along the solution, ``lr * a`` with ``a`` the
+            line-search factor (0 when no step was taken).
+        tr_ratio: actual over predicted reduction at the full step (``None`` when the trust
+            region is off).
+        predicted_change: the damped quadratic model's change at the full step.
+        loss_evals: loss evaluations at trial points (trust-region test and line search).
+        line_search_ok: whether the Armijo condition held (``True`` when line search is off).
+        attempts: how many times the step's system was solved: a solution that fails the
+            Armijo test at its full step is solved again with a larger damping, up to
+            ``SGN(attempts=...)`` times (Levenberg-Marquardt). ``damping``, ``iterations``,
+            ``residual``, ``stop_reason``, ``tr_ratio`` and ``predicted_change`` describe the
+            last attempt.
+        solver: ``"cg"`` or ``"direct"``, the solver that ran (see ``SGN(solver=...)``).
+        accelerated: whether the step carried a geodesic acceleration (see
+            ``SGN(geodesic_acceleration=...)``); ``step_size`` is then the factor along the
+            parabola ``s d + s^2 a / 2``.
+
+    .. note::
+        ``cg_iters``, ``cg_residual`` and ``cg_stop`` are read-only aliases of
+        ``iterations``, ``residual`` and ``stop_reason``, the names of an earlier release
+        that described direct solves too; they will be removed in the next release.
+    """
+
+    loss: float
+    loss_after: float
+    grad_norm: float
+    iterations: int
+    residual: float
+    stop_reason: str
+    damping: float
+    next_damping: float
+    step_size: float
+    tr_ratio: Optional[float]
+    predicted_change: float
+    loss_evals: int
+    line_search_ok: bool
+    attempts: int = 1
+    solver: str = "cg"
+    accelerated: bool = False
+
+    @property
+    def cg_iters(self) -> int:
+        """Deprecated alias of :attr:`iterations`."""
+        return self.iterations
+
+    @property
+    def cg_residual(self) -> float:
+        """Deprecated alias of :attr:`residual`."""
+        return self.residual
+
+    @property
+    def cg_stop(self) -> str:
+        """Deprecated alias of :attr:`stop_reason`."""
+        return self.stop_reason

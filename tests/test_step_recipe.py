@@ -1,0 +1,89 @@
+"""The damped step's parts (torch_sgn.solve.descents, .step, .state) against independent
+references, and the result and state formats the optimizer keeps."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from torch_sgn import SGN
+from torch_sgn.solve.descents import CGDescent, MatrixDescent
+from torch_sgn.solve.state import KEYS, StepState
+from torch_sgn.solve.step import DampingRule, LineSearch, Problem, damped_step
+
+
+def _spd(n=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(n, n, generator=g, dtype=torch.float64)
+    return a @ a.T, torch.randn(n, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("damping", [1e-3, 1.0])
+def test_the_descents_solve_the_damped_system(damping):
+    G, g = _spd()
+    expected = torch.linalg.solve(G + damping * torch.eye(6, dtype=G.dtype), -g)
+    exact = MatrixDescent(lambda: G, g)(damping)
+    cg = CGDescent(lambda v: G @ v, g, max_iters=60, tol=0.0, rtol=1e-14)(damping)
+    torch.testing.assert_close(exact.x, expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(cg.x, expected, rtol=1e-7, atol=1e-9)
+    assert exact.iterations == 0 and exact.reason == "cholesky" and cg.iterations > 0
+
+
+def test_a_huge_damping_steps_along_minus_the_gradient_over_the_damping():
+    G, g = _spd()
+    theta = torch.zeros(6, dtype=torch.float64)
+
+    def loss_at(displacement, a=1.0):  # the undamped quadratic model is the loss
+        s = theta + displacement
+        return float(g @ s + 0.5 * s @ G @ s)
+
+    rho = 1e10
+    group = dict(
+        trust_region=True, damping_update="threshold", damping_min=None, attempts=3,
+        damping_schedule="constant", damping=rho, damping_decay_steps=10,
+        lr=1.0, line_search=True, ls_c=1e-4, ls_shrink=0.5, ls_max_evals=10,
+    )  # fmt: skip
+    out = damped_step(
+        MatrixDescent(lambda: G, g), Problem(g, g, 0.0, loss_at), StepState(0, rho),
+        DampingRule.of(group, exact=True), LineSearch.of(group),
+    )  # fmt: skip
+    torch.testing.assert_close(out.trial.step, -g / rho, rtol=1e-8, atol=0)
+    # The prediction counts the damping's term, the loss does not: the ratio is about 2.
+    assert out.attempts == 1 and out.ratio == pytest.approx(2.0, rel=1e-6)
+    assert out.next_damping == pytest.approx(rho * 2 / 3)  # a ratio above 3/4 lowers it
+    assert out.search.success and out.step_factor == 1.0
+
+
+def test_step_info_keeps_the_cg_names_as_read_only_aliases():
+    model = nn.Linear(3, 1).double()
+    x, y = torch.randn(20, 3, dtype=torch.float64), torch.randn(20, 1, dtype=torch.float64)
+    for solver in ("cg", "direct"):
+        info = SGN(copy.deepcopy(model), "mse", solver=solver).step(x, y)
+        assert (info.cg_iters, info.cg_residual, info.cg_stop) == (
+            info.iterations, info.residual, info.stop_reason,
+        )  # fmt: skip
+        assert (info.iterations == 0) == (solver == "direct")
+        with pytest.raises(AttributeError):
+            info.cg_iters = 3
+
+
+def test_the_stored_state_is_step_state_as_a_dict_and_round_trips():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    opt = SGN(model, "mse", momentum=0.9, warm_start=0.5, damping_update="nielsen")
+    for _ in range(3):
+        x = torch.randn(16, 3, dtype=torch.float64)
+        opt.step(x, x[:, :1].sin())
+    stored = opt.state[next(model.parameters())]
+    assert set(stored) <= set(KEYS)
+    assert {"step", "damping", "damping_growth", "momentum_buffer", "prev_direction"} <= set(stored)
+    state = StepState.of(stored)
+    assert state.step == 3 and state.as_dict().keys() == stored.keys()
+    saved = copy.deepcopy(opt.state_dict())
+    fresh = SGN(model, "mse", momentum=0.9, warm_start=0.5, damping_update="nielsen")
+    fresh.load_state_dict(saved)
+    again = fresh.state[next(model.parameters())]
+    assert again.keys() == stored.keys()
+    assert all(
+        torch.equal(v, again[k]) if torch.is_tensor(v) else v == again[k] for k, v in stored.items()
+    )
