@@ -112,6 +112,9 @@ def test_a_full_batch_fit_takes_exact_steps_from_its_second_step(monkeypatch):
     assert [opt.step(x, y).solver for _ in range(3)] == ["cg", "direct", "direct"]
     x.add_(0.0)  # written in place: a new version, so not taken for the same batch
     assert opt.step(x, y).solver == "cg"
+    fresh = SGN(copy.deepcopy(model), "mse")
+    # a new batch each step, in the memory the last one freed: a stream, not one batch
+    assert [fresh.step(x.clone(), y).solver for _ in range(3)] == ["cg", "cg", "cg"]
 
 
 def test_a_resumed_run_takes_the_same_steps_through_the_switch():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+import weakref
 from dataclasses import replace
 from typing import Callable, Optional
 
@@ -701,8 +702,13 @@ class SGN(torch.optim.Optimizer):
         least-squares problem of residuals (:class:`torch_sgn.pinn.Residuals`, whose points
         may be drawn anew), or this step's inputs are the previous step's tensors, unchanged
         (a full-batch fit). ``solver="auto"`` then takes exact steps at once."""
-        key = tuple((x.data_ptr(), tuple(x.shape), x._version) for x in batch.args)
-        same, self._last_inputs = key == self._last_inputs, key
+        # The same tensor objects (weak references: a new batch in the freed memory of the last
+        # one is another batch), not written in place since.
+        last = self._last_inputs
+        same = len(last) == len(batch.args) and all(
+            ref() is x and version == x._version for (ref, version), x in zip(last, batch.args)
+        )
+        self._last_inputs = tuple((weakref.ref(x), x._version) for x in batch.args)
         return same or hasattr(self._fmodel.model, "jacobian_blocks")
 
     def _jacobian_applies(self, lin: Linearization, theta: Tensor, batch: Batch) -> bool:
