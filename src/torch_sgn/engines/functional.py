@@ -8,9 +8,10 @@ gradient's forward pass.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Tuple
 
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch import Tensor
 
 from ..diagnostics import warn
@@ -102,10 +103,13 @@ class FunctionalEngine:
             else:
                 (grad,) = torch.autograd.grad(outputs, leaf, dz, retain_graph=True)
                 base = flat.detach()
+                # torch.func.jvp refuses the requires_grad_() of a forward that calls
+                # autograd itself; forward_ad's dual tensors nest in it
+                forward_mode = _dual_jvp if fmodel.calls_autograd else _func_jvp
                 unchecked = [fmodel.model.training]
 
                 def jvp(v: Tensor) -> Tensor:
-                    primal, tangent = torch.func.jvp(lambda p: fmodel(p, inputs), (base,), (v,))
+                    primal, tangent = forward_mode(lambda p: fmodel(p, inputs), base, v)
                     if unchecked:  # once per step: does forward mode replay the recorded pass?
                         unchecked.clear()
                         if not _same(primal, outputs.detach()):
@@ -150,6 +154,23 @@ class FunctionalEngine:
             f"backward is not differentiable either ({op}: {error}); replace that operation "
             f"by differentiable ones{hint} or give it a jvp"
         ) from error
+
+
+def _func_jvp(f: Callable[[Tensor], Tensor], x: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
+    """``f(x)`` and ``J_f(x) v`` by ``torch.func.jvp``."""
+    return torch.func.jvp(f, (x,), (v,))
+
+
+def _dual_jvp(f: Callable[[Tensor], Tensor], x: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
+    """``f(x)`` and ``J_f(x) v`` by the dual tensors of ``torch.autograd.forward_ad``, for an
+    ``f`` that calls ``torch.autograd.grad`` itself (a residual model's ``u_xx``): autograd's
+    backward passes inside ``f`` carry the tangents, while ``torch.func.jvp`` refuses the
+    ``requires_grad_()`` they start from. (Its own forward mode cannot nest inside:
+    :data:`~torch_sgn.model.forward_mode.NESTED_FORWARD`.)"""
+    with fwAD.dual_level():
+        primal, tangent = fwAD.unpack_dual(f(fwAD.make_dual(x, v)))
+    # the derivatives inside f recorded a graph from the inputs; the products need none
+    return primal.detach(), tangent.detach()
 
 
 class _NotReplayed(Exception):
