@@ -17,7 +17,7 @@ from torch import Tensor
 from ..diagnostics import warn
 from ..linearization import Batch, Linearization, loss_and_output_gradient
 from ..losses import OutputLoss
-from ..model.flat_model import FunctionalModel
+from ..model.flat_model import FunctionalModel, check_depends
 from ..model.forward_mode import (
     SWITCHES,
     gradient_stop_notice,
@@ -97,11 +97,15 @@ class FunctionalEngine:
         leaf = flat.detach().requires_grad_(True)
         with torch.enable_grad():
             outputs = fmodel(leaf, inputs, buffers_out=buffers_out)
+            check_depends(outputs)
             value, dz = loss_and_output_gradient(loss, outputs, targets, check=check)
             if self.double_backward:  # the gradient's backward pass also records J v's graph
                 grad, jvp = jvp_by_double_backward(outputs, leaf, dz)
             else:
-                (grad,) = torch.autograd.grad(outputs, leaf, dz, retain_graph=True)
+                (grad,) = torch.autograd.grad(
+                    outputs, leaf, dz, retain_graph=True, allow_unused=True
+                )
+                check_depends(outputs, grad)
                 base = flat.detach()
                 # torch.func.jvp refuses the requires_grad_() of a forward that calls
                 # autograd itself; forward_ad's dual tensors nest in it

@@ -19,7 +19,7 @@ from .attributes import changed_attributes, model_attributes
 from .composites import Composites, composite_modules, scripted_stop
 from .forward_mode import backward_hooks, inspect_pass, kernels, load_decompositions
 
-__all__ = ["FunctionalModel"]
+__all__ = ["ConstantOutputError", "FunctionalModel", "check_depends"]
 
 
 class FunctionalModel:
@@ -306,6 +306,26 @@ class FunctionalModel:
             if self._after_first is None:
                 self._after_first = _get_rng(self.device)
             _set_rng(self.device, outside)
+
+
+class ConstantOutputError(ValueError):
+    """The model's output does not depend on its trainable parameters."""
+
+
+def check_depends(outputs: Tensor, *grads: Optional[Tensor]) -> None:
+    """Raises :class:`ConstantOutputError` unless ``outputs``, computed with autograd on from
+    parameters that require grad, depend on them: where they do not require grad, or where
+    ``grad``, their gradient taken with ``allow_unused=True``, is ``None`` (outputs that
+    depend on inputs that require grad, as a residual model's do, and not on the
+    parameters)."""
+    if not outputs.requires_grad or any(g is None for g in grads):
+        raise ConstantOutputError(
+            "the model's output does not depend on its trainable parameters: there is nothing "
+            "to fit (the gradient and the Gauss-Newton matrix are zero). Check that forward "
+            "uses the parameters and does not detach its output; a residual model that "
+            "differentiates its inputs with torch.autograd.grad needs create_graph=True, or "
+            "its derivatives are constants"
+        )
 
 
 def _slots(model: nn.Module, kind: str) -> Iterator[Tuple[str, Tensor]]:

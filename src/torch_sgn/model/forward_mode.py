@@ -321,6 +321,12 @@ def gradient_stop_notice(op: str) -> str:
 _AUTOGRAD_CALLS = (torch.autograd.grad, torch.autograd.backward, Tensor.backward)
 
 
+def _in_transform() -> bool:
+    """Whether this runs inside one of ``torch.func``'s transforms."""
+    level = getattr(torch._C._functorch, "maybe_current_level", None)
+    return level is not None and level() is not None
+
+
 class _GradientStops(TorchFunctionMode):
     def __init__(self, inputs: str):
         super().__init__()
@@ -338,7 +344,7 @@ class _GradientStops(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         on = torch.is_grad_enabled()
-        if func in _AUTOGRAD_CALLS:
+        if func in _AUTOGRAD_CALLS and not _in_transform():  # (torch.func's jacrev calls it)
             self.calls_autograd = True
         out = func(*args, **kwargs)
         if self.found is not None:
