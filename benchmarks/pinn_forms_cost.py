@@ -23,6 +23,28 @@ For each form and each engine that takes it (``auto``, ``traced``, ``functional`
 steps, and prints the median per step of the wall time (``time.perf_counter``) and of this
 thread's CPU time (``time.thread_time``, less sensitive to other jobs on the machine), with
 ``torch.set_num_threads(1)``. A form an engine cannot run prints the error instead.
+
+Results: one x86_64 CPU core of a machine shared with other jobs (load 5 to 9 on 2 cores, so
+wall times are noisy; the thread's CPU time less so), torch 2.13, medians of 10 steps, CPU
+milliseconds per step. Before: commit 606c92d (the benchmark alone); after: 7c35bd3.
+
+============  ===================  ===================  ===================
+form          auto before / after  traced               functional
+============  ===================  ===================  ===================
+autograd      fails / 110          fails / 126          fails / 239
+enable_grad   90 / 116             127 / 125            fails / 231
+hessian       397 (functional) /   fails / 200          474 / 416
+              201 (traced)
+jacrev        148 / 156            160 / 143            352 / 242
+jacfwd        461 (functional) /   fails / 128          509 / 287
+              197 (traced)
+============  ===================  ===================  ===================
+
+"fails": ``RuntimeError: element 0 of tensors does not require grad`` (the trial points'
+forward pass under SGN's ``torch.no_grad``), or ``torch.func.jvp``'s refusal of
+``requires_grad_()`` (functional engine), or ``Nested forward mode AD is not supported``
+(traced engine). The ``enable_grad`` and ``jacrev`` rows ran the same code before and after:
+their differences are the machine's noise.
 """
 
 from __future__ import annotations
