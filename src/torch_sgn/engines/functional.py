@@ -8,15 +8,16 @@ gradient's forward pass.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Tuple
 
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch import Tensor
 
 from ..diagnostics import warn
 from ..linearization import Batch, Linearization, loss_and_output_gradient
 from ..losses import OutputLoss
-from ..model.flat_model import FunctionalModel
+from ..model.flat_model import FunctionalModel, check_depends
 from ..model.forward_mode import (
     SWITCHES,
     gradient_stop_notice,
@@ -96,16 +97,23 @@ class FunctionalEngine:
         leaf = flat.detach().requires_grad_(True)
         with torch.enable_grad():
             outputs = fmodel(leaf, inputs, buffers_out=buffers_out)
+            check_depends(outputs)
             value, dz = loss_and_output_gradient(loss, outputs, targets, check=check)
             if self.double_backward:  # the gradient's backward pass also records J v's graph
                 grad, jvp = jvp_by_double_backward(outputs, leaf, dz)
             else:
-                (grad,) = torch.autograd.grad(outputs, leaf, dz, retain_graph=True)
+                (grad,) = torch.autograd.grad(
+                    outputs, leaf, dz, retain_graph=True, allow_unused=True
+                )
+                check_depends(outputs, grad)
                 base = flat.detach()
+                # torch.func.jvp refuses the requires_grad_() of a forward that calls
+                # autograd itself; forward_ad's dual tensors nest in it
+                forward_mode = _dual_jvp if fmodel.calls_autograd else _func_jvp
                 unchecked = [fmodel.model.training]
 
                 def jvp(v: Tensor) -> Tensor:
-                    primal, tangent = torch.func.jvp(lambda p: fmodel(p, inputs), (base,), (v,))
+                    primal, tangent = forward_mode(lambda p: fmodel(p, inputs), base, v)
                     if unchecked:  # once per step: does forward mode replay the recorded pass?
                         unchecked.clear()
                         if not _same(primal, outputs.detach()):
@@ -150,6 +158,23 @@ class FunctionalEngine:
             f"backward is not differentiable either ({op}: {error}); replace that operation "
             f"by differentiable ones{hint} or give it a jvp"
         ) from error
+
+
+def _func_jvp(f: Callable[[Tensor], Tensor], x: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
+    """``f(x)`` and ``J_f(x) v`` by ``torch.func.jvp``."""
+    return torch.func.jvp(f, (x,), (v,))
+
+
+def _dual_jvp(f: Callable[[Tensor], Tensor], x: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
+    """``f(x)`` and ``J_f(x) v`` by the dual tensors of ``torch.autograd.forward_ad``, for an
+    ``f`` that calls ``torch.autograd.grad`` itself (a residual model's ``u_xx``): autograd's
+    backward passes inside ``f`` carry the tangents, while ``torch.func.jvp`` refuses the
+    ``requires_grad_()`` they start from. (Its own forward mode cannot nest inside:
+    :data:`~torch_sgn.model.forward_mode.NESTED_FORWARD`.)"""
+    with fwAD.dual_level():
+        primal, tangent = fwAD.unpack_dual(f(fwAD.make_dual(x, v)))
+    # the derivatives inside f recorded a graph from the inputs; the products need none
+    return primal.detach(), tangent.detach()
 
 
 class _NotReplayed(Exception):

@@ -17,9 +17,9 @@ from torch.func import functional_call
 from ..linearization import Inputs
 from .attributes import changed_attributes, model_attributes
 from .composites import Composites, composite_modules, scripted_stop
-from .forward_mode import backward_hooks, gradient_stop, kernels, load_decompositions
+from .forward_mode import backward_hooks, inspect_pass, kernels, load_decompositions
 
-__all__ = ["FunctionalModel"]
+__all__ = ["ConstantOutputError", "FunctionalModel", "check_depends"]
 
 
 class FunctionalModel:
@@ -110,6 +110,10 @@ class FunctionalModel:
         self._after_first: dict | None = None
         self._gradient_stop: Optional[str] = None
         self._stop_checked = False
+        #: whether forward calls ``torch.autograd.grad`` (or ``backward``) itself, as a
+        #: residual model that differentiates its inputs does: found by the checked pass
+        #: (:meth:`gradient_stop`); its passes then run with autograd on (:meth:`__call__`)
+        self.calls_autograd = False
         self._stop_settings: Optional[tuple] = None  # the settings the stop was checked at
         #: attributes that forward passes write themselves (``weight_norm``'s hook writes
         #: ``weight``): state of a pass, not settings (see :meth:`settings`)
@@ -220,25 +224,34 @@ class FunctionalModel:
         tensors = {name: buffers[id(b)] for name, b in _slots(self.model, "_buffers")}
         chunks = [c.view(s) for c, s in zip(flat.split(self.numels), self.shapes)]
         tensors.update((name, chunks[i]) for name, i in self._slots)
-        with self.replay_rng(), kernels(self.switches), self.composites(), self.eager_compiled():
-            # Every slot is named, tied ones included: no tying by functional_call.
-            try:
-                out = functional_call(self.model, tensors, args, tie_weights=False)
-            except RuntimeError as error:
-                if "view of its base has been modified inplace" not in str(error):
-                    raise
-                raise RuntimeError(
-                    "the model's forward pass writes into a parameter in place; SGN evaluates "
-                    "the model at parameters that are views of one vector, which cannot be "
-                    "written. Move the write out of forward (clamp or renormalise the weights "
-                    f"after each step). ({str(error).splitlines()[0]})"
-                ) from error
+        with self.grad_mode(), self.replay_rng(), kernels(self.switches), self.composites():
+            with self.eager_compiled():
+                # Every slot is named, tied ones included: no tying by functional_call.
+                try:
+                    out = functional_call(self.model, tensors, args, tie_weights=False)
+                except RuntimeError as error:
+                    if "view of its base has been modified inplace" not in str(error):
+                        raise
+                    raise RuntimeError(
+                        "the model's forward pass writes into a parameter in place; SGN evaluates "
+                        "the model at parameters that are views of one vector, which cannot be "
+                        "written. Move the write out of forward (clamp or renormalise the weights "
+                        f"after each step). ({str(error).splitlines()[0]})"
+                    ) from error
         if not isinstance(out, Tensor):
             raise TypeError(
                 "SGN needs a model whose forward returns one tensor, got "
                 f"{type(out).__name__}; wrap the model to select the output the loss uses"
             )
         return out
+
+    def grad_mode(self) -> ContextManager[object]:
+        """Autograd on where forward differentiates by itself (:attr:`calls_autograd`, or not
+        yet checked), since SGN's passes run under ``torch.no_grad``; the caller's mode
+        otherwise. Where nothing of the pass requires grad, autograd on records nothing."""
+        if self.calls_autograd or not self._stop_checked:
+            return torch.enable_grad()
+        return nullcontext()
 
     def gradient_stop(self, flat: Tensor, inputs: Inputs) -> Optional[str]:
         """Where the gradient differs from what forward mode would differentiate, or ``None``:
@@ -249,15 +262,16 @@ class FunctionalModel:
         one forward pass at ``flat`` on ``inputs`` that leaves the random state as it was, run
         again where the model's :meth:`settings` changed since (a flag may switch a
         ``torch.no_grad`` block on). The same pass finds whether forward passes call a
-        function that runs as a composite (:meth:`composites`) and which attributes they
-        write."""
+        function that runs as a composite (:meth:`composites`), which attributes they
+        write, and whether they call autograd themselves (:attr:`calls_autograd`)."""
         settings = self.settings()
         if not self._stop_checked or settings != self._stop_settings:
             rng = _get_rng(self.device)
             leaf = flat.detach().requires_grad_(True)
             before = model_attributes(self.model)
             try:
-                self._gradient_stop = gradient_stop(lambda: self(leaf, inputs))
+                report = inspect_pass(lambda: self(leaf, inputs))
+                self._gradient_stop, self.calls_autograd = report.stop, report.calls_autograd
             except Exception:  # noqa: BLE001 - the engine's own forward pass reports it
                 self._gradient_stop = None
             finally:
@@ -309,6 +323,26 @@ class FunctionalModel:
             if self._after_first is None:
                 self._after_first = _get_rng(self.device)
             _set_rng(self.device, outside)
+
+
+class ConstantOutputError(ValueError):
+    """The model's output does not depend on its trainable parameters."""
+
+
+def check_depends(outputs: Tensor, *grads: Optional[Tensor]) -> None:
+    """Raises :class:`ConstantOutputError` unless ``outputs``, computed with autograd on from
+    parameters that require grad, depend on them: where they do not require grad, or where
+    ``grad``, their gradient taken with ``allow_unused=True``, is ``None`` (outputs that
+    depend on inputs that require grad, as a residual model's do, and not on the
+    parameters)."""
+    if not outputs.requires_grad or any(g is None for g in grads):
+        raise ConstantOutputError(
+            "the model's output does not depend on its trainable parameters: there is nothing "
+            "to fit (the gradient and the Gauss-Newton matrix are zero). Check that forward "
+            "uses the parameters and does not detach its output; a residual model that "
+            "differentiates its inputs with torch.autograd.grad needs create_graph=True, or "
+            "its derivatives are constants"
+        )
 
 
 def _slots(model: nn.Module, kind: str) -> Iterator[Tuple[str, Tensor]]:

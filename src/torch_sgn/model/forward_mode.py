@@ -32,6 +32,7 @@ import sys
 import warnings
 import weakref
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from typing import Callable, Dict, FrozenSet, Iterator, Optional, Tuple
 
 import torch
@@ -39,11 +40,14 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 __all__ = [
+    "NESTED_FORWARD",
+    "PassReport",
     "SWITCHES",
     "backward_hook_handles",
     "backward_hooks",
     "gradient_stop",
     "gradient_stop_notice",
+    "inspect_pass",
     "jvp_by_double_backward",
     "kernels",
     "load_decompositions",
@@ -113,6 +117,8 @@ def missing_rule(error: BaseException) -> Optional[str]:
         if "autograd.Function" in message and "jvp" in message:
             return "a custom autograd.Function without jvp"
     if isinstance(error, RuntimeError):
+        if "Nested forward mode AD is not supported" in message:
+            return NESTED_FORWARD
         if "NestedTensor" in message:  # the encoder's fast path, taken without autograd
             return "_nested_tensor_from_mask (nn.TransformerEncoder's fast path)"
         if "data pointer" in message and "storage" in message:
@@ -123,6 +129,13 @@ def missing_rule(error: BaseException) -> Optional[str]:
         if "once_differentiable" in message:
             return "a custom autograd.Function marked once_differentiable"
     return None
+
+
+#: what :func:`missing_rule` names where forward mode would nest in forward mode
+NESTED_FORWARD = (
+    "nested forward-mode AD (the forward pass itself takes forward-mode derivatives: "
+    "torch.func.jvp, jacfwd or hessian)"
+)
 
 
 def switch_for(op: str) -> Optional[str]:
@@ -232,10 +245,32 @@ def gradient_stop(run: Callable[[], object], inputs: str = "the parameters") -> 
     too: the gradient runs it, forward mode does not. ``run`` is called
     once, with autograd on; ``inputs`` names the tensors it differentiates, for the message.
     """
+    return inspect_pass(run, inputs).stop
+
+
+@dataclass(frozen=True)
+class PassReport:
+    """What :func:`inspect_pass` found in one forward pass.
+
+    Attributes:
+        stop: where the gradient stops (:func:`gradient_stop`), or ``None``.
+        calls_autograd: whether the pass calls ``torch.autograd.grad`` or ``backward``: a
+            residual model that differentiates its inputs inside ``forward`` (a
+            physics-informed network's ``u_xx``). Its passes need autograd on, and
+            ``torch.func``'s transforms refuse its ``requires_grad_()``.
+    """
+
+    stop: Optional[str]
+    calls_autograd: bool
+
+
+def inspect_pass(run: Callable[[], object], inputs: str = "the parameters") -> PassReport:
+    """Runs ``run()`` once with autograd on and reports where its gradient stops
+    (:func:`gradient_stop`) and whether it calls autograd itself."""
     mode = _GradientStops(inputs)
     with torch.enable_grad(), mode:
         run()
-    return mode.found
+    return PassReport(mode.found, mode.calls_autograd)
 
 
 def backward_hook_handles(model: torch.nn.Module) -> tuple:
@@ -282,11 +317,22 @@ def gradient_stop_notice(op: str) -> str:
     )
 
 
+#: the calls by which a forward pass differentiates by itself (they dispatch to function modes)
+_AUTOGRAD_CALLS = (torch.autograd.grad, torch.autograd.backward, Tensor.backward)
+
+
+def _in_transform() -> bool:
+    """Whether this runs inside one of ``torch.func``'s transforms."""
+    level = getattr(torch._C._functorch, "maybe_current_level", None)
+    return level is not None and level() is not None
+
+
 class _GradientStops(TorchFunctionMode):
     def __init__(self, inputs: str):
         super().__init__()
         self.inputs = inputs  # what the tensors that require grad are, for the message
         self.found: Optional[str] = None
+        self.calls_autograd = False
         # id -> (weak reference, the operation it came from): results computed from tensors
         # that require grad (or from such results) with autograd off
         self._stopped: Dict[int, Tuple[weakref.ref, str]] = {}
@@ -298,6 +344,8 @@ class _GradientStops(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         on = torch.is_grad_enabled()
+        if func in _AUTOGRAD_CALLS and not _in_transform():  # (torch.func's jacrev calls it)
+            self.calls_autograd = True
         out = func(*args, **kwargs)
         if self.found is not None:
             return out

@@ -64,8 +64,13 @@ from ...model.attributes import (
     module_state,
     restore_module_state,
 )
-from ...model.flat_model import FunctionalModel
-from ...model.forward_mode import backward_hook_handles, gradient_stop_notice, missing_rule
+from ...model.flat_model import ConstantOutputError, FunctionalModel, check_depends
+from ...model.forward_mode import (
+    NESTED_FORWARD,
+    backward_hook_handles,
+    gradient_stop_notice,
+    missing_rule,
+)
 from .. import cuda_graphs as graphs
 from ..functional import FunctionalEngine
 from .jvp_rules import TangentRules
@@ -125,6 +130,7 @@ class _Traced:
     replayed: Optional[_Replayed] = None  # the graphs captured (cuda_graphs=True)
     compiled: Optional[Tuple[Callable, Callable]] = None  # set-up and product (compile=True)
     not_captured: Optional[str] = None  # why graphs do not apply ("": they do; None: not asked)
+    route: str = "forward"  # how J v was traced (one of ROUTES)
 
 
 class TracedEngine:
@@ -816,44 +822,79 @@ def _value(fmodel: FunctionalModel, loss: OutputLoss) -> Callable:
     forward = _forward(fmodel)
 
     def value(theta, buffers, frozen, inputs, targets):
-        with torch.no_grad():
-            return loss.value(forward(theta, buffers, frozen, inputs), targets)
+        with torch.enable_grad() if fmodel.calls_autograd else torch.no_grad():
+            return loss.value(forward(theta, buffers, frozen, inputs), targets).detach()
 
     return value
 
 
-def _whole(
-    fmodel: FunctionalModel, loss: OutputLoss, double_backward: bool, rules: bool = True
-) -> Callable:
-    """``(theta, v, buffers, frozen, inputs, targets) -> (loss, g, z, G v)``, to be traced."""
+#: How the traced function takes ``J v``: ``"forward"`` with the dual tensors of
+#: ``torch.autograd.forward_ad``; ``"transform"`` with ``torch.func.jvp``, where forward itself
+#: takes forward-mode derivatives (``torch.func.hessian``, ``jacfwd``: functorch's forward
+#: mode nests, forward_ad's does not); ``"reverse"`` through the reverse pass,
+#: ``J v = d/du [(J^T u) . v]``, where an operator has no forward-mode rule or the gradient
+#: stops.
+ROUTES = ("forward", "transform", "reverse")
+
+
+def _whole(fmodel: FunctionalModel, loss: OutputLoss, route: str, rules: bool = True) -> Callable:
+    """``(theta, v, buffers, frozen, inputs, targets) -> (loss, g, z, G v)``, to be traced,
+    with ``J v`` by ``route`` (one of :data:`ROUTES`)."""
     forward = _forward(fmodel)
 
     def whole(theta, v, buffers, frozen, inputs, targets):
         theta = theta.detach().requires_grad_(True)
         with torch.enable_grad():
-            if double_backward:
+            if route == "reverse":
                 out = forward(theta, buffers, frozen, inputs)
                 u = torch.zeros_like(out, requires_grad=True)
                 (vjp,) = torch.autograd.grad(out, theta, u, create_graph=True)
                 (jv,) = torch.autograd.grad(vjp, u, v)
+            elif route == "transform":
+                return _whole_by_transforms(
+                    forward, loss, theta, v, buffers, frozen, inputs, targets
+                )
             else:
                 mode = TangentRules() if rules else contextlib.nullcontext()
                 with fwAD.dual_level(), mode:
                     out, jv = fwAD.unpack_dual(
                         forward(fwAD.make_dual(theta, v), buffers, frozen, inputs)
                     )
+            check_depends(out)
             z = out.detach().requires_grad_(True)
             value = loss.value(z, targets)
             (dz,) = torch.autograd.grad(value, z)
             hjv = loss.hessian(out.detach(), targets)(jv)
-            (grad,) = torch.autograd.grad(out, theta, dz, retain_graph=True)
+            (grad,) = torch.autograd.grad(out, theta, dz, retain_graph=True, allow_unused=True)
+            check_depends(out, grad)
             (gv,) = torch.autograd.grad(out, theta, hjv)
         return value.detach(), grad, out.detach(), gv
 
     return whole
 
 
-def _make_fx(fn: Callable, *example: object) -> fx.GraphModule:
+def _whole_by_transforms(forward, loss, theta, v, buffers, frozen, inputs, targets):
+    """``whole``'s results by ``torch.func`` alone (:data:`ROUTES`: ``"transform"``); autograd's
+    reverse pass through ``torch.func.jvp``'s outputs does not trace on fake tensors."""
+
+    def f(t: Tensor) -> Tensor:
+        return forward(t, buffers, frozen, inputs)
+
+    theta = theta.detach()
+    out, pullback = torch.func.vjp(f, theta)
+    _, jv = torch.func.jvp(f, (theta,), (v,))  # (its primal pass is the set-up's: no v)
+    z = out.detach().requires_grad_(True)
+    value = loss.value(z, targets)
+    (dz,) = torch.autograd.grad(value, z)
+    hjv = loss.hessian(out.detach(), targets)(jv)
+    (grad,) = pullback(dz)
+    (gv,) = pullback(hjv)
+    return value.detach(), grad, out.detach(), gv
+
+
+def _make_fx(fn: Callable, *example: object, stateless: bool = False) -> fx.GraphModule:
+    """``fn`` traced on fake tensors; where that fails on torch.func's transforms inside forward
+    and the model has no buffers (``stateless``), on the real tensors."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     try:
@@ -862,6 +903,26 @@ def _make_fx(fn: Callable, *example: object) -> fx.GraphModule:
         if "_allow_non_fake_inputs" not in str(error):
             raise
         return make_fx(fn, tracing_mode="fake")(*example)
+    except RuntimeError as error:
+        if not _meta_leak(error):
+            raise
+        if not stateless:
+            raise Untraceable(
+                "torch.func's transforms inside forward (hessian, jacfwd, jacrev) under "
+                "autograd's reverse pass cannot be traced on fake tensors, and a real trace "
+                "would write into this model's buffers; Taylor-mode operators that avoid nested "
+                f"AD (torch_sgn.pinn.operators.laplacian(u, x)) trace ({_reason(error)})"
+            ) from error
+    # torch.func's transforms in forward (vmap(hessian(u))) under autograd's reverse pass leak
+    # meta tensors out of the fake ones (torch 2.13): traced on the real tensors instead, which
+    # costs one real pass and writes into nothing where the model has no buffers
+    return make_fx(fn, tracing_mode="real")(*example)
+
+
+def _meta_leak(error: BaseException) -> bool:
+    """Whether ``error`` is a fake-tensor trace that met a meta tensor it did not make."""
+    message = str(error)
+    return "meta" in message and "device" in message
 
 
 def _trace(
@@ -870,28 +931,37 @@ def _trace(
     """Traces the product at these shapes and splits it; raises :class:`Untraceable`."""
     buffers, frozen = _inputs_of(fmodel.model)
     example = (flat.detach(), torch.zeros_like(flat), buffers, frozen, list(args), targets)
-    errors = []
+    errors: List[BaseException] = []
     declined = None  # why the tangent rules could not be used, if they could not
     # where the gradient stops (torch.no_grad) forward mode does not: reverse mode alone
-    routes = (True,) if fmodel.gradient_stop(flat, args) is not None else (False, True)
-    for double_backward in routes:
+    stops = fmodel.gradient_stop(flat, args) is not None
+    for route in ("reverse",) if stops else ROUTES:
+        if route == "transform" and not (errors and _nests(errors[-1])):
+            continue  # (only where forward_ad's forward mode would nest)
         try:
             with _plain_kernels(), _plain_checkpoints():
-                if TANGENT_RULES and not double_backward:
+                if TANGENT_RULES and route == "forward":
                     try:
-                        graph = _make_fx(_whole(fmodel, loss, False, rules=True), *example)
+                        whole = _whole(fmodel, loss, route, rules=True)
+                        graph = _make_fx(whole, *example, stateless=not buffers)
                         break
-                    except Untraceable:
+                    except (Untraceable, ConstantOutputError):
                         raise
                     except Exception as error:  # noqa: BLE001 - PyTorch's own rules may work
+                        if _nests(error):
+                            raise
                         declined = _reason(error)
-                graph = _make_fx(_whole(fmodel, loss, double_backward, rules=False), *example)
+                whole = _whole(fmodel, loss, route, rules=False)
+                graph = _make_fx(whole, *example, stateless=not buffers)
             break
-        except Untraceable:
+        except (Untraceable, ConstantOutputError):
             raise
-        except NotImplementedError as error:  # a forward-mode rule is missing: try reverse
+        except (NotImplementedError, RuntimeError) as error:
+            if not (isinstance(error, NotImplementedError) or _nests(error)):
+                raise Untraceable(_reason(error)) from error
+            # a forward-mode rule is missing, or forward mode nests: the next route
             errors.append(error)
-            declined = None  # the reverse route records no tangent rules: nothing to report
+            declined = None  # the other routes record no tangent rules: nothing to report
             continue
         except Exception as error:  # noqa: BLE001 - any failure to trace means: not traceable
             raise Untraceable(_reason(error)) from error
@@ -903,8 +973,13 @@ def _trace(
         _reorder_embedding_products(graph.graph)
     _views_as_reshapes(graph.graph)
     setup, product = _split(graph)
-    missing = missing_rule(errors[-1]) if double_backward and errors else None
-    return _Traced(setup, product, double_backward, declined, missing)
+    missing = missing_rule(errors[-1]) if route == "reverse" and errors else None
+    return _Traced(setup, product, route == "reverse", declined, missing, route=route)
+
+
+def _nests(error: BaseException) -> bool:
+    """Whether ``error`` says forward_ad's forward mode would nest in the model's own."""
+    return missing_rule(error) == NESTED_FORWARD
 
 
 def _trace_value(fmodel: FunctionalModel, loss: OutputLoss, inputs: tuple) -> fx.GraphModule:
@@ -914,7 +989,9 @@ def _trace_value(fmodel: FunctionalModel, loss: OutputLoss, inputs: tuple) -> fx
     try:
         with _plain_kernels(), _plain_checkpoints():
             graph = _make_fx(
-                _value(fmodel, loss), flat.detach(), buffers, frozen, list(args), targets
+                _value(fmodel, loss),
+                *(flat.detach(), buffers, frozen, list(args), targets),
+                stateless=not buffers,
             )
     except Exception as error:  # noqa: BLE001 - the product's trace worked, so this is rare
         raise Untraceable(_reason(error)) from error
