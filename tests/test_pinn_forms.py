@@ -102,7 +102,12 @@ class Poisson(nn.Module):
 
 
 # (form, whether the model has the boundary block too)
-CASES = [(name, False) for name in LAPLACIANS] + [("autograd_in_place", True), ("hessian", True)]
+#: the default run checks one autograd form and one torch.func form in two blocks; the other
+#: forms (each a few seconds on nested graphs) run with the slow tests
+CASES = [pytest.param(name, False, marks=pytest.mark.slow) for name in LAPLACIANS] + [
+    ("autograd_in_place", True),
+    ("hessian", True),
+]
 #: the cases whose whole matrix is compared (a product per column: slow on nested graphs)
 DENSE = {("autograd_in_place", True, "auto"), ("hessian", False, "functional")}
 ENGINES = ["auto", "traced", "functional"]
