@@ -264,13 +264,16 @@ def table(folder: str) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: (r["problem"], r["parameters"], r["method"])):
+        budget = f"{r['seconds']:.0f} s"
+        if "stopped_at_seconds" in r:  # a run stopped by hand: its curve up to there
+            budget += f", stopped at {r['stopped_at_seconds']:.0f} s"
         reach = []
         for level in (1e-4, 1e-6, 1e-8):
             t = next((c[0] for c in r["curve"] if c[2] <= level), None)
             reach.append("-" if t is None else f"{t:.0f}")
         out.append(
             f"| {r['problem']} | {r['net']} ({r['parameters']:,}) | {r['method']} | "
-            f"{r['seconds']:.0f} s | {r['steps']} | {r['final_error']:.1e} | {' / '.join(reach)} |"
+            f"{budget} | {r['steps']} | {r['final_error']:.1e} | {' / '.join(reach)} |"
         )
     return "\n".join(out)
 
