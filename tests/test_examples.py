@@ -11,7 +11,8 @@ import torch
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def _run(name: str, capsys) -> list:
+def _quick_output(name: str, capsys) -> str:
+    """What the example prints in its quick mode, on one thread."""
     spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -20,7 +21,11 @@ def _run(name: str, capsys) -> list:
         module.main(["--quick", "--threads", "1"])
     finally:
         torch.set_num_threads(threads)
-    out = capsys.readouterr().out
+    return capsys.readouterr().out
+
+
+def _run(name: str, capsys) -> list:
+    out = _quick_output(name, capsys)
     return re.findall(r"^(SGN|Adam)\s+epoch (\d+)\s+train loss (\S+)", out, re.M)
 
 
@@ -53,15 +58,8 @@ def test_resnet_fashion_mnist_quick(capsys):
 
 @pytest.mark.slow
 def test_pinn_poisson_quick(capsys):
-    spec = importlib.util.spec_from_file_location("pinn_poisson", EXAMPLES / "pinn_poisson.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    threads = torch.get_num_threads()
-    try:
-        module.main(["--quick", "--threads", "1"])
-    finally:
-        torch.set_num_threads(threads)
-    rows = re.findall(r"loss (\S+)\s+rel\. L2 error (\S+)\s+\((\w+)", capsys.readouterr().out)
+    out = _quick_output("pinn_poisson", capsys)
+    rows = re.findall(r"loss (\S+)\s+rel\. L2 error (\S+)\s+\((\w+)", out)
     assert len(rows) >= 2 and all(solver == "direct" for _, _, solver in rows)
     errors = [float(e) for _, e, _ in rows]
     assert errors[-1] < 0.1 * errors[0] and errors[-1] < 2e-2
