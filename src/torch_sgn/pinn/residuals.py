@@ -110,8 +110,8 @@ class Residuals(nn.Module):
         self.network = network
         self.names: Tuple[str, ...] = tuple(blocks)
         self.blocks: Tuple[Residual, ...] = tuple(blocks.values())
-        self._arity: Tuple[int, ...] = ()
-        self._arity = tuple(self._count(b) for b in self.blocks)
+        self._arity: Tuple[int, ...] = tuple(self._count(b) for b in self.blocks)
+        self._counts: Dict[tuple, int] = {}  # the points' shapes -> R (see count)
 
     @staticmethod
     def _count(block: Residual) -> int:
@@ -149,9 +149,15 @@ class Residuals(nn.Module):
         return inputs, targets
 
     def count(self, inputs: Sequence[Tensor]) -> int:
-        """The number of residuals ``R`` on ``inputs`` (one forward pass where a block's rows
-        are not one number each)."""
-        return self(*inputs).numel()
+        """The number of residuals ``R`` on ``inputs``: one forward pass the first time the
+        points have these shapes (a block's rows per point do not change), remembered after."""
+        key = (
+            tuple(tuple(p.shape) for p in inputs),
+            tuple(block.weight == 0 for block in self.blocks),  # a block of weight 0 adds none
+        )
+        if key not in self._counts:
+            self._counts[key] = self(*inputs).numel()
+        return self._counts[key]
 
     def split(self, inputs: Sequence[Tensor]) -> Dict[str, Tuple[Tensor, ...]]:
         """The block's point tensors of ``inputs`` (as :meth:`batch` lays them out), by name."""
