@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from typing import List
 
 import torch
+from pinn import network  # benchmarks/pinn.py: the tanh MLPs of the PINN benchmark
 from torch import Tensor, nn
 
 from torch_sgn import GGN, conjugate_gradient, nystrom
@@ -94,17 +95,6 @@ def points(seed: int) -> tuple:
     return x_in, torch.cat([x, y], 1)
 
 
-def network(spec: str, seed: int) -> nn.Module:
-    widths = [int(w) for w in spec.split("-")]
-    torch.manual_seed(seed)
-    layers: List[nn.Module] = []
-    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
-        layers.append(nn.Linear(a, b))
-        if i < len(widths) - 2:
-            layers.append(nn.Tanh())
-    return nn.Sequential(*layers).to(D)
-
-
 def pretrain(model: PoissonResiduals, inputs: tuple, steps: int, lr: float) -> List[float]:
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     losses = []
@@ -145,7 +135,7 @@ def timed(fn, repeats: int):
 
 def run_net(spec: str, cfg: Config) -> dict:
     x_in, x_bd = points(cfg.seed)
-    model = PoissonResiduals(network(spec, cfg.seed), len(x_in), len(x_bd))
+    model = PoissonResiduals(network(spec, 2, cfg.seed), len(x_in), len(x_bd))
     inputs = (x_in, x_bd)
     n = sum(p.numel() for p in model.parameters())
     t0 = time.process_time()
