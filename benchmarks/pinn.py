@@ -170,6 +170,7 @@ def run(
     seconds: float,
     seed: int,
     progress: Callable[[dict], None] = lambda partial: None,
+    stop_below: float = 0.0,
 ) -> dict:
     net = network(net_spec, problem.dim, seed)
     residuals = Residuals(net, problem.blocks(net))
@@ -196,7 +197,9 @@ def run(
             curve.append((clock, steps, error(), loss))
             next_eval = clock * 1.25
             progress({"net": net_spec, "method": method, "steps": steps, "curve": curve})
-    return {
+            if curve[-1][2] <= stop_below:
+                break
+    result = {
         "problem": problem.name,
         "net": net_spec,
         "parameters": sum(p.numel() for p in net.parameters()),
@@ -208,6 +211,9 @@ def run(
         "best_error": min(c[2] for c in curve),
         "curve": curve,
     }
+    if stop_below > 0 and curve[-1][2] <= stop_below:
+        result["stopped_below"] = stop_below  # the run ended early, at the target error
+    return result
 
 
 def _method(method: str, residuals: Residuals, net: nn.Module) -> Callable:
@@ -267,6 +273,8 @@ def table(folder: str) -> str:
         budget = f"{r['seconds']:.0f} s"
         if "stopped_at_seconds" in r:  # a run stopped by hand: its curve up to there
             budget += f", stopped at {r['stopped_at_seconds']:.0f} s"
+        if "stopped_below" in r:  # ended at its target error
+            budget += f", ended at {r['curve'][-1][0]:.0f} s (<= {r['stopped_below']:.0e})"
         reach = []
         for level in (1e-4, 1e-6, 1e-8):
             t = next((c[0] for c in r["curve"] if c[2] <= level), None)
@@ -286,6 +294,10 @@ def main(argv: List[str] | None = None) -> None:
     p.add_argument("--seconds", type=float, default=60.0)
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--stop-below", type=float, default=0.0,
+        help="end a run once its error is at or below this value (default: run the budget)",
+    )  # fmt: skip
     p.add_argument("--out", required=True)
     p.add_argument("--table", action="store_true", help="print the table of --out's runs, run none")
     args = p.parse_args(argv)
@@ -321,7 +333,9 @@ def main(argv: List[str] | None = None) -> None:
                     with open(path + ".partial", "w") as f:
                         json.dump({**partial, "meta": meta}, f)
 
-                result = run(problem, args.net, method, args.seconds, seed, progress)
+                result = run(
+                    problem, args.net, method, args.seconds, seed, progress, args.stop_below
+                )
                 result["meta"] = meta
                 with open(path + ".tmp", "w") as f:
                     json.dump(result, f)
