@@ -1,12 +1,14 @@
 """The randomized Nystrom approximation and preconditioner against dense float64 references."""
 
+import copy
 import math
 
 import pytest
 import torch
+from torch import nn
 
-from cases import LOSSES, MODELS, make_batch
-from torch_sgn import GGN, conjugate_gradient, nystrom
+from cases import LOSSES, MODELS, dense_ggn, make_batch
+from torch_sgn import GGN, SGN, conjugate_gradient, nystrom
 
 D = torch.float64
 
@@ -211,3 +213,82 @@ def test_arguments_are_checked():
         nystrom(lambda v: -(a @ v), 10, 4, a)
     with pytest.raises(TypeError, match="preconditioner"):
         conjugate_gradient(lambda v: a @ v, torch.ones(10, dtype=D), max_iters=3, preconditioner=2)
+
+
+# --- SGN(preconditioner="nystrom") ----------------------------------------------------------
+
+
+def _fit_problem(seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 2)).double()  # 38 params
+    x = torch.randn(40, 3, dtype=D)
+    y = torch.randn(40, 2, dtype=D)
+    return model, x, y
+
+
+def test_sgn_nystrom_step_is_the_damped_gauss_newton_step():
+    # A full-rank approximation makes P^-1 (G + rho I) the identity on G's range: CG then
+    # reaches the dense float64 solution of (G + rho I) d = -g in a few iterations.
+    model, x, y = _fit_problem()
+    G, g, theta = dense_ggn(model, "mse", x, y)
+    damping = 1e-3
+    opt = SGN(
+        model, "mse", solver="cg", preconditioner="nystrom", preconditioner_rank=theta.numel(),
+        cg_iters=5, cg_tol=0.0, cg_rtol=1e-12, damping=damping, line_search=False,
+        trust_region=False, geodesic_acceleration=False,
+    )  # fmt: skip
+    info = opt.step(x, y)
+    d = torch.linalg.solve(G + damping * torch.eye(theta.numel(), dtype=D), -g)
+    moved = torch.cat([p.detach().reshape(-1) for p in model.parameters()]) - theta
+    torch.testing.assert_close(moved, d, rtol=1e-7, atol=1e-10)
+    assert info.stop_reason == "converged" and info.iterations <= 3
+
+
+def test_sgn_nystrom_needs_fewer_iterations_than_plain_cg():
+    model, x, y = _fit_problem(1)
+    iterations = {}
+    for kind in (False, "nystrom"):
+        m = copy.deepcopy(model)
+        opt = SGN(
+            m, "mse", solver="cg", preconditioner=kind, preconditioner_rank=20, cg_iters=200,
+            cg_tol=0.0, cg_rtol=1e-8, damping=1e-6, line_search=False, trust_region=False,
+        )  # fmt: skip
+        iterations[kind] = opt.step(x, y).iterations
+    assert iterations["nystrom"] < iterations[False] / 2
+
+
+def test_sgn_nystrom_is_rebuilt_every_preconditioner_every_steps(monkeypatch):
+    import torch_sgn.optimizer as optimizer_module
+
+    builds = []
+    real = optimizer_module.nystrom
+
+    def counted(*args, **kwargs):
+        builds.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(optimizer_module, "nystrom", counted)
+    model, x, y = _fit_problem()
+    opt = SGN(model, "mse", solver="cg", preconditioner="nystrom", preconditioner_rank=8,
+              preconditioner_every=3)  # fmt: skip
+    for _ in range(7):
+        opt.step(x, y)
+    assert len(builds) == 3  # steps 0, 3, 6
+    copy.deepcopy(opt).step(x, y)  # a copy builds its own
+    opt.load_state_dict(opt.state_dict())
+    opt.step(x, y)
+    assert len(builds) == 5
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(preconditioner="kfac"), "preconditioner"),
+        (dict(preconditioner="nystrom", preconditioner_rank=0), "preconditioner_rank"),
+        (dict(preconditioner="nystrom", preconditioner_every=1.5), "preconditioner_every"),
+    ],
+)
+def test_sgn_nystrom_options_are_checked(kwargs, match):
+    model, _, _ = _fit_problem()
+    with pytest.raises(ValueError, match=match):
+        SGN(model, "mse", **kwargs)

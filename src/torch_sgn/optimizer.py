@@ -6,7 +6,7 @@ import logging
 import warnings
 import weakref
 from dataclasses import replace
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -32,6 +32,7 @@ from .solve.descents import (
     SampleSpaceDescent,
 )
 from .solve.direct import DirectResult
+from .solve.nystrom import NystromApproximation, nystrom
 from .solve.routes import choose_route
 from .solve.state import StepState
 from .solve.step import DampingRule, LineSearch, Outcome, Problem, damped_step
@@ -123,9 +124,18 @@ class SGN(torch.optim.Optimizer):
             ``damping_min`` over ``damping_decay_steps`` steps (``RHO_DECAY``); only with
             ``trust_region=False``. Default ``"constant"``.
         damping_decay_steps: the schedule's length :math:`K`. Default 10, as the original.
-        preconditioner: diagonal CG preconditioner
-            :math:`M = (\hat m^2 + \rho)^{-\text{exponent}}` (``CG_PREC``). Default off.
-        preconditioner_exponent: its exponent (``ALPHA_EXP``). Default 1.
+        preconditioner: CG's preconditioner. ``True`` or ``"diagonal"``: the paper's diagonal
+            :math:`M = (\hat m^2 + \rho)^{-\text{exponent}}` (``CG_PREC``). ``"nystrom"``: a
+            randomized Nystrom approximation of ``G`` of rank ``preconditioner_rank``
+            (:func:`torch_sgn.nystrom`, Frangella, Tropp and Udell, 2023), built from that
+            many ``G v`` products every ``preconditioner_every`` steps; it flattens the top of
+            ``G``'s spectrum, so CG needs far fewer iterations on ill-conditioned systems
+            (large physics-informed networks: docs/PINN.md). Default ``False``: none.
+        preconditioner_exponent: the diagonal's exponent (``ALPHA_EXP``). Default 1.
+        preconditioner_rank: the Nystrom approximation's rank (at most the number of
+            trainable parameters). Default 100.
+        preconditioner_every: rebuild the Nystrom approximation every this many steps (at
+            the current parameters and batch). Default 10.
         warm_start: start CG from this factor times the previous step's CG solution (Martens,
             2010); 0 starts from zero as the original does. Default 0.
         ls_c: Armijo constant (``C_LS``). Default ``1e-4`` (Nocedal & Wright).
@@ -264,8 +274,10 @@ class SGN(torch.optim.Optimizer):
         warmup_steps: int = 10,
         damping_schedule: str = "constant",
         damping_decay_steps: int = 10,
-        preconditioner: bool = False,
+        preconditioner: Union[bool, str] = False,
         preconditioner_exponent: float = 1.0,
+        preconditioner_rank: int = 100,
+        preconditioner_every: int = 10,
         warm_start: float = 0.0,
         ls_c: float = 1e-4,
         ls_shrink: float = 0.5,
@@ -287,7 +299,9 @@ class SGN(torch.optim.Optimizer):
             gradient_averaging=momentum, warmup_cg_iters=warmup_cg_iters,
             warmup_steps=warmup_steps, damping_schedule=damping_schedule,
             damping_decay_steps=damping_decay_steps, preconditioner=preconditioner,
-            preconditioner_exponent=preconditioner_exponent, warm_start=warm_start, ls_c=ls_c,
+            preconditioner_exponent=preconditioner_exponent,
+            preconditioner_rank=preconditioner_rank, preconditioner_every=preconditioner_every,
+            warm_start=warm_start, ls_c=ls_c,
             ls_shrink=ls_shrink, ls_max_evals=ls_max_evals, keep_grad=keep_grad,
             geodesic_acceleration=geodesic_acceleration,
         )  # fmt: skip
@@ -316,6 +330,7 @@ class SGN(torch.optim.Optimizer):
         self._per_sample: dict = {}  # batch shapes -> whether the model is per-sample on them
         self._last_inputs: tuple = ()  # the last step's inputs (see _fits_one_batch)
         self._curvature_fraction = curvature_fraction
+        self._nystrom: Optional[tuple[int, NystromApproximation]] = None  # (step built, it)
         if solver == "direct" and not self._may_solve_through_outputs():
             # before anything of the matrix's size is allocated
             fm = self._fmodel
@@ -367,6 +382,7 @@ class SGN(torch.optim.Optimizer):
             state[key] = {**first, "exact": True}
             loaded["state"] = state
         super().load_state_dict(loaded)
+        self._nystrom = None  # built afresh at the next step that uses it
 
     def __getstate__(self) -> dict:
         # torch's Optimizer pickles only its defaults, state and groups; SGN's model, loss and
@@ -389,7 +405,7 @@ class SGN(torch.optim.Optimizer):
         if "_comm" in self.__dict__:  # load_state_dict's call: the optimizer is built already
             return
         self._comm = SingleProcess()
-        self._per_sample, self._last_inputs = {}, ()
+        self._per_sample, self._last_inputs, self._nystrom = {}, (), None
         with warnings.catch_warnings():  # the original already warned about its engine
             warnings.simplefilter("ignore")
             self._engine = select_engine(self._fmodel, self._loss, *self._engine_options)
@@ -553,11 +569,36 @@ class SGN(torch.optim.Optimizer):
         x0 = None
         if group["warm_start"] > 0 and state.prev_direction is not None:
             x0 = group["warm_start"] * state.prev_direction
-        exponent = group["preconditioner_exponent"] if group["preconditioner"] else None
+        kind = group["preconditioner"]
+        exponent = group["preconditioner_exponent"] if kind in (True, "diagonal") else None
+        approx = self._nystrom_at(lin, rhs, state.step) if kind == "nystrom" else None
         return CGDescent(
             lin.ggn_vp, rhs, iters, group["cg_tol"], group["cg_rtol"], group["cg_progress_tol"],
-            x0, exponent,
+            x0, exponent, approx,
         )  # fmt: skip
+
+    def _nystrom_at(self, lin: Linearization, rhs: Tensor, t: int) -> NystromApproximation:
+        """The Nystrom approximation of ``G`` for step ``t``'s CG: the one built at most
+        ``preconditioner_every`` steps ago, else a new one from ``preconditioner_rank``
+        products at this step's point and batch (the draws seeded with ``t``). It is not kept
+        in ``state_dict``: a loaded optimizer builds its own at its next step."""
+        group = self.param_groups[0]
+        built = self._nystrom
+        if (
+            built is None
+            or not 0 <= t - built[0] < group["preconditioner_every"]
+            or built[1].eigenvectors.shape[0] != rhs.numel()  # the trainable set changed
+        ):
+            self._nystrom = None  # its memory free before the new one is built
+            n = rhs.numel()
+            rank = min(group["preconditioner_rank"], n)
+            gen = torch.Generator(device=rhs.device).manual_seed(t)
+            # One product at a time: the engines' products are not all batchable by vmap,
+            # and a batch of ``rank`` products would hold ``rank`` times their memory.
+            approx = nystrom(lin.ggn_vp, n, rank, rhs, generator=gen, vmap=False)
+            built = self._nystrom = (t, approx)
+            logger.debug("  Nystrom preconditioner of rank %d built at step %d", rank, t)
+        return built[1]
 
     def _accelerator(
         self,

@@ -24,6 +24,7 @@ __all__ = [
     "ARGUMENT_NAMES",
     "KEYS",
     "PAPER_OPTIONS",
+    "PRECONDITIONERS",
     "check_arguments",
     "check_loaded_state",
     "check_options",
@@ -34,9 +35,13 @@ KEYS = (
     "lr", "damping", "damping_min", "cg_iters", "cg_tol", "cg_rtol", "cg_progress_tol",
     "attempts", "damping_update", "line_search", "trust_region",
     "gradient_averaging", "warmup_cg_iters", "warmup_steps", "damping_schedule",
-    "damping_decay_steps", "preconditioner", "preconditioner_exponent", "warm_start", "ls_c",
-    "ls_shrink", "ls_max_evals", "keep_grad", "geodesic_acceleration",
+    "damping_decay_steps", "preconditioner", "preconditioner_exponent", "preconditioner_rank",
+    "preconditioner_every", "warm_start", "ls_c", "ls_shrink", "ls_max_evals", "keep_grad",
+    "geodesic_acceleration",
 )  # fmt: skip
+
+#: The values of ``preconditioner``: none, the paper's diagonal, a randomized Nystrom one.
+PRECONDITIONERS = (False, True, "diagonal", "nystrom")
 
 #: Keys added after SGN's first release, with the values that behave as SGN did before them: a
 #: ``state_dict`` saved without them loads with these.
@@ -46,6 +51,8 @@ ADDED_KEYS = {
     "attempts": 1,
     "damping_update": "threshold",
     "geodesic_acceleration": False,
+    "preconditioner_rank": 100,
+    "preconditioner_every": 10,
 }
 
 #: The constructor's argument for each group key named otherwise.
@@ -75,6 +82,8 @@ PAPER_OPTIONS: Mapping[str, object] = MappingProxyType(
         damping_decay_steps=10,
         preconditioner=False,
         preconditioner_exponent=1.0,
+        preconditioner_rank=100,
+        preconditioner_every=10,
         warm_start=0.0,
         ls_c=1e-4,
         ls_shrink=0.5,
@@ -143,7 +152,14 @@ def check_options(group: Mapping, in_step: bool = False) -> None:
         "needs trust_region=False (the trust region adapts the damping)",
     )
     need(lambda v: _is_int(v) and v >= 1, "damping_decay_steps", "must be an int >= 1")
+    need(
+        lambda v: any(v is p or (isinstance(p, str) and v == p) for p in PRECONDITIONERS),
+        "preconditioner",
+        "must be False, True or 'diagonal' (the paper's diagonal) or 'nystrom'",
+    )
     need(lambda v: _finite(v) and v > 0, "preconditioner_exponent", "must be > 0 and finite")
+    need(lambda v: _is_int(v) and v >= 1, "preconditioner_rank", "must be an int >= 1")
+    need(lambda v: _is_int(v) and v >= 1, "preconditioner_every", "must be an int >= 1")
     need(lambda v: 0 <= v <= 1, "warm_start", "must be in [0, 1]")
     need(lambda v: 0 < v < 1, "ls_c", "must be in (0, 1)")
     need(lambda v: 0 < v < 1, "ls_shrink", "must be in (0, 1)")

@@ -32,6 +32,7 @@ from torch import Tensor
 from . import direct
 from .cg import CGResult, conjugate_gradient
 from .direct import DirectResult
+from .nystrom import NystromApproximation
 
 if TYPE_CHECKING:
     from ..linearization import SampleSpace
@@ -76,6 +77,9 @@ class CGDescent:
         x0: the starting iterate (a warm start), or ``None`` for zero.
         preconditioner_exponent: the diagonal preconditioner
             :math:`(\hat m^2 + \rho)^{-\text{exponent}}`, or ``None`` for none.
+        nystrom: a low-rank approximation of ``G`` whose preconditioner
+            (:meth:`~torch_sgn.solve.nystrom.NystromApproximation.preconditioner`) CG uses at
+            each damping, or ``None`` (not with ``preconditioner_exponent``).
     """
 
     operator: Callable[[Tensor], Tensor]
@@ -86,12 +90,15 @@ class CGDescent:
     progress_tol: float = 0.0
     x0: Optional[Tensor] = None
     preconditioner_exponent: Optional[float] = None
+    nystrom: Optional[NystromApproximation] = None
 
     def __call__(self, damping: float) -> CGResult:
         rhs, operator = self.rhs, self.operator
-        precond = None
+        precond: Union[None, Tensor, Callable[[Tensor], Tensor]] = None
         if self.preconditioner_exponent is not None:
             precond = (rhs.square() + damping).pow(-self.preconditioner_exponent)
+        elif self.nystrom is not None:
+            precond = self.nystrom.preconditioner(damping)
 
         def damped(v: Tensor) -> Tensor:
             return operator(v).add_(v, alpha=damping)  # a product is a fresh tensor
