@@ -19,7 +19,9 @@ batched forward pass's (:func:`per_sample`), else the route is not taken.
 
 A model may also say how its rows are formed: a module with a ``jacobian_blocks(inputs)``
 method (:class:`torch_sgn.pinn.Residuals`) returns the blocks of rows whose Jacobians are
-taken separately (its residual blocks, each over its own points).
+taken separately (its residual blocks, each over its own points). One with a
+``layer_factors(fmodel, flat, inputs)`` method may give ``J J^T`` and ``J^T u`` without ``J``
+(:mod:`torch_sgn.pinn.layer_kernel`), or ``None``.
 """
 
 from __future__ import annotations
@@ -154,12 +156,26 @@ def with_jacobian(
             h = torch.stack([hessian(c) for c in cols.unbind(0)])
         return h.reshape(cols.shape[0], -1).T.to(torch.float64)
 
+    factored: List[object] = []
+
+    def factors():  # a model's own factors of J (layer_factors), or None
+        if not factored:
+            of = getattr(fmodel.model, "layer_factors", None)
+            factored.append(None if of is None else of(fmodel, flat, batch.args))
+        return factored[0]
+
+    def vjp(u: Tensor) -> Tensor:
+        f = factors()
+        if f is not None:
+            return f.vjp(u)
+        return (jac().T @ u.reshape(-1).to(torch.float64)).to(flat.dtype)
+
+    def kernel() -> Tensor:
+        f = factors()
+        return _symmetric(f.kernel() if f is not None else jac() @ jac().T)
+
     space = SampleSpace(
-        outputs=outputs,
-        output_grad=output_grad,
-        hessian=hessian,
-        vjp=lambda u: (jac().T @ u.reshape(-1).to(torch.float64)).to(flat.dtype),
-        kernel=lambda: _symmetric(jac() @ jac().T),
+        outputs=outputs, output_grad=output_grad, hessian=hessian, vjp=vjp, kernel=kernel
     )
     return replace(lin, dense_ggn=lambda: jac().T @ hessian_columns(), sample_space=space)
 

@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .layer_kernel import record
+
 __all__ = [
     "Jet",
     "Sin",
@@ -382,10 +384,13 @@ def _forward_laplacian(layers: list[nn.Module], x: Tensor, dims: tuple[int, ...]
     for layer in layers:
         if type(layer) is nn.Linear:
             weight = layer.weight
+            before = (value, grad) if lap is None else (value, grad, lap)
             value = F.linear(value, weight, layer.bias)
             grad = grad @ weight.T  # all d directions in one product
             if with_laplacian:
                 lap = lap @ weight.T
+            after = (value, grad) if lap is None else (value, grad, lap)
+            record(layer, before, after, (True, False, False))  # for layer_kernel's J J^T
             continue
         f, d1, d2 = _derivatives_of(layer)(value)
         if with_laplacian:

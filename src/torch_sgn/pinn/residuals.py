@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from ..engines.jacobian import JacobianBlock
 from ..model.flat_model import FunctionalModel
+from . import layer_kernel
 
 __all__ = ["Residual", "Residuals"]
 
@@ -112,6 +113,7 @@ class Residuals(nn.Module):
         self.blocks: Tuple[Residual, ...] = tuple(blocks.values())
         self._arity: Tuple[int, ...] = tuple(self._count(b) for b in self.blocks)
         self._counts: Dict[tuple, int] = {}  # the points' shapes -> R (see count)
+        self._factors_ok: Dict[tuple, bool] = {}  # the points' shapes -> layer factors checked
 
     @staticmethod
     def _count(block: Residual) -> int:
@@ -245,6 +247,27 @@ class Residuals(nn.Module):
 
             out.append(JacobianBlock(_Rows(self, fmodel, name, scale), pts))
         return out
+
+    def layer_factors(
+        self, fmodel: FunctionalModel, flat: Tensor, inputs: Sequence[Tensor]
+    ) -> Optional[layer_kernel.LayerFactors]:
+        """``J J^T`` and ``J^T u`` from the network's linear layers
+        (:mod:`torch_sgn.pinn.layer_kernel`), or ``None`` where they do not give them: then
+        ``J`` is formed row by row. Checked against a few rows of ``J`` the first time the
+        points have these shapes."""
+        key = tuple((tuple(p.shape), p.dtype) for p in inputs)
+        if self._factors_ok.get(key) is False:
+            return None
+        try:
+            factors = layer_kernel.layer_factors(self, fmodel, flat, inputs)
+            if factors is not None and key not in self._factors_ok:
+                self._factors_ok[key] = layer_kernel.checked(factors, fmodel, flat, self, inputs)
+        except Exception:  # noqa: BLE001 - a network the factors cannot follow: rows instead
+            factors = None
+        if factors is None:
+            self._factors_ok[key] = False
+            return None
+        return factors if self._factors_ok[key] else None
 
 
 class _Rows:

@@ -1,0 +1,344 @@
+r"""The residual Gram matrix ``J J^T`` of a physics-informed network from its layers' factors.
+
+Exact Gauss-Newton steps on ``R`` residuals and ``P > R`` parameters solve through the ``R x R``
+matrix ``J J^T`` (:func:`~torch_sgn.solve.direct.solve_in_sample_space`). Formed from ``J``
+itself (:mod:`torch_sgn.engines.jacobian`), it costs ``2 R^2 P`` flops and ``R P`` memory:
+for a 116,097-parameter network and 1,020 points, 2.4e11 flops and a 1 GB ``J``. The layers'
+structure gives it for far less.
+
+A linear layer ``z = W a + b`` is applied, in a forward-propagated derivative
+(:mod:`torch_sgn.pinn.operators`), to several *channels* of one point: the value (which takes
+the bias), the input-gradient directions and the Laplacian, ``z_c = W a_c (+ b)``. A residual
+``r_n`` of point ``n`` then has the weight gradient
+
+.. math::
+    \frac{\partial r_n}{\partial W} = \sum_c \delta_{n,c}\, a_{n,c}^\top,
+    \qquad \delta_{n,c} = \frac{\partial r_n}{\partial z_{n,c}},
+
+and two residuals' inner product over ``W`` is
+
+.. math::
+    \Big\langle \frac{\partial r_n}{\partial W}, \frac{\partial r_m}{\partial W} \Big\rangle
+    = \sum_{c, c'} (\delta_{n,c}^\top \delta_{m,c'})\, (a_{n,c}^\top a_{m,c'}),
+
+so the layer's block of ``J J^T`` is :math:`\sum_{c,c'} (\Delta_c \Delta_{c'}^\top) \circ (A_c
+A_{c'}^\top)`: ``2 C^2 R^2 (\text{in} + \text{out})`` flops for ``C`` channels instead of
+``2 R^2\, \text{in} \cdot \text{out}`` (the bias: a column of ones in the value channel's
+``A``). Because a point's residual depends on that point alone, one backward pass of the
+summed residuals gives every :math:`\delta_{n,c}`. The same factors give ``J^T u`` without
+``J``. Where the channels are many and the layers narrow, the factors give ``J`` itself
+(:math:`\sum_c \Delta_c \otimes A_c`, one batched product) and ``J J^T`` is formed from it.
+
+Nothing is assumed: a network whose parameters are not all in linear layers seen here, or
+residuals that use a layer another way, are caught by comparing a few rows with ``vmap`` of
+``jacrev`` (:func:`checked`), and the route is not taken (``J`` is formed row by row instead).
+
+This is the kernel form of Gauss-Newton in function space used for PINNs by energy natural
+gradient descent (Mueller and Zeinhofer, ICML 2023) and of the Gram-Gauss-Newton method (Cai
+et al., 2019), with the channels of forward-propagated derivatives (Dangel, Mueller,
+Zeinhofer, NeurIPS 2024, on the forward Laplacian's structure).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["LayerFactors", "checked", "layer_factors", "record"]
+
+
+@dataclass
+class _Use:
+    """One application of a linear layer: its input channels and output channels (tensors of
+    shape ``(k, n, width)`` or ``(n, width)``, as the pass computed them) and which of them
+    took the bias."""
+
+    layer: nn.Linear
+    inputs: List[Tensor]
+    outputs: List[Tensor]
+    biased: List[bool]
+
+
+_TAPE: ContextVar[Optional[List[_Use]]] = ContextVar("torch_sgn_layer_tape", default=None)
+
+
+def record(layer: nn.Linear, inputs: Sequence[Tensor], outputs: Sequence[Tensor], biased) -> None:
+    """Notes one application of ``layer`` to channels while :func:`_recording` is on (a no-op
+    otherwise): called by the forward-propagated derivatives of :mod:`torch_sgn.pinn.operators`."""
+    tape = _TAPE.get()
+    if tape is not None:
+        tape.append(_Use(layer, list(inputs), list(outputs), list(biased)))
+
+
+@contextmanager
+def _recording(network: nn.Module) -> Iterator[List[_Use]]:
+    """Records every linear layer's application: through :func:`record`, and plain calls of the
+    network's ``nn.Linear`` modules by forward hooks."""
+    tape: List[_Use] = []
+    token = _TAPE.set(tape)
+
+    def hook(layer: nn.Module, args: tuple, output: Tensor) -> None:
+        tape.append(_Use(layer, [args[0]], [output], [True]))  # type: ignore[arg-type]
+
+    handles = [m.register_forward_hook(hook) for m in network.modules() if type(m) is nn.Linear]
+    try:
+        yield tape
+    finally:
+        for h in handles:
+            h.remove()
+        _TAPE.reset(token)
+
+
+@dataclass
+class _Block:
+    """One residual block's factors: per layer, the channels ``A`` (``C x n x in'``, the bias
+    column appended where the bias is trained) and per residual component ``j`` the
+    sensitivities ``Delta_j`` (``C x n x out``)."""
+
+    n: int
+    m: int
+    inputs: Dict[nn.Linear, Tensor]
+    deltas: Dict[nn.Linear, List[Tensor]]
+
+
+@dataclass
+class LayerFactors:
+    """``J J^T`` and ``u -> J^T u`` of a residual problem, from its layers' factors.
+
+    ``slots[layer] = (weight offset or None, bias offset or None)`` in the flat parameters."""
+
+    blocks: List[_Block]
+    slots: Dict[nn.Linear, Tuple[Optional[int], Optional[int]]]
+    numel: int
+    dtype: torch.dtype
+
+    @property
+    def rows(self) -> int:
+        return sum(b.n * b.m for b in self.blocks)
+
+    def kernel(self) -> Tensor:
+        """``J J^T`` (``R x R``, float64), rows in the order of the residuals."""
+        rows = [b.n * b.m for b in self.blocks]
+        starts = [sum(rows[:i]) for i in range(len(rows))]
+        like = next(iter(self.blocks[0].inputs.values()))
+        k = torch.zeros(sum(rows), sum(rows), dtype=torch.float64, device=like.device)
+        for i, bi in enumerate(self.blocks):
+            for j in range(i, len(self.blocks)):
+                bj = self.blocks[j]
+                block = self._pair(bi, bj, same=i == j)
+                k[starts[i] : starts[i] + rows[i], starts[j] : starts[j] + rows[j]] = block
+                if i != j:
+                    k[starts[j] : starts[j] + rows[j], starts[i] : starts[i] + rows[i]] = block.T
+        return k
+
+    def _pair(self, bi: _Block, bj: _Block, same: bool) -> Tensor:
+        """The ``(n_i m_i) x (n_j m_j)`` block of ``J J^T`` between two residual blocks."""
+        out = torch.zeros(bi.n, bi.m, bj.n, bj.m, dtype=torch.float64)
+        out = out.to(next(iter(bi.inputs.values())).device)
+        for layer in bi.inputs.keys() & bj.inputs.keys():
+            a_i, a_j = bi.inputs[layer], bj.inputs[layer]
+            ci, cj = a_i.shape[0], a_j.shape[0]
+            width = a_i.shape[2] + bi.deltas[layer][0].shape[2]
+            if ci * cj * width > a_i.shape[2] * bi.deltas[layer][0].shape[2]:  # form J's rows
+                for p in range(bi.m):
+                    jp = _rows(bi.deltas[layer][p], a_i)
+                    for q in range(bj.m):
+                        jq = jp if same and p == q else _rows(bj.deltas[layer][q], a_j)
+                        out[:, p, :, q] += (jp @ jq.T).to(torch.float64)
+                continue
+            grams = {(c, d): a_i[c] @ a_j[d].T for c in range(ci) for d in range(cj)}
+            for p in range(bi.m):
+                for q in range(bj.m):
+                    d_i, d_j = bi.deltas[layer][p], bj.deltas[layer][q]
+                    acc = torch.zeros_like(grams[(0, 0)])
+                    for (c, d), aa in grams.items():
+                        if same and p == q and d < c:
+                            continue  # the transpose of (d, c), added below
+                        term = (d_i[c] @ d_j[d].T) * aa
+                        acc += term if not (same and p == q and d > c) else term + term.T
+                    out[:, p, :, q] += acc.to(torch.float64)
+        return out.reshape(bi.n * bi.m, bj.n * bj.m)
+
+    def vjp(self, u: Tensor) -> Tensor:
+        """``J^T u`` (flat, the parameters' dtype) for ``u`` with one entry per residual."""
+        u = u.reshape(-1)
+        like = next(iter(self.blocks[0].inputs.values()))
+        grads: Dict[nn.Linear, Tensor] = {}
+        start = 0
+        for b in self.blocks:
+            ub = u[start : start + b.n * b.m].reshape(b.n, b.m).to(torch.float64)
+            start += b.n * b.m
+            for layer, a in b.inputs.items():
+                for p, delta in enumerate(b.deltas[layer]):
+                    # sum_c Delta_c^T diag(u) A_c, over the channels at once
+                    g = torch.einsum("cno,n,cni->oi", delta, ub[:, p], a)
+                    grads[layer] = grads[layer] + g if layer in grads else g
+        flat = like.new_zeros(self.numel, dtype=self.dtype)
+        for layer, g in grads.items():
+            w, bias = self.slots[layer]
+            if w is not None:
+                flat[w : w + layer.weight.numel()] = g[:, : layer.in_features].reshape(-1)
+            if bias is not None:
+                flat[bias : bias + layer.out_features] = g[:, -1].to(self.dtype)
+        return flat
+
+
+def _rows(delta: Tensor, a: Tensor) -> Tensor:
+    """The layer's block of ``J``'s rows, ``n x (out in')``: :math:`\\sum_c \\Delta_c \\otimes
+    A_c` per point."""
+    return torch.einsum("cno,cni->noi", delta, a).reshape(delta.shape[1], -1)
+
+
+def layer_factors(
+    problem: nn.Module, fmodel, flat: Tensor, inputs: Sequence[Tensor]
+) -> Optional[LayerFactors]:
+    """The factors of ``J`` for a :class:`~torch_sgn.pinn.Residuals` problem at ``flat``, or
+    ``None`` where its parameters are not all weights and biases of linear layers applied as
+    :func:`record` sees them (check the result with :func:`checked` before use)."""
+    offsets = dict(zip(fmodel.names, _cumulative(fmodel.numels)))
+    slots: Dict[nn.Linear, Tuple[Optional[int], Optional[int]]] = {}
+    covered = 0
+    for name, module in problem.named_modules():
+        if type(module) is nn.Linear:
+            prefix = f"{name}." if name else ""
+            w, b = offsets.get(prefix + "weight"), offsets.get(prefix + "bias")
+            if w is not None or b is not None:
+                slots[module] = (w, b)
+                covered += (module.weight.numel() if w is not None else 0) + (
+                    module.out_features if b is not None else 0
+                )
+    if covered != fmodel.numel:  # parameters outside linear layers
+        return None
+    with torch.enable_grad():  # (a step runs under no_grad)
+        return _factors(problem, fmodel, flat, inputs, slots)
+
+
+def _factors(problem: nn.Module, fmodel, flat: Tensor, inputs, slots) -> Optional[LayerFactors]:
+    leaf = flat.detach().requires_grad_(True)
+    params = fmodel.unflatten(leaf)
+    blocks: List[_Block] = []
+    for block in problem.jacobian_blocks(fmodel, inputs):
+        if not block.points:  # a residual of the parameters alone
+            return None
+        with _recording(problem) as tape:
+            r = torch.func.functional_call(
+                problem, params, block.points, {"only": block.rows.name}, tie_weights=False
+            )
+            r = r * block.rows.scale
+        n = block.points[0].shape[0]
+        if not tape or r.shape[0] != n or not r.requires_grad:
+            return None
+        r = r.reshape(n, -1)
+        uses = [u for u in tape if u.layer in slots]
+        outputs = [t for u in uses for t in u.outputs]
+        if any(not t.requires_grad for t in outputs):
+            return None
+        deltas_by_component = []
+        for p in range(r.shape[1]):
+            grads = torch.autograd.grad(
+                r[:, p].sum(), outputs, retain_graph=p + 1 < r.shape[1], allow_unused=True
+            )
+            deltas_by_component.append(grads)
+        inputs_by_layer: Dict[nn.Linear, List[Tensor]] = {}
+        deltas_by_layer: Dict[nn.Linear, List[List[Tensor]]] = {}
+        for i, use in enumerate(uses):
+            _, bias_slot = slots[use.layer]
+            weight_slot = slots[use.layer][0]
+            k = sum(len(u.outputs) for u in uses[:i])
+            for c, (a, z, biased) in enumerate(zip(use.inputs, use.outputs, use.biased)):
+                a3 = (a if a.dim() == 3 else a.unsqueeze(0)).detach().to(torch.float64)
+                if a3.shape[1] != n or a3.dim() != 3:
+                    return None
+                parts = [a3] if weight_slot is not None else []
+                if bias_slot is not None:
+                    parts.append(a3.new_full((*a3.shape[:2], 1), 1.0 if biased else 0.0))
+                inputs_by_layer.setdefault(use.layer, []).append(torch.cat(parts, 2))
+                per_component = deltas_by_layer.setdefault(
+                    use.layer, [[] for _ in range(r.shape[1])]
+                )
+                for p in range(r.shape[1]):
+                    g = deltas_by_component[p][k + c]
+                    g = torch.zeros_like(z) if g is None else g
+                    g = g if g.dim() == 3 else g.unsqueeze(0)
+                    per_component[p].append(g.to(torch.float64))
+        merged_inputs, merged_deltas = {}, {}
+        for layer, chans in inputs_by_layer.items():
+            a, ds = _merge(chans, deltas_by_layer[layer])
+            merged_inputs[layer], merged_deltas[layer] = a, ds
+        blocks.append(_Block(n, r.shape[1], merged_inputs, merged_deltas))
+    if not blocks:
+        return None
+    return LayerFactors(blocks, slots, fmodel.numel, flat.dtype)
+
+
+def _merge(inputs: List[Tensor], deltas: List[List[Tensor]]) -> Tuple[Tensor, List[Tensor]]:
+    """The channels of one layer in one block, equal input channels merged (their ``Delta``
+    summed: ``J``'s rows are :math:`\\sum_c \\Delta_c \\otimes A_c`), as ``C x n x in'`` and
+    per component ``C x n x out``."""
+    a = torch.cat(inputs, 0)
+    ds = [torch.cat(d, 0) for d in deltas]
+    keep: List[int] = []
+    target = list(range(a.shape[0]))
+    nonzero = [bool(a[c].any()) for c in range(a.shape[0])]
+    for c in range(a.shape[0]):
+        if not nonzero[c]:  # a zero channel (the first layer's Laplacian) adds nothing
+            continue
+        twin = next((k for k in keep if torch.equal(a[k], a[c])), None)
+        if twin is None:
+            keep.append(c)
+        else:
+            target[c] = twin
+    if len(keep) == a.shape[0]:
+        return a, ds
+    if not keep:  # every channel zero: the layer's block of J is zero
+        keep = [0]
+    used = [c for c in range(a.shape[0]) if nonzero[c]]
+    index = torch.tensor([keep.index(target[c]) for c in used], device=a.device)
+    merged = []
+    for d in ds:
+        out = d.new_zeros(len(keep), *d.shape[1:])
+        merged.append(out.index_add_(0, index, d[used]) if used else out)
+    return a[keep], merged
+
+
+def _cumulative(sizes: Sequence[int]) -> List[int]:
+    out, total = [], 0
+    for s in sizes:
+        out.append(total)
+        total += s
+    return out
+
+
+def checked(factors: LayerFactors, fmodel, flat: Tensor, problem: nn.Module, inputs) -> bool:
+    """Whether ``factors`` agree with ``J``'s rows formed by ``vmap`` of ``jacrev`` on a few
+    points of each block: their ``J J^T`` entries and ``J^T u`` for a random ``u`` on them."""
+    few_rows, index, start = [], [], 0
+    for block, b in zip(problem.jacobian_blocks(fmodel, inputs), factors.blocks):
+        k = min(3, b.n)
+        pts = tuple(p[:k] for p in block.points)
+        dims = (None,) + (0,) * len(pts)
+        with torch.enable_grad():
+            jac = torch.func.vmap(torch.func.jacrev(block.rows), in_dims=dims)(flat, *pts)
+        few_rows.append(jac.reshape(k * b.m, -1).to(torch.float64))
+        index.extend(range(start, start + k * b.m))
+        start += b.n * b.m
+    j = torch.cat(few_rows)
+    idx = torch.tensor(index, device=flat.device)
+    kernel = factors.kernel()[idx][:, idx]
+    reference = j @ j.T
+    tol = 1e-8 * max(reference.abs().max().item(), 1.0)
+    if not (kernel - reference).abs().max().item() <= tol:
+        return False
+    g = torch.Generator().manual_seed(0)
+    u = torch.zeros(factors.rows, dtype=torch.float64)
+    u[idx.cpu()] = torch.randn(len(index), generator=g, dtype=torch.float64)
+    u = u.to(flat.device)
+    got = factors.vjp(u).to(torch.float64)
+    want = j.T @ u[idx]
+    tol = 1e-8 * max(want.abs().max().item(), 1.0)
+    return bool((got - want).abs().max().item() <= tol)
