@@ -468,14 +468,15 @@ def test_traced_graphs_do_not_apply_to_dropout_kept_on_in_evaluation_mode(cpu_gr
 def test_draws_that_are_not_dropouts_stay_in_the_graph_and_are_refused():
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from torch_sgn.engines.traced.engine import Untraceable, _draws_as_inputs
+    from torch_sgn.engines.traced.replay import _draws_as_inputs
+    from torch_sgn.engines.traced.trace import Untraceable
 
     x = torch.randn(4, 3)
     evaluation = make_fx(lambda t: torch.ops.aten.native_dropout(t, 0.3, False)[0] * 2)(x)
     rewritten, draws = _draws_as_inputs(evaluation)  # no draw: nothing taken out
     assert draws == [] and torch.equal(rewritten(x), evaluation(x))
     # one that does not draw beside one that does: one layout, the real one, for the latter
-    from torch_sgn.engines.traced.engine import _drawn_layouts
+    from torch_sgn.engines.traced.replay import _drawn_layouts
     from torch_sgn.model.flat_model import FunctionalModel
 
     def both(t):
@@ -586,7 +587,7 @@ def test_draws_taken_out_of_a_graph_are_those_it_would_draw(op):
     # CUDA's dropout records native_dropout, the CPU's bernoulli_ into a new tensor
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from torch_sgn.engines.traced.engine import _draws_as_inputs
+    from torch_sgn.engines.traced.replay import _draws_as_inputs
 
     def f(x):
         y = torch.tanh(x)

@@ -571,7 +571,7 @@ def test_batch_norm_rule_matches_the_dense_reference(variant, train, monkeypatch
 
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 def test_batch_norm_rule_gives_the_products_of_pytorchs_own_rule(train, monkeypatch):
-    import torch_sgn.engines.traced.engine as traced
+    import torch_sgn.engines.traced.trace as traced
 
     model, x, y, loss = _family("resnet-bn")
     model.train(train)
@@ -587,7 +587,7 @@ def test_batch_norm_rule_gives_the_products_of_pytorchs_own_rule(train, monkeypa
 def test_graph_passes_fuse_matrix_products_and_merge_repeats():
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from torch_sgn.engines.traced.engine import _eliminate_common_subexpressions, _fuse_matmul_adds
+    from torch_sgn.engines.traced.passes import _eliminate_common_subexpressions, _fuse_matmul_adds
 
     def f(a, b, c, d):
         s = torch.tanh(a) + torch.tanh(a)  # the same operation twice
@@ -646,7 +646,7 @@ class _Activations(nn.Module):
 
 @pytest.mark.parametrize("hoist", [True, False], ids=["hoisted", "as-traced"])
 def test_activation_derivatives_taken_once_per_step_match_the_dense_reference(hoist, monkeypatch):
-    import torch_sgn.engines.traced.engine as traced
+    import torch_sgn.engines.traced.passes as traced
 
     monkeypatch.setattr(traced, "HOIST_DERIVATIVES", hoist)
     torch.manual_seed(4)
@@ -670,7 +670,7 @@ def test_activation_derivatives_taken_once_per_step_match_the_dense_reference(ho
 def test_matrix_products_accumulate_in_place_into_temporaries_only():
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from torch_sgn.engines.traced.engine import _accumulate_in_place
+    from torch_sgn.engines.traced.passes import _accumulate_in_place
 
     def f(a, b, c, bias):
         t = a @ b  # a temporary read once: the sum accumulates into it
@@ -732,7 +732,7 @@ def _lookups(build=_Lookups, **options):
 
 @pytest.mark.parametrize("reorder", [True, False], ids=["reordered", "as-traced"])
 def test_products_of_embedding_rows_match_the_dense_reference(reorder, monkeypatch):
-    import torch_sgn.engines.traced.engine as traced
+    import torch_sgn.engines.traced.passes as traced
 
     monkeypatch.setattr(traced, "EMBEDDING_PRODUCTS", reorder)
     engine = _matches_dense_reference(*_lookups())
@@ -833,7 +833,7 @@ def test_frequency_scaled_embeddings_give_the_symmetric_matrix_of_their_gradient
 
 
 def test_reordered_embedding_products_keep_padding_and_frequency_scaling(monkeypatch):
-    import torch_sgn.engines.traced.engine as traced
+    import torch_sgn.engines.traced.passes as traced
 
     lins = []
     for reorder in (True, False):
