@@ -231,7 +231,7 @@ def test_captured_cuda_steps_match_eager_cuda_steps(name):
         warnings.simplefilter("error")
         graph_infos, opt = _run(graph_model, p.loss, batches, cuda_graphs=True)
     eager_infos, _ = _run(eager_model, p.loss, batches)
-    assert len(opt._engine._graphs._by_key) == 2
+    assert len(opt._engine.engines[0]._graphs._by_key) == 2  # the layer-wise engine's
     for a, b in zip(graph_infos, eager_infos):
         assert a.cg_iters == b.cg_iters
         assert a.loss == pytest.approx(b.loss, rel=1e-10)
@@ -525,7 +525,8 @@ def test_captured_cuda_dropout_steps_match_eager_cuda_steps(name):
     torch.manual_seed(2)
     expected, _ = _run(reference, "mse", batches, engine="traced")
     assert torch.equal(state, torch.cuda.get_rng_state())
-    assert len([t for t in opt._engine._cache.values() if t.replayed is not None]) == 2
+    traced = opt._engine.engines[0]
+    assert len([t for t in traced._cache.values() if t.replayed is not None]) == 2
     for a, b in zip(infos, expected):
         assert a.cg_iters == b.cg_iters
         assert a.loss == pytest.approx(b.loss, rel=1e-10)
@@ -672,7 +673,7 @@ def test_captured_traced_cuda_steps_match_eager_cuda_steps(name):
     assert [str(w.message) for w in record if "CUDA graphs" in str(w.message)
             or "cuda_graphs" in str(w.message)] == []  # fmt: skip
     eager_infos, _ = _run(eager_model, "cross_entropy", batches, engine="traced")
-    replayed = [t for t in opt._engine._cache.values() if t.replayed is not None]
+    replayed = [t for t in opt._engine.engines[0]._cache.values() if t.replayed is not None]
     assert len(replayed) == 2  # one per batch shape
     for a, b in zip(graph_infos, eager_infos):
         assert a.cg_iters == b.cg_iters

@@ -36,8 +36,10 @@ set-up and the product run compiled by ``torch.compile`` (:func:`~.replay.compil
 which fuses the tangent and reverse passes' elementwise operations.
 
 A model that cannot be traced (control flow that depends on the values of tensors, ``.item()``
-in ``forward``, an output that is not one tensor) falls back to the functional engine, with the
-reason in a one-time warning; ``strict`` raises instead. Python state that ``forward`` reads
+in ``forward``, an output that is not one tensor) raises
+:class:`~torch_sgn.engines.not_applicable.NotApplicable`, and the engine selection hands it to
+the functional engine with the reason in a one-time warning; ``strict`` raises ``ValueError``
+instead. Python state that ``forward`` reads
 other than the modules' ``training`` flags and the shapes of its inputs is fixed at tracing.
 """
 
@@ -49,7 +51,7 @@ from typing import Dict, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from ...diagnostics import warn
+from ...diagnostics import WarnOnce
 from ...linearization import Batch, Linearization
 from ...losses import OutputLoss
 from ...model.attributes import (
@@ -61,7 +63,7 @@ from ...model.attributes import (
 from ...model.flat_model import FunctionalModel
 from ...model.forward_mode import backward_hook_handles, gradient_stop_notice
 from .. import cuda_graphs as graphs
-from ..functional import FunctionalEngine
+from ..not_applicable import NotApplicable
 from .passes import rewrite_whole
 from .replay import Replayed, capture_obstacle, compiled_graph
 from .split import split
@@ -76,8 +78,8 @@ CACHE_SIZE = 8
 
 
 #: a model attribute (a plain Python value a module holds, read by ``forward``: a temperature,
-#: a flag) that changed this many times, each time calling for a new trace, hands the model to
-#: the functional engine, with a warning that names it
+#: a flag) that changed this many times, each time calling for a new trace, makes the engine
+#: decline the model (:class:`~torch_sgn.engines.not_applicable.NotApplicable`, which names it)
 RETRACES_PER_ATTRIBUTE = 3
 
 
@@ -87,8 +89,10 @@ class TracedEngine:
     Args:
         fmodel: the model as a function of its flat parameters.
         loss: the loss in output space.
-        strict: raise ``ValueError`` where the model cannot be traced; otherwise use the
-            functional engine for it, with a warning the first time.
+        strict: raise ``ValueError`` where the model cannot be traced; otherwise raise
+            :class:`~torch_sgn.engines.not_applicable.NotApplicable` (the engine selection
+            then uses the functional engine). A model attribute that keeps changing raises
+            ``NotApplicable`` either way.
         cuda_graphs: capture the set-up, the product and the trial-point loss of each trace
             as CUDA graphs and replay them (see :class:`Replayed`); where they cannot apply
             (not a CUDA model, random numbers other than dropout's drawn in the forward pass,
@@ -109,9 +113,8 @@ class TracedEngine:
     ):
         self.fmodel, self.loss, self.strict = fmodel, loss, strict
         self.cuda_graphs, self.compile = cuda_graphs, compile
-        self._functional = FunctionalEngine(fmodel, loss)
         self._cache: OrderedDict[tuple, object] = OrderedDict()
-        self._warned: set = set()
+        self._warn = WarnOnce()
         self._capture_failed: Optional[str] = None
         self._attributes: Optional[tuple] = None  # the model's attributes at the last call
         self._retraces: Dict[str, int] = {}  # traces each attribute's change called for
@@ -123,23 +126,12 @@ class TracedEngine:
         fmodel, model = self.fmodel, self.fmodel.model
         args, targets = batch.args, batch.targets
         if self._changing is not None:
-            return self._functional(flat, batch, buffers_out)
+            raise NotApplicable(self._changing_reason())
         attributes = self._attributes_now()
         key = (_key(model, flat, args, targets), attributes)
         traced = self._cache.get(key)
         if traced is None and self._retrace_for_attributes(attributes):
-            name, owner = self._changing, "the model"
-            if name.startswith("loss."):
-                name, owner = name[len("loss.") :], "the loss"
-            self._warn(
-                f"{owner}'s attribute {name} changed at {RETRACES_PER_ATTRIBUTE} "
-                "steps, and a trace takes such values as constants: the traced engine hands "
-                "the model to the functional engine, which re-runs the forward pass at every "
-                "G v product. Hold a value that changes during training in a buffer "
-                "(register_buffer) updated in place (fill_, copy_), or pass it to forward: "
-                "traces read both anew at every step"
-            )
-            return self._functional(flat, batch, buffers_out)
+            raise NotApplicable(self._changing_reason())
         self._attributes = attributes
         if traced is None:
             state = module_state(model)  # the trace writes fake tensors where forward stores one
@@ -164,19 +156,7 @@ class TracedEngine:
         else:
             self._cache.move_to_end(key)
         if isinstance(traced, Untraceable):
-            # the functional engine first: where the trace failed on bad input (targets of the
-            # wrong shape) its error is the one to read, without a warning about the trace
-            lin = self._functional(flat, batch, buffers_out)
-            self._warn(
-                f"the traced curvature engine cannot trace this model ({traced}); using the "
-                "functional engine, which re-runs the forward pass at every G v product"
-            )
-            if self.cuda_graphs:
-                self._warn(
-                    "cuda_graphs=True does not apply (the functional engine captures no "
-                    "CUDA graphs); running eagerly"
-                )
-            return lin
+            raise NotApplicable(f"the traced curvature engine cannot trace this model ({traced})")
         if traced.declined is not None:
             self._warn(
                 "the traced engine's tangent rules (torch_sgn.engines.traced.jvp_rules) "
@@ -293,10 +273,17 @@ class TracedEngine:
                 self._changing = name
         return self._changing is not None
 
-    def _warn(self, message: str) -> None:
-        if message not in self._warned:
-            self._warned.add(message)
-            warn(message)
+    def _changing_reason(self) -> str:
+        """Why the attribute that keeps changing (:attr:`_changing`) ends the tracing."""
+        name, owner = self._changing, "the model"
+        if name.startswith("loss."):
+            name, owner = name[len("loss.") :], "the loss"
+        return (
+            f"{owner}'s attribute {name} changed at {RETRACES_PER_ATTRIBUTE} steps, and a "
+            "trace takes such values as constants (hold a value that changes during training "
+            "in a buffer (register_buffer) updated in place (fill_, copy_), or pass it to "
+            "forward: traces read both anew at every step)"
+        )
 
 
 def _trace(
