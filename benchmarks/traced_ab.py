@@ -5,13 +5,12 @@ Command (from the repository root)::
     PYTHONPATH=src python benchmarks/traced_ab.py --threads 1 --models resnet_bn transformer lstm
 
 ``before`` records the products with PyTorch's own forward-mode rules and runs the recorded
-graphs as traced (``torch_sgn.engines.traced.engine.TANGENT_RULES = GRAPH_PASSES = False``);
-``after`` with
-the rules of ``torch_sgn.engines.traced.jvp_rules`` and the rewrites (the defaults). ``--flags``
-names the
-switches of ``torch_sgn.engines.traced.engine`` to compare instead, e.g. ``--flags GRAPH_PASSES``
-(the rewrites
-alone): off in ``before``, on in ``after``, the others at their defaults. Both compute the same
+graphs as traced (``torch_sgn.engines.traced.trace.TANGENT_RULES`` and
+``torch_sgn.engines.traced.passes.GRAPH_PASSES`` False); ``after`` with the rules of
+``torch_sgn.engines.traced.jvp_rules`` and the rewrites (the defaults). ``--flags`` names the
+switches of ``torch_sgn.engines.traced.trace`` and ``torch_sgn.engines.traced.passes`` to compare
+instead, e.g. ``--flags GRAPH_PASSES`` (the rewrites alone): off in ``before``, on in ``after``,
+the others at their defaults. Both compute the same
 matrix (the largest relative difference of their products is printed). In every round each
 quantity is measured once, in turn: a gradient, each variant's set-up (``lin``), one product
 (``Gv``) and a whole SGN step with k CG iterations (``cg_tol=0``, no line search, from the same
@@ -42,7 +41,8 @@ from typing import Dict, List
 
 import torch
 
-import torch_sgn.engines.traced.engine as traced
+import torch_sgn.engines.traced.passes as passes
+import torch_sgn.engines.traced.trace as trace
 from torch_sgn.losses import resolve_loss
 from torch_sgn.model.flat_model import FunctionalModel
 
@@ -56,12 +56,13 @@ FLAGS = ["TANGENT_RULES", "GRAPH_PASSES"]
 
 
 def _set(flags: List[str], on: bool) -> None:
-    """Sets ``flags`` of ``torch_sgn.engines.traced.engine`` (read when a model is traced) to
-    ``on``."""
+    """Sets ``flags`` of ``torch_sgn.engines.traced.trace`` and ``.passes`` (read when a model is
+    traced) to ``on``."""
     for flag in flags:
-        if not hasattr(traced, flag):
-            raise SystemExit(f"torch_sgn.engines.traced.engine has no switch {flag}")
-        setattr(traced, flag, on)
+        owner = next((m for m in (trace, passes) if hasattr(m, flag)), None)
+        if owner is None:
+            raise SystemExit(f"the traced engine has no switch {flag}")
+        setattr(owner, flag, on)
 
 
 def _package(tree: str) -> Dict[str, object]:
@@ -80,8 +81,14 @@ def _package(tree: str) -> Dict[str, object]:
             module = importlib.util.module_from_spec(spec)
             sys.modules[name] = module
             spec.loader.exec_module(module)
-    modules = ("traced", "optimizer", "functional", "linearization", "losses")
-    return {m: importlib.import_module(f"{name}.{m}") for m in modules}
+    modules = {
+        "traced": "engines.traced.engine",
+        "optimizer": "optimizer",
+        "functional": "model.flat_model",
+        "linearization": "linearization",
+        "losses": "losses",
+    }
+    return {m: importlib.import_module(f"{name}.{path}") for m, path in modules.items()}
 
 
 def measure(

@@ -27,6 +27,8 @@ from torch_sgn.experiments.data import (
     read_idx,
     sine,
 )
+from torch_sgn.experiments.data import files as data_files
+from torch_sgn.experiments.data import images as data_images
 from torch_sgn.experiments.models import PRESETS
 
 IDX_FILES = [
@@ -43,12 +45,12 @@ def isolated(tmp_path, monkeypatch):
     """No test sees the user's data, the system copies or the network."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.delenv(data.ENV_VAR, raising=False)
-    monkeypatch.setattr(data, "_SYSTEM_DIRS", {})
+    monkeypatch.setattr(data_files, "_SYSTEM_DIRS", {})
 
     def no_network(url, dest):
         raise AssertionError(f"test tried to download {url}")
 
-    monkeypatch.setattr(data, "_fetch", no_network)
+    monkeypatch.setattr(data_files, "_fetch", no_network)
 
 
 # --------------------------------------------------------------------------- writers
@@ -401,7 +403,7 @@ def test_mnist_and_fashion_mnist_do_not_mix(tmp_path):
 def test_system_dir_is_searched_last(tmp_path, monkeypatch):
     system = tmp_path / "usr-share"
     make_idx_set(system, n_train=5, gz=True)
-    monkeypatch.setitem(data._SYSTEM_DIRS, "fashion_mnist", (system,))
+    monkeypatch.setitem(data_files._SYSTEM_DIRS, "fashion_mnist", (system,))
     assert fashion_mnist(download=False).n_train == 5
     make_idx_set(tmp_path / "xdg" / "torch_sgn" / "fashion_mnist", n_train=6)
     assert fashion_mnist(download=False).n_train == 6
@@ -438,11 +440,11 @@ def fake_mnist_server(tmp_path, monkeypatch):
         served[name + ".gz"] = content
         md5s.append((name + ".gz", hashlib.md5(content).hexdigest()))
     source = replace(
-        data._SOURCES["mnist"],
+        data_files.SOURCES["mnist"],
         mirrors=("https://a.example/", "https://b.example/"),
         resources=tuple(md5s),
     )
-    monkeypatch.setitem(data._SOURCES, "mnist", source)
+    monkeypatch.setitem(data_files.SOURCES, "mnist", source)
     calls = []
 
     def fetch(url, dest):
@@ -451,7 +453,7 @@ def fake_mnist_server(tmp_path, monkeypatch):
             raise urllib.error.URLError("mirror a is down")
         Path(dest).write_bytes(served[url.rsplit("/", 1)[1]])
 
-    monkeypatch.setattr(data, "_fetch", fetch)
+    monkeypatch.setattr(data_files, "_fetch", fetch)
     return served, calls
 
 
@@ -474,9 +476,9 @@ def test_download_goes_to_explicit_root(tmp_path, fake_mnist_server):
 
 
 def test_download_checksum_mismatch_leaves_nothing(tmp_path, monkeypatch, fake_mnist_server):
-    source = data._SOURCES["mnist"]
+    source = data_files.SOURCES["mnist"]
     bad = ((source.resources[0][0], "0" * 32),) + source.resources[1:]
-    monkeypatch.setitem(data._SOURCES, "mnist", replace(source, resources=bad))
+    monkeypatch.setitem(data_files.SOURCES, "mnist", replace(source, resources=bad))
     with pytest.raises(DatasetNotFoundError, match="MD5 checksum mismatch"):
         mnist()
     target = tmp_path / "xdg" / "torch_sgn" / "mnist"
@@ -487,7 +489,7 @@ def test_offline_error_lists_expected_files(tmp_path, monkeypatch):
     def offline(url, dest):
         raise urllib.error.URLError("Name or service not known")
 
-    monkeypatch.setattr(data, "_fetch", offline)
+    monkeypatch.setattr(data_files, "_fetch", offline)
     with pytest.raises(DatasetNotFoundError) as info:
         fashion_mnist()
     message = str(info.value)
@@ -511,13 +513,13 @@ def test_cifar10_download_extracts_only_the_batches(tmp_path, monkeypatch):
         link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
         tar.addfile(link)
     archive = buffer.getvalue()
-    source = data._SOURCES["cifar10"]
+    source = data_files.SOURCES["cifar10"]
     monkeypatch.setitem(
-        data._SOURCES,
+        data_files.SOURCES,
         "cifar10",
         replace(source, resources=(("cifar-10-python.tar.gz", hashlib.md5(archive).hexdigest()),)),
     )
-    monkeypatch.setattr(data, "_fetch", lambda url, dest: Path(dest).write_bytes(archive))
+    monkeypatch.setattr(data_files, "_fetch", lambda url, dest: Path(dest).write_bytes(archive))
     ds = cifar10()
     cache = tmp_path / "xdg" / "torch_sgn"
     assert sorted(p.name for p in cache.iterdir()) == ["cifar-10-batches-py"]  # tarball gone
@@ -528,7 +530,7 @@ def test_cifar10_download_extracts_only_the_batches(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not REAL_FASHION.is_dir(), reason="Debian dataset-fashion-mnist absent")
 def test_real_fashion_mnist_from_the_debian_package(monkeypatch):
-    monkeypatch.setitem(data._SYSTEM_DIRS, "fashion_mnist", (REAL_FASHION,))
+    monkeypatch.setitem(data_files._SYSTEM_DIRS, "fashion_mnist", (REAL_FASHION,))
     ds = fashion_mnist(download=False)  # about 1.5 s
     assert ds.x_train.shape == (60000, 1, 28, 28) and ds.x_test.shape == (10000, 1, 28, 28)
     assert ds.x_train.dtype == torch.float32 and ds.y_train.dtype == torch.int64
@@ -606,5 +608,5 @@ def test_float64_results_are_not_rounded_through_float32():
 
 def test_stds_are_population_stds():
     # A two-pixel image [0, 2] has population std 1: standardised to [-1, 1].
-    x = data._standardize_per_image(torch.tensor([[[0.0, 2.0]]]))
+    x = data_images._standardize_per_image(torch.tensor([[[0.0, 2.0]]]))
     assert x.tolist() == [[[-1.0, 1.0]]]

@@ -55,7 +55,8 @@ def test_sgn_picks_the_fast_engine_for_paper_models(name):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opt = SGN(PRESETS[name].build(), PRESETS[name].loss)
-    assert isinstance(opt._engine, LayerwiseEngine) and opt._engine._steps is not None
+    layerwise = opt._engine.engines[0]  # the first of the chain auto tries
+    assert isinstance(layerwise, LayerwiseEngine) and layerwise._steps is not None
 
 
 @pytest.mark.parametrize("case", MODELS, ids=[m.name for m in MODELS])

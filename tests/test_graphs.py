@@ -231,7 +231,7 @@ def test_captured_cuda_steps_match_eager_cuda_steps(name):
         warnings.simplefilter("error")
         graph_infos, opt = _run(graph_model, p.loss, batches, cuda_graphs=True)
     eager_infos, _ = _run(eager_model, p.loss, batches)
-    assert len(opt._engine._graphs._by_key) == 2
+    assert len(opt._engine.engines[0]._graphs._by_key) == 2  # the layer-wise engine's
     for a, b in zip(graph_infos, eager_infos):
         assert a.cg_iters == b.cg_iters
         assert a.loss == pytest.approx(b.loss, rel=1e-10)
@@ -468,14 +468,15 @@ def test_traced_graphs_do_not_apply_to_dropout_kept_on_in_evaluation_mode(cpu_gr
 def test_draws_that_are_not_dropouts_stay_in_the_graph_and_are_refused():
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from torch_sgn.engines.traced.engine import Untraceable, _draws_as_inputs
+    from torch_sgn.engines.traced.replay import _draws_as_inputs
+    from torch_sgn.engines.traced.trace import Untraceable
 
     x = torch.randn(4, 3)
     evaluation = make_fx(lambda t: torch.ops.aten.native_dropout(t, 0.3, False)[0] * 2)(x)
     rewritten, draws = _draws_as_inputs(evaluation)  # no draw: nothing taken out
     assert draws == [] and torch.equal(rewritten(x), evaluation(x))
     # one that does not draw beside one that does: one layout, the real one, for the latter
-    from torch_sgn.engines.traced.engine import _drawn_layouts
+    from torch_sgn.engines.traced.replay import _drawn_layouts
     from torch_sgn.model.flat_model import FunctionalModel
 
     def both(t):
@@ -524,7 +525,8 @@ def test_captured_cuda_dropout_steps_match_eager_cuda_steps(name):
     torch.manual_seed(2)
     expected, _ = _run(reference, "mse", batches, engine="traced")
     assert torch.equal(state, torch.cuda.get_rng_state())
-    assert len([t for t in opt._engine._cache.values() if t.replayed is not None]) == 2
+    traced = opt._engine.engines[0]
+    assert len([t for t in traced._cache.values() if t.replayed is not None]) == 2
     for a, b in zip(infos, expected):
         assert a.cg_iters == b.cg_iters
         assert a.loss == pytest.approx(b.loss, rel=1e-10)
@@ -586,7 +588,7 @@ def test_draws_taken_out_of_a_graph_are_those_it_would_draw(op):
     # CUDA's dropout records native_dropout, the CPU's bernoulli_ into a new tensor
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from torch_sgn.engines.traced.engine import _draws_as_inputs
+    from torch_sgn.engines.traced.replay import _draws_as_inputs
 
     def f(x):
         y = torch.tanh(x)
@@ -671,7 +673,7 @@ def test_captured_traced_cuda_steps_match_eager_cuda_steps(name):
     assert [str(w.message) for w in record if "CUDA graphs" in str(w.message)
             or "cuda_graphs" in str(w.message)] == []  # fmt: skip
     eager_infos, _ = _run(eager_model, "cross_entropy", batches, engine="traced")
-    replayed = [t for t in opt._engine._cache.values() if t.replayed is not None]
+    replayed = [t for t in opt._engine.engines[0]._cache.values() if t.replayed is not None]
     assert len(replayed) == 2  # one per batch shape
     for a, b in zip(graph_infos, eager_infos):
         assert a.cg_iters == b.cg_iters

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import torch_sgn
-from torch_sgn.experiments import cli, runner
+from torch_sgn.experiments import cli, optimizers, records, runner
 from torch_sgn.experiments.data import boston
 from torch_sgn.experiments.models import PRESETS
 from torch_sgn.experiments.runner import (
@@ -143,7 +143,7 @@ def test_paper_boston_sgn10_after_30_epochs(tmp_path, boston_data):
 )
 def test_sgd_schedules(schedule, t, expected):
     opts = SGDOptions(lr=1.0, schedule=schedule, lr_final=0.01, decay_steps=10, gamma=0.1)
-    assert runner._lr_lambda(opts)(t) == pytest.approx(expected)
+    assert optimizers._lr_lambda(opts)(t) == pytest.approx(expected)
 
 
 def test_sgd_schedule_is_applied_per_iteration(tmp_path, boston_data):
@@ -194,7 +194,7 @@ def test_every_sgn_option_reaches_sgn():
             changed[f.name] = default * 0.5 if default else 0.25
     cfg = RunConfig(epochs=1, sgn=SGNOptions(**changed))
     model = PRESETS["boston"].build()
-    group = runner._OPTIMIZERS["sgn"](cfg, model, "mse").opt.param_groups[0]
+    group = optimizers.OPTIMIZERS["sgn"](cfg, model, "mse").opt.param_groups[0]
     by_argument = {ARGUMENT_NAMES.get(key, key): value for key, value in group.items()}
     assert {name: by_argument[name] for name in changed} == changed
 
@@ -265,14 +265,14 @@ def test_damaged_checkpoint_restarts_cleanly(tmp_path, boston_data):
 
 def test_atomic_write_leaves_the_old_file_when_interrupted(tmp_path, monkeypatch):
     path = tmp_path / "results.json"
-    runner._atomic_write_json(path, {"a": 1})
+    records.atomic_write_json(path, {"a": 1})
 
     def boom(src, dst):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(runner.os, "replace", boom)
+    monkeypatch.setattr(records.os, "replace", boom)
     with pytest.raises(KeyboardInterrupt):
-        runner._atomic_write_json(path, {"a": 2})
+        records.atomic_write_json(path, {"a": 2})
     assert read(path) == {"a": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
 
@@ -395,11 +395,12 @@ def generated_data(tmp_path, monkeypatch):
     from test_data import make_cifar_batches, make_idx_set
 
     from torch_sgn.experiments import data
+    from torch_sgn.experiments.data import files as data_files
 
-    monkeypatch.setattr(data, "_SYSTEM_DIRS", {})
+    monkeypatch.setattr(data_files, "_SYSTEM_DIRS", {})
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.delenv(data.ENV_VAR, raising=False)
-    monkeypatch.setattr(data, "_fetch", lambda url, dest: pytest.fail(f"download {url}"))
+    monkeypatch.setattr(data_files, "_fetch", lambda url, dest: pytest.fail(f"download {url}"))
     root = tmp_path / "data"
     make_idx_set(root / "mnist", n_train=12, n_test=5, gz=True)
     make_idx_set(root / "fashion_mnist", n_train=12, n_test=5, seed=1)

@@ -304,25 +304,27 @@ def test_a_changed_model_attribute_is_traced_again():
 
 
 def _lenient(build):
-    """A model of ``build``, a batch and a traced engine that hands over (not strict)."""
+    """A model of ``build``, a batch, the traced engine that hands over to the functional
+    engine (engine="traced") and that traced engine."""
     torch.manual_seed(0)
     model = build().to(D)
     x, y = torch.randn(6, 4, dtype=D), torch.randn(6, 3, dtype=D)
-    engine = TracedEngine(FunctionalModel(model), resolve_loss("mse"))
-    return model, x, y, engine, engine.fmodel.flat()
+    fmodel = FunctionalModel(model)
+    engine = select_engine(fmodel, resolve_loss("mse"), "traced")
+    return model, x, y, engine, engine.engines[0], fmodel.flat()
 
 
 def test_an_attribute_that_keeps_changing_hands_the_model_to_the_functional_engine():
-    model, x, y, engine, flat = _lenient(_Annealed)
+    model, x, y, engine, traced, flat = _lenient(_Annealed)
     engine(flat, Batch(x, y))
     with pytest.warns(UserWarning, match="attribute temperature changed at 3 steps.*buffer"):
         for step in range(1, 5):
             model.temperature = 1.0 + step
             lin = engine(flat, Batch(x, y))
             assert torch.equal(lin.loss, F.mse_loss(model(x), y))
-    assert len(engine._cache) == 3  # the fourth change ran on the functional engine
+    assert len(traced._cache) == 3  # the fourth change ran on the functional engine
     G_ref, _ = dense_reference(model, F.mse_loss, x, y)
-    v = torch.randn(engine.fmodel.numel, dtype=D)
+    v = torch.randn(traced.fmodel.numel, dtype=D)
     torch.testing.assert_close(lin.ggn_vp(v), G_ref @ v, rtol=1e-9, atol=1e-11)
 
 
@@ -343,7 +345,7 @@ class _WritesItsAttributes(nn.Module):
 
 
 def test_attributes_the_forward_pass_writes_do_not_call_for_new_traces():
-    model, x, y, engine, flat = _lenient(_WritesItsAttributes)
+    model, x, y, engine, traced, flat = _lenient(_WritesItsAttributes)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no hand-over to the functional engine
         engine(flat, Batch(x, y))
@@ -351,10 +353,10 @@ def test_attributes_the_forward_pass_writes_do_not_call_for_new_traces():
         for _ in range(5):
             model(x)  # the user's own passes write them
             lin = engine(flat, Batch(x, y))
-    assert len(engine._cache) == 1
+    assert len(traced._cache) == 1
     assert type(model.last) is torch.Tensor and model.calls == 5
     G_ref, g_ref = dense_reference(model, F.mse_loss, x, y)
-    v = torch.randn(engine.fmodel.numel, dtype=D)
+    v = torch.randn(traced.fmodel.numel, dtype=D)
     torch.testing.assert_close(lin.ggn_vp(v), G_ref @ v, rtol=1e-9, atol=1e-11)
 
 
@@ -463,15 +465,16 @@ def test_a_submodule_compiled_in_place_is_traced_as_it_is():
 def test_auto_takes_the_layerwise_engine_for_chains_and_the_traced_engine_else():
     chain = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
     loss = resolve_loss("mse")
-    auto = select_engine(FunctionalModel(chain), loss, "auto")
-    assert isinstance(auto, LayerwiseEngine) and auto._steps is not None
+    layerwise, traced, _ = select_engine(FunctionalModel(chain), loss, "auto").engines
+    assert isinstance(layerwise, LayerwiseEngine) and layerwise._steps is not None
     model, x, y, loss_name = _family("resnet-bn")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback warning: the traced engine applies
         auto = select_engine(FunctionalModel(model), resolve_loss(loss_name), "auto")
         lin = auto(FunctionalModel(model).flat(), Batch(x, y))
-    assert auto._steps is None and isinstance(auto._functional, TracedEngine)
-    assert len(auto._functional._cache) == 1  # it traced the model
+    layerwise, traced, _ = auto.engines
+    assert layerwise._steps is None and isinstance(traced, TracedEngine)
+    assert len(traced._cache) == 1  # it traced the model
     G_ref, _ = dense_reference(model, F.cross_entropy, x, y)
     v = torch.randn(G_ref.shape[0], dtype=D)
     torch.testing.assert_close(lin.ggn_vp(v), G_ref @ v, rtol=1e-9, atol=1e-11)
@@ -571,7 +574,7 @@ def test_batch_norm_rule_matches_the_dense_reference(variant, train, monkeypatch
 
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 def test_batch_norm_rule_gives_the_products_of_pytorchs_own_rule(train, monkeypatch):
-    import torch_sgn.engines.traced.engine as traced
+    import torch_sgn.engines.traced.trace as traced
 
     model, x, y, loss = _family("resnet-bn")
     model.train(train)
@@ -587,7 +590,7 @@ def test_batch_norm_rule_gives_the_products_of_pytorchs_own_rule(train, monkeypa
 def test_graph_passes_fuse_matrix_products_and_merge_repeats():
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from torch_sgn.engines.traced.engine import _eliminate_common_subexpressions, _fuse_matmul_adds
+    from torch_sgn.engines.traced.passes import _eliminate_common_subexpressions, _fuse_matmul_adds
 
     def f(a, b, c, d):
         s = torch.tanh(a) + torch.tanh(a)  # the same operation twice
@@ -646,7 +649,7 @@ class _Activations(nn.Module):
 
 @pytest.mark.parametrize("hoist", [True, False], ids=["hoisted", "as-traced"])
 def test_activation_derivatives_taken_once_per_step_match_the_dense_reference(hoist, monkeypatch):
-    import torch_sgn.engines.traced.engine as traced
+    import torch_sgn.engines.traced.passes as traced
 
     monkeypatch.setattr(traced, "HOIST_DERIVATIVES", hoist)
     torch.manual_seed(4)
@@ -670,7 +673,7 @@ def test_activation_derivatives_taken_once_per_step_match_the_dense_reference(ho
 def test_matrix_products_accumulate_in_place_into_temporaries_only():
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from torch_sgn.engines.traced.engine import _accumulate_in_place
+    from torch_sgn.engines.traced.passes import _accumulate_in_place
 
     def f(a, b, c, bias):
         t = a @ b  # a temporary read once: the sum accumulates into it
@@ -732,7 +735,7 @@ def _lookups(build=_Lookups, **options):
 
 @pytest.mark.parametrize("reorder", [True, False], ids=["reordered", "as-traced"])
 def test_products_of_embedding_rows_match_the_dense_reference(reorder, monkeypatch):
-    import torch_sgn.engines.traced.engine as traced
+    import torch_sgn.engines.traced.passes as traced
 
     monkeypatch.setattr(traced, "EMBEDDING_PRODUCTS", reorder)
     engine = _matches_dense_reference(*_lookups())
@@ -833,7 +836,7 @@ def test_frequency_scaled_embeddings_give_the_symmetric_matrix_of_their_gradient
 
 
 def test_reordered_embedding_products_keep_padding_and_frequency_scaling(monkeypatch):
-    import torch_sgn.engines.traced.engine as traced
+    import torch_sgn.engines.traced.passes as traced
 
     lins = []
     for reorder in (True, False):

@@ -17,7 +17,7 @@ from typing import Type
 
 import torch
 
-__all__ = ["warn"]
+__all__ = ["WarnOnce", "warn"]
 
 _SKIPPED = (
     os.path.dirname(os.path.abspath(__file__)) + os.sep,
@@ -41,3 +41,16 @@ def _user_stacklevel() -> int:
 def warn(message: str, category: Type[Warning] = UserWarning) -> None:
     """``warnings.warn(message, category)`` attributed to the user's line."""
     warnings.warn(message, category, stacklevel=_user_stacklevel())
+
+
+class WarnOnce:
+    """:func:`warn` for each distinct message once (an engine's notices, which would otherwise
+    repeat at every step)."""
+
+    def __init__(self) -> None:
+        self._warned: set = set()
+
+    def __call__(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            warn(message)

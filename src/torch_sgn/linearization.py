@@ -226,8 +226,9 @@ def ggn_matrix(
 ) -> Tensor:
     """``G`` (``n x n``) from products with the identity's columns.
 
-    On a CPU one product per column: batching them with ``torch.func.vmap`` was 3 to 5 times
-    slower there (``benchmarks/direct_cost.py``). On other devices the columns go through
+    On a CPU one product per column: batching them with ``torch.func.vmap`` gained nothing
+    consistent there (faster on some models, slower on others: ``docs/SOLVERS.md``, "What
+    forming G costs"). On other devices the columns go through
     ``vmap`` in chunks of ``chunk``, one batched pass per chunk in place of many small kernel
     launches, and one by one where a product cannot be batched.
 

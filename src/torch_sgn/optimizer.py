@@ -150,32 +150,30 @@ class SGN(torch.optim.Optimizer):
             ``d`` (three forward passes) and the step's own factorization. Used only while
             ``2 |a| <= 0.75 |d|`` and above the outputs' rounding; the trust region and the
             line search judge ``d``. It keeps exact steps moving along the curved valleys of
-            precise fits (``docs/SOLVERS.md``). Ignored by CG steps. Default ``None``: on for
-            float64 models, where it reaches far lower losses far sooner, off in lower
-            precision, where the outputs' rounding blurs ``f_vv`` near a precise fit and the
-            fits measured ended slightly higher with it. :meth:`SGN.paper` turns it off.
-        engine: how ``G v`` products are computed. ``"layerwise"``: the layer-wise engine of
-            :mod:`torch_sgn.engines.layerwise.engine` for ``nn.Sequential`` chains of the layers
-            listed by
-            ``torch_sgn.engines.layerwise.rules.supported_layers()`` (one forward pass per step,
-            about one
-            gradient per product); raises if the model is not such a chain. ``"traced"``: the
-            traced engine of :mod:`torch_sgn.engines.traced.engine` for any model ``torch.fx`` can
-            trace
-            (residual connections, normalization layers, attention, recurrent layers, custom
-            ``forward`` methods): the product is traced once per input shape and split so that
-            a CG iteration runs only its part that depends on ``v``; raises if the model cannot
-            be traced. ``"functional"``: ``torch.func`` forward-mode AD, any model (re-runs the
-            forward pass at every product). ``"auto"``: layer-wise where it applies, else traced,
-            else functional with the reason in a one-time warning. Default ``"auto"``.
+            precise fits. Ignored by CG steps. Default ``None``: on for float64 models, off in
+            lower precision, where the outputs' rounding blurs ``f_vv`` near a precise fit
+            (``docs/SOLVERS.md`` has the measurements behind this default). :meth:`SGN.paper`
+            turns it off.
+        engine: how ``G v`` products are computed (their costs: ``docs/PERFORMANCE.md``).
+            ``"layerwise"``: the layer-wise engine of :mod:`torch_sgn.engines.layerwise.engine`
+            for ``nn.Sequential`` chains of the layers listed by
+            ``torch_sgn.engines.layerwise.rules.supported_layers()`` (one forward pass per
+            step, products by per-layer rules); raises if the model is not such a chain.
+            ``"traced"``: the traced engine of :mod:`torch_sgn.engines.traced.engine` for any
+            model ``torch.fx`` can trace (residual connections, normalization layers,
+            attention, recurrent layers, custom ``forward`` methods): the product is traced
+            once per input shape and split so that a CG iteration runs only its part that
+            depends on ``v``; raises if the model cannot be traced. ``"functional"``:
+            ``torch.func`` forward-mode AD, any model (re-runs the forward pass at every
+            product). ``"auto"``: layer-wise where it applies, else traced, else functional
+            with the reason in a one-time warning. Default ``"auto"``.
         cuda_graphs: capture the engine's set-up, ``G v`` product and trial-point loss as
             CUDA graphs, once per batch shape, and replay them every step (see
             :mod:`torch_sgn.engines.cuda_graphs`): for small models on a GPU, whose steps cost
-            kernel
-            launches more than arithmetic. The layer-wise engine captures CUDA models whose chain it
-            runs by hand with a named loss (each layer's rule in
-            :mod:`torch_sgn.engines.layerwise.rules`
-            says whether it can be captured; ``docs/LAYERS.md`` has the table); the traced
+            kernel launches more than arithmetic. The layer-wise engine captures CUDA models
+            whose chain it runs by hand with a named loss (each layer's rule in
+            :mod:`torch_sgn.engines.layerwise.rules` says whether it can be captured;
+            ``docs/LAYERS.md`` has the table); the traced
             engine (``"traced"``, and ``"auto"`` for other models) captures CUDA models whose
             forward pass draws random numbers only for dropout (its masks are drawn before
             each replay, as eager steps draw them) and writes into no inputs, and into
@@ -186,8 +184,7 @@ class SGN(torch.optim.Optimizer):
         compile: run the traced engine's set-up and ``G v`` product compiled by
             ``torch.compile`` (``engine="traced"``, and ``"auto"`` for models that are not
             chains of known layers): each batch shape is compiled at its first step, which
-            takes seconds to minutes, and its products then cost less (on a CPU, 1.0-1.2
-            gradients instead of 1.2-1.4 on a ResNet, a transformer and an LSTM model; see
+            takes seconds to minutes, and its products then cost less (measured in
             ``docs/PERFORMANCE.md``). Dropout's masks are drawn as in eager passes (by
             PyTorch's operators, Inductor's ``fallback_random``). Not with ``cuda_graphs``; a
             compilation that fails warns once and the graphs run uncompiled. Default off.

@@ -8,28 +8,31 @@ engine of :mod:`torch_sgn.engines.traced.engine`, any model ``torch.fx`` can tra
 cannot),
 ``"functional"`` (:mod:`torch_sgn.model.flat_model`, any model) or ``"auto"``: the layer-wise engine
 where it applies (the fastest on the chains it knows), else the traced engine, else the
-functional engine with the reason in a one-time warning. :func:`curvature_subset` wraps an
-engine to take ``G v`` on a random subset of the batch.
+functional engine with the reason in a one-time warning. The fallbacks are this module's: an
+engine that does not apply raises :class:`~torch_sgn.engines.not_applicable.NotApplicable` and
+:class:`EngineChain` calls the next one. :func:`curvature_subset` wraps an engine to take ``G v``
+on a random subset of the batch.
 """
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import replace
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from ..diagnostics import warn
+from ..diagnostics import WarnOnce, warn
 from ..linearization import Batch, Engine, Linearization
 from ..losses import OutputLoss
 from ..model.flat_model import FunctionalModel
 from .functional import FunctionalEngine
 from .layerwise.engine import LayerwiseEngine
+from .not_applicable import NotApplicable
 from .traced.engine import TracedEngine
 
-__all__ = ["ENGINES", "curvature_subset", "engine_name", "select_engine"]
+__all__ = ["ENGINES", "EngineChain", "curvature_subset", "engine_name", "select_engine"]
 
 ENGINES = ("auto", "layerwise", "traced", "functional")
 
@@ -66,21 +69,64 @@ def select_engine(
     :class:`~torch_sgn.engines.traced.engine.TracedEngine`), with ``compile``
     the traced engine runs its graphs compiled by ``torch.compile``."""
     engine = engine_name(engine)
+    functional = FunctionalEngine(fmodel, loss)
     if engine == "functional":  # SGN refuses cuda_graphs with it
-        return FunctionalEngine(fmodel, loss)
-    if engine == "traced":
-        return TracedEngine(fmodel, loss, strict=True, cuda_graphs=cuda_graphs, compile=compile)
-    if engine == "layerwise":  # SGN refuses compile with it
+        return functional
+    if engine == "layerwise":  # SGN refuses compile with it; strict: it never declines
         return LayerwiseEngine(fmodel, loss, strict=True, cuda_graphs=cuda_graphs)
-    # the traced engine falls back to the functional one, with a warning
-    traced = TracedEngine(fmodel, loss, strict=False, cuda_graphs=cuda_graphs, compile=compile)
-    chosen = LayerwiseEngine(fmodel, loss, strict=False, cuda_graphs=cuda_graphs, fallback=traced)
-    if compile and chosen.planned:
+    strict = engine == "traced"  # (an attribute that keeps changing declines it all the same)
+    traced = TracedEngine(fmodel, loss, strict=strict, cuda_graphs=cuda_graphs, compile=compile)
+    if strict:
+        return EngineChain([traced, functional], cuda_graphs)
+    layerwise = LayerwiseEngine(fmodel, loss, strict=False, cuda_graphs=cuda_graphs)
+    if compile and layerwise.planned:
         warn(
             "compile=True applies to the traced engine; this model is a chain that the "
             "layer-wise engine runs by hand, uncompiled"
         )
-    return chosen
+    return EngineChain([layerwise, traced, functional], cuda_graphs)
+
+
+class EngineChain:
+    """An :class:`~torch_sgn.linearization.Engine` that calls ``engines`` in turn until one
+    applies (the others raise :class:`~torch_sgn.engines.not_applicable.NotApplicable`); the
+    last, the functional engine, applies to every model.
+
+    Where the last takes over, the reason of the engine before it is warned once (each reason
+    once), after the functional engine has linearized: where the batch is bad (targets of the
+    wrong shape) its error is the one to read. An engine that hands over to another engine
+    than the last is silent: that one reports its own choices.
+    """
+
+    def __init__(self, engines: Sequence[Engine], cuda_graphs: bool = False):
+        self.engines, self.cuda_graphs = list(engines), cuda_graphs
+        self._warn = WarnOnce()
+
+    @property
+    def may_solve_through_outputs(self) -> bool:
+        """The first engine's (see :class:`~torch_sgn.engines.layerwise.engine.LayerwiseEngine`)."""
+        return getattr(self.engines[0], "may_solve_through_outputs", False)
+
+    def __call__(
+        self, flat: Tensor, batch: Batch, buffers_out: Optional[dict] = None
+    ) -> Linearization:
+        *first, last = self.engines
+        for engine in first:
+            try:
+                return engine(flat, batch, buffers_out)
+            except NotApplicable as error:
+                why = error
+        lin = last(flat, batch, buffers_out)
+        self._warn(
+            f"{why}; using the functional engine, which re-runs the forward pass at every G v "
+            "product"
+        )
+        if self.cuda_graphs:
+            self._warn(
+                "cuda_graphs=True does not apply (the functional engine captures no CUDA "
+                "graphs); running eagerly"
+            )
+        return lin
 
 
 def curvature_subset(engine: Engine, loss: OutputLoss, fraction: float, seed: int = 0) -> Engine:

@@ -7,6 +7,10 @@ Importing :mod:`torch_sgn` does not import this package. It needs the ``experime
 Modules:
     models: the paper's networks and initialisations (:data:`~.models.PRESETS`).
     data: the data sets, their scaling and splits, found on disk or downloaded.
+    config: a run's configuration and each optimizer's options.
+    grids: the paper's benchmarks as grids of runs.
+    optimizers: SGN, SGD and Adam behind the one interface the training loop uses.
+    records: the files a run writes (atomically) and the environment it records.
     runner: one run or a grid of runs, resumable, with per-epoch results.
     report: tables and plots of finished runs.
     cli: the ``torch-sgn`` command (``run``, ``grid``, ``report``).

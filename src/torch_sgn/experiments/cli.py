@@ -9,7 +9,7 @@ Examples::
     torch-sgn report runs/boston --reference ../shared/seed/original/results/boston
     torchrun --nproc-per-node 2 -m torch_sgn run --preset boston --epochs 30 --out runs/b2
 
-The options of :class:`~torch_sgn.experiments.runner.RunConfig` and of each optimizer's dataclass
+The options of :class:`~torch_sgn.experiments.config.RunConfig` and of each optimizer's dataclass
 (``--sgn-*``, ``--sgd-*``, ``--adam-*``) are generated from the dataclasses' fields.
 """
 
@@ -27,8 +27,9 @@ from typing import Any, Optional, Sequence
 import torch.distributed
 
 from . import runner
+from .config import AdamOptions, RunConfig, SGDOptions, SGNOptions
+from .grids import GRIDS
 from .models import PRESETS
-from .runner import GRIDS, AdamOptions, RunConfig, SGDOptions, SGNOptions
 
 _SHARED = (
     "device", "dtype", "threads", "cuda_graphs", "data_root", "init", "checkpoint_every",

@@ -37,7 +37,8 @@ from typing import Iterable, Optional, Sequence, Union
 
 import numpy as np
 
-from .runner import FORMAT, GRIDS, read_json
+from .grids import GRIDS
+from .records import FORMAT, read_json
 
 __all__ = ["Curve", "load_reference", "load_results", "main", "tables"]
 

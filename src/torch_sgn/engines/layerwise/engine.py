@@ -38,13 +38,13 @@ import torch
 from torch import Tensor, nn
 
 from ...diagnostics import warn
-from ...linearization import Batch, Engine, Linearization, SampleSpace, loss_and_output_gradient
+from ...linearization import Batch, Linearization, SampleSpace, loss_and_output_gradient
 from ...losses import OutputLoss
 from ...model.attributes import model_attributes
 from ...model.flat_model import FunctionalModel
 from ...model.forward_mode import backward_hook_handles
 from .. import cuda_graphs as graphs
-from ..functional import FunctionalEngine
+from ..not_applicable import NotApplicable
 from .rules import RULES, LayerRule, Slot
 
 
@@ -127,8 +127,9 @@ class LayerwiseEngine:
     pass, hand-made tangents.
 
     The plan is checked against the model's structure at every call. With ``strict`` a model
-    that cannot be planned raises ``ValueError``; otherwise ``fallback`` takes over (it reports
-    its own choices), or without one the functional engine, with a warning the first time.
+    that cannot be planned raises ``ValueError``; otherwise
+    :class:`~torch_sgn.engines.not_applicable.NotApplicable`, and the engine selection hands
+    the call to the next engine of its chain.
     """
 
     def __init__(
@@ -137,14 +138,11 @@ class LayerwiseEngine:
         loss: OutputLoss,
         strict: bool,
         cuda_graphs: bool = False,
-        fallback: Optional[Engine] = None,
     ):
         self.fmodel, self.loss, self.strict = fmodel, loss, strict
-        self._functional = FunctionalEngine(fmodel, loss) if fallback is None else fallback
-        self._quiet = fallback is not None
         self._key: Optional[tuple] = None
         self._steps: Optional[List[LayerRule]] = None
-        self._warned = False
+        self._unplanned: Optional[str] = None  # why the model, as it is now, is not planned
         self._graphs = graphs.Graphs() if cuda_graphs else None
         self._graphs_warned = False
         self._plan(fmodel)
@@ -156,14 +154,13 @@ class LayerwiseEngine:
             if self._graphs is not None:
                 self._graphs.clear()
             try:
-                self._steps = plan(fmodel)
+                self._steps, self._unplanned = plan(fmodel), None
             except Unsupported as why:
-                self._steps = None
+                self._steps, self._unplanned = None, str(why)
                 if self.strict:
                     raise ValueError(
                         f"engine='layerwise' cannot evaluate this model: {why}"
                     ) from None
-                self._warn(f"the layer-wise engine does not apply ({why})")
         return self._steps
 
     @property
@@ -179,35 +176,22 @@ class LayerwiseEngine:
         activations, each sample's outputs its own)."""
         return self.planned and self._graphs is None
 
-    def _warn(self, why: str) -> None:
-        if not self._warned and not self._quiet:
-            self._warned = True
-            warn(
-                f"{why}; using the functional engine, which re-runs the forward pass at "
-                "every G v product"
-            )
-
     def __call__(
         self, flat: Tensor, batch: Batch, buffers_out: Optional[dict] = None
     ) -> Linearization:
         fmodel, loss = self.fmodel, self.loss
         steps = self._plan(fmodel)
+        if steps is None:  # (the next engine decides on graphs itself)
+            raise NotApplicable(f"the layer-wise engine does not apply ({self._unplanned})")
         inputs, targets = batch.inputs, batch.targets
         if isinstance(inputs, tuple):
             if len(inputs) != 1:
                 if self.strict:
                     raise ValueError("engine='layerwise' takes one input tensor, got a tuple")
-                self._warn("the layer-wise engine takes one input tensor")
-                steps = None
-            else:
-                inputs = inputs[0]
-        if self._graphs is not None and (steps is not None or not self._quiet):
-            # (without a plan, a fallback engine decides on graphs itself)
-            why = (
-                "the layer-wise engine does not apply to this model"
-                if steps is None
-                else graphs.obstacle(steps, loss, flat.device)
-            )
+                raise NotApplicable("the layer-wise engine takes one input tensor")
+            inputs = inputs[0]
+        if self._graphs is not None:
+            why = graphs.obstacle(steps, loss, flat.device)
             if why is None:
                 lin = self._graphs(_by_hand, steps, fmodel, loss, flat, Batch(inputs, targets))
                 if lin is not None:
@@ -215,8 +199,6 @@ class LayerwiseEngine:
             elif not self._graphs_warned:
                 self._graphs_warned = True
                 warn(f"cuda_graphs=True does not apply ({why}); running eagerly")
-        if steps is None:
-            return self._functional(flat, batch, buffers_out)
         if all(step.by_hand for step in steps):
             return _by_hand(steps, fmodel, loss, flat, inputs, targets)
         return _through_autograd(steps, fmodel, loss, flat, inputs, targets)
