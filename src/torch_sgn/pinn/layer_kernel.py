@@ -67,7 +67,9 @@ class _Use:
 _TAPE: ContextVar[Optional[List[_Use]]] = ContextVar("torch_sgn_layer_tape", default=None)
 
 
-def record(layer: nn.Linear, inputs: Sequence[Tensor], outputs: Sequence[Tensor], biased) -> None:
+def record(
+    layer: nn.Linear, inputs: Sequence[Tensor], outputs: Sequence[Tensor], biased: Sequence[bool]
+) -> None:
     """Notes one application of ``layer`` to channels while :func:`_recording` is on (a no-op
     otherwise): called by the forward-propagated derivatives of :mod:`torch_sgn.pinn.operators`."""
     tape = _TAPE.get()
@@ -247,8 +249,7 @@ def _factors(problem: nn.Module, fmodel, flat: Tensor, inputs, slots) -> Optiona
         inputs_by_layer: Dict[nn.Linear, List[Tensor]] = {}
         deltas_by_layer: Dict[nn.Linear, List[List[Tensor]]] = {}
         for i, use in enumerate(uses):
-            _, bias_slot = slots[use.layer]
-            weight_slot = slots[use.layer][0]
+            weight_slot, bias_slot = slots[use.layer]
             k = sum(len(u.outputs) for u in uses[:i])
             for c, (a, z, biased) in enumerate(zip(use.inputs, use.outputs, use.biased)):
                 a3 = (a if a.dim() == 3 else a.unsqueeze(0)).detach().to(torch.float64)
