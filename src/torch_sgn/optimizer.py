@@ -137,7 +137,10 @@ class SGN(torch.optim.Optimizer):
             for a failed attempt, and at least by the inverse of the line search's last
             factor), up to :data:`~torch_sgn.solve.step.UPHILL_RESOLVES` times; if it still
             ends above, it is not taken: the parameters stay as they were and the raised
-            damping carries to the next step. :attr:`StepInfo.uphill_resolves` and
+            damping carries to the next step (with ``trust_region=False`` the schedule sets
+            the next step's damping). Not solved again, only rejected: a step within rounding
+            of the loss, or one along a gradient average (``momentum``) that climbs on the
+            batch, which more damping cannot turn downhill. :attr:`StepInfo.uphill_resolves` and
             :attr:`StepInfo.taken` say which. Steps that end at or below the starting loss
             are untouched by it. Default on; off in :meth:`SGN.paper`, whose original
             commits the line search's last trial whatever its loss.
