@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("each_engine")  # every test, once per engi
 # The plain Levenberg-Marquardt steps of the references (the acceleration: test_geodesic.py).
 EXACT_LM = dict(
     solver="cg", cg_tol=0.0, cg_rtol=1e-13, line_search=False, lr=1.0, momentum=0.0,
-    geodesic_acceleration=False,
+    geodesic_acceleration=False, reject_uphill=False,
 )  # fmt: skip
 
 
@@ -188,7 +188,7 @@ def test_damping_grows_after_an_exhausted_step_and_the_growth_is_state():
     model, x, y = _hard_batch()
     opt = SGN(
         model, "mse", damping=1e-10, damping_min=1e-12, attempts=2, damping_update="nielsen",
-        line_search=False, cg_iters=200, cg_tol=0.0,
+        line_search=False, cg_iters=200, cg_tol=0.0, reject_uphill=False,
     )  # fmt: skip
     info = opt.step(x, y)
     state = opt.state_dict()["state"][0]
@@ -206,7 +206,7 @@ def test_paper_equals_the_explicit_paper_configuration():
         trust_region=True, momentum=0.0, warmup_cg_iters=10, warmup_steps=10,
         damping_schedule="constant", damping_decay_steps=10, preconditioner=False,
         preconditioner_exponent=1.0, warm_start=0.0, ls_c=1e-4, ls_shrink=0.5, ls_max_evals=10,
-        geodesic_acceleration=False,
+        geodesic_acceleration=False, reject_uphill=False,
     )  # fmt: skip
     for overrides in (dict(), dict(cg_iters=3), dict(cg_iters=2, line_search=False)):
         model, x, y = make_batch(MODELS[0], LOSSES[2])

@@ -13,7 +13,10 @@ from torch_sgn import SGN, StepInfo
 
 pytestmark = pytest.mark.usefixtures("each_engine")  # every test, once per engine
 
-EXACT = dict(line_search=False, trust_region=False, lr=1.0, momentum=0.0, cg_tol=0.0)
+#: The plain step, taken whatever its loss: these tests check its math.
+EXACT = dict(
+    line_search=False, trust_region=False, lr=1.0, momentum=0.0, cg_tol=0.0, reject_uphill=False
+)
 
 
 def _flat(model):
@@ -315,7 +318,7 @@ def test_state_dict_round_trip_continues_bit_identically(options):
 
 def test_lr_lives_in_param_groups_and_schedulers_drive_it():
     model, x, y = make_batch(MODELS[0], LOSSES[0])
-    opt = SGN(model, "mse", line_search=False, trust_region=False, lr=1.0)
+    opt = SGN(model, "mse", line_search=False, trust_region=False, lr=1.0, reject_uphill=False)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     sizes = []
     for _ in range(3):
@@ -501,7 +504,7 @@ def test_schedulers_that_cycle_momentum_leave_the_gradient_averaging_alone():
     """SGN's beta is not a "momentum" key: OneCycleLR and CyclicLR refuse cycle_momentum=True
     with their own error, and without it schedule the step size alone."""
     model, x, y = make_batch(MODELS[0], LOSSES[0])
-    opt = SGN(model, "mse", line_search=False, trust_region=False)
+    opt = SGN(model, "mse", line_search=False, trust_region=False, reject_uphill=False)
     with pytest.raises(ValueError, match="cycle_momentum"):
         torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1.0, total_steps=5)
     with pytest.raises(ValueError, match="cycle_momentum"):

@@ -20,7 +20,8 @@ from torch_sgn.model.flat_model import FunctionalModel
 from torch_sgn.solve import direct as solvers
 from torch_sgn.solve.direct import DirectResult, solve_damped
 
-EXACT = dict(line_search=False, trust_region=False, lr=1.0, momentum=0.0)
+#: The plain step, taken whatever its loss: these tests check its math.
+EXACT = dict(line_search=False, trust_region=False, lr=1.0, momentum=0.0, reject_uphill=False)
 
 
 def _flat(model: nn.Module) -> torch.Tensor:

@@ -42,7 +42,7 @@ def test_a_huge_damping_steps_along_minus_the_gradient_over_the_damping():
     group = dict(
         trust_region=True, damping_update="threshold", damping_min=None, attempts=3,
         damping_schedule="constant", damping=rho, damping_decay_steps=10,
-        lr=1.0, line_search=True, ls_c=1e-4, ls_shrink=0.5, ls_max_evals=10,
+        lr=1.0, line_search=True, ls_c=1e-4, ls_shrink=0.5, ls_max_evals=10, reject_uphill=True,
     )  # fmt: skip
     out = damped_step(
         MatrixDescent(lambda: G, g), Problem(g, g, 0.0, loss_at), StepState(0, rho),

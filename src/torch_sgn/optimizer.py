@@ -141,6 +141,19 @@ class SGN(torch.optim.Optimizer):
         ls_c: Armijo constant (``C_LS``). Default ``1e-4`` (Nocedal & Wright).
         ls_shrink: backtracking factor (``RHO_LS``). Default 0.5.
         ls_max_evals: most loss evaluations in one line search (``MAX_LS_ITERS``). Default 10.
+        reject_uphill: no step ends above the batch's starting loss. A step whose line search
+            ends above it (or at a non-finite loss) is solved again on the same batch with
+            the damping raised (:meth:`~torch_sgn.solve.step.DampingRule.raised`: by the rule
+            for a failed attempt, and at least by the inverse of the line search's last
+            factor), up to :data:`~torch_sgn.solve.step.UPHILL_RESOLVES` times; if it still
+            ends above, it is not taken: the parameters stay as they were and the raised
+            damping carries to the next step (with ``trust_region=False`` the schedule sets
+            the next step's damping). Not solved again, only rejected: a step within rounding
+            of the loss, or one along a gradient average (``momentum``) that climbs on the
+            batch, which more damping cannot turn downhill. :attr:`StepInfo.uphill_resolves` and
+            :attr:`StepInfo.taken` say which. Steps that end at or below the starting loss
+            are untouched by it. Default on; off in :meth:`SGN.paper`, whose original
+            commits the line search's last trial whatever its loss.
         keep_grad: write the mini-batch gradient into each parameter's ``.grad``. Default off:
             SGN leaves ``.grad`` untouched.
         geodesic_acceleration: add to each exact (direct) step its geodesic acceleration
@@ -279,6 +292,7 @@ class SGN(torch.optim.Optimizer):
         ls_c: float = 1e-4,
         ls_shrink: float = 0.5,
         ls_max_evals: int = 10,
+        reject_uphill: bool = True,
         keep_grad: bool = False,
         geodesic_acceleration: Optional[bool] = None,
         engine: str = "auto",
@@ -300,7 +314,7 @@ class SGN(torch.optim.Optimizer):
             preconditioner_rank=preconditioner_rank, preconditioner_every=preconditioner_every,
             warm_start=warm_start, ls_c=ls_c,
             ls_shrink=ls_shrink, ls_max_evals=ls_max_evals, keep_grad=keep_grad,
-            geodesic_acceleration=geodesic_acceleration,
+            geodesic_acceleration=geodesic_acceleration, reject_uphill=reject_uphill,
         )  # fmt: skip
         assert set(defaults) == set(KEYS)
         check_options(defaults)
@@ -343,7 +357,9 @@ class SGN(torch.optim.Optimizer):
         (:func:`~torch_sgn.solve.damping.trust_region_update`), one solve per step (no
         Levenberg-Marquardt re-solves), 10 CG iterations stopped only by the absolute
         ``cg_tol=1e-6``, 10 CG iterations during the first 10 steps (``warmup_cg_iters``),
-        Armijo backtracking, step size 1. ``overrides`` replace any
+        Armijo backtracking, step size 1, and the original's behaviour where the line search
+        fails: its last trial is taken even where the loss rose (``reject_uphill=False``).
+        ``overrides`` replace any
         of them or set any other argument of :class:`SGN`, e.g.
         ``SGN.paper(model, "mse", cg_iters=5)`` for the paper's SGN(5). The benchmark
         runner's paper presets and grids are built this way.
@@ -686,6 +702,8 @@ class SGN(torch.optim.Optimizer):
             attempts=run.attempts,
             solver="direct" if isinstance(result, DirectResult) else "cg",
             accelerated=run.moved and trial.curve is not None,
+            taken=run.moved,
+            uphill_resolves=run.resolves,
         )
 
     # --- helpers -----------------------------------------------------------------------------
@@ -789,9 +807,13 @@ class SGN(torch.optim.Optimizer):
             p.grad = g.view(shape).clone()
 
     def _log(self, t: int, info: StepInfo) -> None:
+        uphill = ""
+        if info.uphill_resolves:
+            uphill = f" (uphill: solved again {info.uphill_resolves} times"
+            uphill += ")" if info.taken else ", not taken)"
         logger.info(
-            "step %d: loss %.6g -> %.6g, damping %.3g, step %.3g",
-            t, info.loss, info.loss_after, info.damping, info.step_size,
+            "step %d: loss %.6g -> %.6g, damping %.3g, step %.3g%s",
+            t, info.loss, info.loss_after, info.damping, info.step_size, uphill,
         )  # fmt: skip
         logger.debug(
             "  |g| %.4g, %s %d it (%s), |r| %.3g, ratio %s, %d loss evals",

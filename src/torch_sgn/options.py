@@ -37,7 +37,7 @@ KEYS = (
     "gradient_averaging", "warmup_cg_iters", "warmup_steps", "damping_schedule",
     "damping_decay_steps", "preconditioner", "preconditioner_exponent", "preconditioner_rank",
     "preconditioner_every", "warm_start", "ls_c", "ls_shrink", "ls_max_evals", "keep_grad",
-    "geodesic_acceleration",
+    "geodesic_acceleration", "reject_uphill",
 )  # fmt: skip
 
 #: The values of ``preconditioner``: none, the paper's diagonal, a randomized Nystrom one.
@@ -53,6 +53,7 @@ ADDED_KEYS = {
     "geodesic_acceleration": False,
     "preconditioner_rank": 100,
     "preconditioner_every": 10,
+    "reject_uphill": False,
 }
 
 #: The constructor's argument for each group key named otherwise.
@@ -89,6 +90,7 @@ PAPER_OPTIONS: Mapping[str, object] = MappingProxyType(
         ls_shrink=0.5,
         ls_max_evals=10,
         geodesic_acceleration=False,
+        reject_uphill=False,
         curvature_fraction=1.0,
     )
 )
@@ -169,6 +171,7 @@ def check_options(group: Mapping, in_step: bool = False) -> None:
         "geodesic_acceleration",
         "must be None (on for float64 models), True or False",
     )
+    need(lambda v: isinstance(v, bool), "reject_uphill", "must be True or False")
 
 
 def check_loaded_state(state_dict: Mapping) -> dict:

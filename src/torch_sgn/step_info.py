@@ -40,13 +40,21 @@ class StepInfo:
         line_search_ok: whether the Armijo condition held (``True`` when line search is off).
         attempts: how many times the step's system was solved: a solution that fails the
             Armijo test at its full step is solved again with a larger damping, up to
-            ``SGN(attempts=...)`` times (Levenberg-Marquardt). ``damping``, ``iterations``,
-            ``residual``, ``stop_reason``, ``tr_ratio`` and ``predicted_change`` describe the
-            last attempt.
+            ``SGN(attempts=...)`` times (Levenberg-Marquardt), and a step that ends uphill
+            again (``uphill_resolves``). ``damping``, ``iterations``, ``residual``,
+            ``stop_reason``, ``tr_ratio`` and ``predicted_change`` describe the last attempt.
         solver: ``"cg"`` or ``"direct"``, the solver that ran (see ``SGN(solver=...)``).
         accelerated: whether the step carried a geodesic acceleration (see
             ``SGN(geodesic_acceleration=...)``); ``step_size`` is then the factor along the
             parabola ``s d + s^2 a / 2``.
+        taken: whether the parameters changed: ``False`` where the solution was zero, where
+            the loss at every trial point was non-finite, or where the step still ended above
+            ``loss`` after its re-solves (``SGN(reject_uphill=True)``, the default): the
+            parameters are then exactly as before the step, ``loss_after`` equals ``loss``
+            and ``step_size`` is 0.
+        uphill_resolves: how many times the step was solved again with a larger damping
+            because its line search ended above ``loss`` (``SGN(reject_uphill=True)``); 0
+            for a step that went downhill at once.
 
     .. note::
         ``cg_iters``, ``cg_residual`` and ``cg_stop`` are read-only aliases of
@@ -70,6 +78,8 @@ class StepInfo:
     attempts: int = 1
     solver: str = "cg"
     accelerated: bool = False
+    taken: bool = True
+    uphill_resolves: int = 0
 
     @property
     def cg_iters(self) -> int:

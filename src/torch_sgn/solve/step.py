@@ -10,7 +10,12 @@ problem (gradient, right-hand side, loss at the point and at trial points),
 2. the trust region: the ratio of the actual to the predicted change at the last attempt's
    full step sets the next step's damping (:meth:`DampingRule.after`);
 3. the line search: Armijo backtracking along the last attempt's step, its first trial the
-   loss already known.
+   loss already known;
+4. with ``reject_uphill`` (:attr:`DampingRule.uphill_resolves`), no uphill step: a step whose
+   line search ends above the starting loss (or at a non-finite one) is solved again from 1.
+   with a larger damping (:meth:`DampingRule.raised`), up to :data:`UPHILL_RESOLVES` times,
+   and is rejected (:attr:`Outcome.rejected`) if it still ends above it. Downhill steps never
+   reach this stage, so they cost and compute exactly what they did without it.
 
 Nothing is written: the result (:class:`Outcome`) is the optimizer's to commit.
 """
@@ -27,6 +32,7 @@ from torch import Tensor
 
 from .damping import (
     CG_DAMPING_MIN,
+    DAMPING_MAX,
     DIRECT_DAMPING_MIN,
     GROWTH_START,
     nielsen_update,
@@ -45,11 +51,18 @@ __all__ = [
     "Problem",
     "Solution",
     "Trial",
+    "UPHILL_RESOLVES",
     "damped_step",
     "damping_floor",
 ]
 
 logger = logging.getLogger("torch_sgn")
+
+#: Re-solves of an uphill step (``reject_uphill=True``) before it is rejected. Each raises the
+#: damping at least by the line search's whole range (512 with the default ``ls_shrink`` and
+#: ``ls_max_evals``), so three reach a damping 1e8 times the first: a plain gradient step of
+#: any length the problem needs.
+UPHILL_RESOLVES = 3
 
 
 @dataclass(frozen=True)
@@ -69,6 +82,12 @@ class Problem:
     rhs: Tensor
     loss0: float
     loss_at: Callable[..., float]
+
+    @property
+    def descends(self) -> bool:
+        """Whether ``-rhs``, the direction a large damping turns the step to, descends on the
+        batch: always without momentum (``rhs`` is ``grad``)."""
+        return self.rhs is self.grad or float(torch.dot(self.grad, self.rhs)) > 0
 
 
 @dataclass(frozen=True)
@@ -107,8 +126,11 @@ class DampingRule:
         trust_region: adapt the damping from the trust-region ratio.
         update: ``"threshold"`` or ``"nielsen"`` (:mod:`~torch_sgn.solve.damping`).
         floor: the step's floor (:func:`damping_floor`).
-        attempts: most solves in one step.
+        attempts: most solves in one step's Levenberg-Marquardt attempts.
         schedule, initial, decay_steps: the schedule used with the trust region off.
+        uphill_resolves: re-solves of a step that ends above its starting loss before it is
+            rejected (``reject_uphill=True``: :data:`UPHILL_RESOLVES`); ``None``: such a step
+            is taken, as in the paper.
     """
 
     trust_region: bool
@@ -118,6 +140,7 @@ class DampingRule:
     schedule: str
     initial: float
     decay_steps: int
+    uphill_resolves: Optional[int] = None
 
     @classmethod
     def of(cls, group: Mapping, exact: bool) -> DampingRule:
@@ -126,6 +149,7 @@ class DampingRule:
             group["trust_region"], group["damping_update"],
             damping_floor(group["damping_min"], exact), group["attempts"],
             group["damping_schedule"], group["damping"], group["damping_decay_steps"],
+            UPHILL_RESOLVES if group["reject_uphill"] else None,
         )  # fmt: skip
 
     def start(self, state: StepState) -> tuple[float, float]:
@@ -144,6 +168,16 @@ class DampingRule:
         if self.update == "nielsen":
             return rejected_update(damping, growth)
         return trust_region_update(damping, ratio, self.floor), growth
+
+    def raised(self, damping: float, growth: float, shortest: float) -> tuple[float, float]:
+        """The damping of a re-solve after an uphill step, and Nielsen's growth factor: raised
+        as after a rejected attempt, and at least ``1 / shortest`` times, ``shortest`` being
+        the line search's last factor ``a``. The line search has already tried every step
+        along this direction down to that fraction of it, and a damping ``k`` times larger
+        shortens the step at most ``k`` times: a smaller increase would solve for a step it
+        has in effect tried already."""
+        raised, growth = self.rejected(damping, growth, math.nan)
+        return min(max(raised, damping / shortest), DAMPING_MAX), growth
 
     def after(
         self, damping: float, growth: float, trial: Trial
@@ -238,8 +272,9 @@ class Trial:
 @dataclass(frozen=True)
 class Outcome:
     """A step's outcome by one descent: the last attempt's trial, its line search, the damping
-    it was solved at, the attempts made, the trust-region ratio, the next damping and growth
-    factor, and the loss evaluations made."""
+    it was solved at, the solves made, the trust-region ratio, the next damping and growth
+    factor, the loss evaluations made, the re-solves of an uphill step and whether the step was
+    rejected as uphill."""
 
     trial: Trial
     search: LineSearchResult
@@ -249,11 +284,14 @@ class Outcome:
     next_damping: float
     growth: float
     evals: int
+    resolves: int = 0
+    rejected: bool = False
 
     @property
     def moved(self) -> bool:
-        """Whether the step changes the parameters (a finite loss where it ends)."""
-        return self.trial.moved and math.isfinite(self.search.loss)
+        """Whether the step changes the parameters (a finite loss where it ends, and not
+        rejected as uphill)."""
+        return self.trial.moved and math.isfinite(self.search.loss) and not self.rejected
 
     @property
     def step_factor(self) -> float:
@@ -269,8 +307,8 @@ def damped_step(
     search: LineSearch,
     accelerate: Optional[Callable[[Result], Optional[Tensor]]] = None,
 ) -> Outcome:
-    """One step's solution by one descent: its damping attempts and its line search; nothing is
-    written.
+    """One step's solution by one descent: its damping attempts and its line search, and with
+    ``rule.uphill_resolves`` its re-solves while it ends uphill; nothing is written.
 
     Args:
         descent: ``damping -> result``.
@@ -281,9 +319,51 @@ def damped_step(
         accelerate: ``result -> lr^2 a / 2``, the geodesic acceleration's term of an exact
             step (``None`` where it does not apply to that result), or ``None``.
     """
-    # Levenberg-Marquardt: a step that fails the sufficient-decrease test is solved
-    # again on the same linearization with a larger damping, up to `attempts` times.
     damping, growth = rule.start(state)
+    evals = solves = 0
+    resolves = 0 if rule.uphill_resolves is None else rule.uphill_resolves
+    for resolve in range(resolves + 1):
+        trial, damping, growth, attempts, e = _attempts(
+            descent, problem, rule, search, accelerate, damping, growth
+        )
+        ratio, next_damping, next_growth = rule.after(damping, growth, trial)
+        found, e = _line_search(trial, problem, search, e)
+        evals, solves = evals + e, solves + attempts
+        uphill = not found.loss <= problem.loss0  # a NaN is above
+        if not uphill or rule.uphill_resolves is None:
+            return Outcome(
+                trial, found, damping, solves, ratio, next_damping, next_growth, evals, resolve
+            )
+        # Not solved again: a step within rounding of the loss (its damping says nothing), one
+        # that did not move, and one whose right-hand side (a gradient average) is no descent
+        # direction on this batch, which more damping only turns it towards.
+        if trial.noise or not trial.moved or resolve == resolves or not problem.descends:
+            break
+        logger.debug(
+            "  uphill: loss %.6g > %.6g at a=%.3g; solved again with more damping",
+            found.loss, problem.loss0, found.step,
+        )  # fmt: skip
+        damping, growth = rule.raised(damping, growth, found.step)
+        trial = None  # its factorization, freed before the next one
+    return Outcome(
+        trial, found, damping, solves, ratio, next_damping, next_growth, evals, resolve,
+        rejected=trial.moved,
+    )  # fmt: skip
+
+
+def _attempts(
+    descent: Descent,
+    problem: Problem,
+    rule: DampingRule,
+    search: LineSearch,
+    accelerate: Optional[Callable[[Result], Optional[Tensor]]],
+    damping: float,
+    growth: float,
+) -> tuple[Trial, float, float, int, int]:
+    """The Levenberg-Marquardt attempts from ``damping``: the last attempt's trial, its damping
+    and growth factor, the attempts made and the loss evaluations of the attempts before it."""
+    # A step that fails the sufficient-decrease test is solved again on the same
+    # linearization with a larger damping, up to `attempts` times.
     evals = 0
     for attempts in range(1, rule.attempts + 1):
         result = descent(damping)
@@ -297,7 +377,14 @@ def damped_step(
         )
         damping, growth = rule.rejected(damping, growth, trial.ratio)
         result = curve = trial = None  # its factorization, freed before the next one
-    ratio, next_damping, growth = rule.after(damping, growth, trial)
+    return trial, damping, growth, attempts, evals
+
+
+def _line_search(
+    trial: Trial, problem: Problem, search: LineSearch, evals: int
+) -> tuple[LineSearchResult, int]:
+    """The line search along the trial's step (its loss at the full step the first value), and
+    the loss evaluations counted so far."""
     found = LineSearchResult(1.0, trial.loss, 1, math.isfinite(trial.loss))
     if search.on and trial.moved:
         found = backtracking(
@@ -305,7 +392,5 @@ def damped_step(
             trial.solution.slope, c=search.c, shrink=search.shrink, max_evals=search.max_evals,
             first=trial.loss,
         )  # fmt: skip
-        evals += found.evaluations
-    else:
-        evals += trial.evals
-    return Outcome(trial, found, damping, attempts, ratio, next_damping, growth, evals)
+        return found, evals + found.evaluations
+    return found, evals + trial.evals

@@ -298,7 +298,8 @@ def _by_hand(steps, fmodel, loss, flat, inputs, targets, captured=False) -> Line
         for i in range(len(chain) - 1, first - 1, -1):
             step, ctx = chain[i]
             u = step.cotangent(ctx, u, grads, need_input=i > first)
-        return torch.cat([g.reshape(-1) for g in grads])
+        # In the parameters' dtype: under autocast the layers' products return bf16 or fp16.
+        return torch.cat([g.reshape(-1) for g in grads]).to(flat.dtype)
 
     def ggn_vp(v: Tensor) -> Tensor:
         with torch.no_grad():

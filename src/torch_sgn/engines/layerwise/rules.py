@@ -189,7 +189,13 @@ class _Affine(LayerRule):
     def forward(self, a, params):
         w = _get(self.weight, params)
         z = self.op(a, w, _get(self.bias, params))
-        return z, (a.detach(), w.detach(), z.shape)
+        a, w = a.detach(), w.detach()
+        if self.op is not F.linear and z.dtype != w.dtype:
+            # Under autocast (bf16 or fp16) the convolution ran on copies of ``a`` and ``W`` in
+            # z's dtype. Its backward is one aten op, which autocast does not cast: it is given
+            # those copies, as autograd's would be, not operands of two dtypes it rejects.
+            a, w = a.to(z.dtype), w.to(z.dtype)
+        return z, (a, w, z.shape)
 
     def value(self, ctx, a, params):
         return self.op(a, _get(self.weight, params), _get(self.bias, params))
@@ -216,9 +222,9 @@ class _Affine(LayerRule):
             a, u = a.unsqueeze(0), u.unsqueeze(0)
         mask = [need_input, isinstance(self.weight, int), isinstance(self.bias, int)]
         ga, gw, gb = torch.ops.aten.convolution_backward(
-            u, a, w, [m.out_channels] if m.bias is not None else None, list(m.stride),
-            [0] * dims if m.padding == "valid" else list(m.padding), list(m.dilation),
-            False, [0] * dims, m.groups, mask,
+            u.to(w.dtype), a, w, [m.out_channels] if m.bias is not None else None,
+            list(m.stride), [0] * dims if m.padding == "valid" else list(m.padding),
+            list(m.dilation), False, [0] * dims, m.groups, mask,
         )  # fmt: skip
         return (ga.squeeze(0) if unbatched and ga is not None else ga), gw, gb
 
