@@ -39,7 +39,12 @@ def test_bf16_autocast_trains_on_the_default_engine(build, solver):
     x, y = _batch()
     model = build()
     opt = SGN(model, "cross_entropy", solver=solver)
-    assert isinstance(opt._engine, LayerwiseEngine)  # not routed elsewhere
+    assert isinstance(opt._engine.engines[0], LayerwiseEngine)
+
+    def handed_over(*args, **kwargs):
+        raise AssertionError("the layer-wise engine handed the step over to another engine")
+
+    opt._engine.engines[1:] = [handed_over]  # not routed elsewhere
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # and no warning on the way
         infos = []
