@@ -23,7 +23,8 @@ The error is the relative L2 error against the exact solution on 10,000 held-out
 Methods: ``sgn`` (SGN's defaults on :class:`torch_sgn.pinn.Residuals`: exact Gauss-Newton steps
 through the residuals' Gram matrix), ``sgn-nystrom`` (CG preconditioned by a randomized Nystrom
 approximation of ``G``, for nets too large for exact steps: rank 100 rebuilt every 10 steps, at
-most 100 iterations to a relative residual of 1e-3), ``sgn-paper``
+most 100 iterations to a relative residual of 1e-3), ``sgn-cg`` (the same CG without the
+preconditioner), ``sgn-paper``
 (:meth:`SGN.paper`, CG with 10 iterations), ``adam-<lr>``, ``lbfgs`` (torch's, strong Wolfe line
 search, history 100). A finished run is not run again (its JSON is kept): an interrupted
 benchmark resumes where it stopped; a run in progress keeps its curve so far in a ``.partial``
@@ -226,11 +227,13 @@ def run(
 
 
 def _method(method: str, residuals: Residuals, net: nn.Module) -> Callable:
-    if method in ("sgn", "sgn-nystrom", "sgn-paper"):
+    if method in ("sgn", "sgn-nystrom", "sgn-cg", "sgn-paper"):
         if method == "sgn":
             opt = SGN(residuals, residuals.loss)
         elif method == "sgn-nystrom":
             opt = SGN(residuals, residuals.loss, **NYSTROM)
+        elif method == "sgn-cg":
+            opt = SGN(residuals, residuals.loss, **{**NYSTROM, "preconditioner": False})
         else:
             opt = SGN.paper(residuals, residuals.loss)
         return lambda inputs, targets: opt.step(inputs, targets).loss_after
