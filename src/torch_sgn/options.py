@@ -35,7 +35,7 @@ KEYS = (
     "attempts", "damping_update", "line_search", "trust_region",
     "gradient_averaging", "warmup_cg_iters", "warmup_steps", "damping_schedule",
     "damping_decay_steps", "preconditioner", "preconditioner_exponent", "warm_start", "ls_c",
-    "ls_shrink", "ls_max_evals", "keep_grad", "geodesic_acceleration",
+    "ls_shrink", "ls_max_evals", "keep_grad", "geodesic_acceleration", "weight_decay",
 )  # fmt: skip
 
 #: Keys added after SGN's first release, with the values that behave as SGN did before them: a
@@ -46,6 +46,7 @@ ADDED_KEYS = {
     "attempts": 1,
     "damping_update": "threshold",
     "geodesic_acceleration": False,
+    "weight_decay": 0.0,
 }
 
 #: The constructor's argument for each group key named otherwise.
@@ -80,6 +81,7 @@ PAPER_OPTIONS: Mapping[str, object] = MappingProxyType(
         ls_shrink=0.5,
         ls_max_evals=10,
         geodesic_acceleration=False,
+        weight_decay=0.0,
         curvature_fraction=1.0,
     )
 )
@@ -153,6 +155,7 @@ def check_options(group: Mapping, in_step: bool = False) -> None:
         "geodesic_acceleration",
         "must be None (on for float64 models), True or False",
     )
+    need(lambda v: _finite(v) and v >= 0, "weight_decay", "must be >= 0 and finite (0: off)")
 
 
 def check_loaded_state(state_dict: Mapping) -> dict:

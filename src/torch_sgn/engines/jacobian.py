@@ -160,6 +160,7 @@ def with_jacobian(
         hessian=hessian,
         vjp=lambda u: (jac().T @ u.reshape(-1).to(torch.float64)).to(flat.dtype),
         kernel=lambda: _symmetric(jac() @ jac().T),
+        jvp=lambda v: (jac() @ v.to(torch.float64)).to(flat.dtype).view(outputs.shape),
     )
     return replace(lin, dense_ggn=lambda: jac().T @ hessian_columns(), sample_space=space)
 
