@@ -215,3 +215,22 @@ def test_the_routes_through_the_outputs_and_through_g_take_the_same_accelerated_
     torch.testing.assert_close(_flat(by_outputs), _flat(model), rtol=1e-9, atol=1e-11)
     assert first.accelerated and second.accelerated
     assert first.loss_after == pytest.approx(second.loss_after, rel=1e-10)
+
+
+def test_replayed_graph_steps_with_weight_decay_equal_eager_steps(each_engine, cpu_graph_captures):
+    """The penalty is added outside the captured set-up, product and trial loss."""
+    if each_engine == "functional":
+        pytest.skip("the functional engine captures no graphs")
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(4)]
+    torch.manual_seed(0)
+    graph_model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1))
+    eager_model = copy.deepcopy(graph_model)
+    options = dict(weight_decay=0.1, cg_iters=3, solver="cg")
+    graph_opt = SGN(graph_model, "mse", cuda_graphs=True, **options)
+    eager_opt = SGN(eager_model, "mse", **options)
+    graph_infos = [graph_opt.step(x, y) for x, y in batches]
+    eager_infos = [eager_opt.step(x, y) for x, y in batches]
+    assert cpu_graph_captures == [3]
+    assert graph_infos == eager_infos and graph_infos[0].penalty > 0
+    assert torch.equal(_flat(graph_model), _flat(eager_model))

@@ -212,19 +212,19 @@ class SGN(torch.optim.Optimizer):
             activations whose batch has fewer outputs ``R`` (samples times outputs per sample)
             than the model has parameters, the same step is solved through the ``R x R``
             matrix ``J J^T`` instead (:func:`~torch_sgn.solve.direct.solve_in_sample_space`;
-            without ``momentum``, single process). For small models, and
-            for fits to high precision, where CG's inexact steps stall (see
-            ``docs/SOLVERS.md``). A model whose matrices (``3 P^2`` float64 numbers) do not
-            fit in the free memory of its device raises ``ValueError`` here, or, where its
-            steps may go through the outputs (the layer-wise engine's chains, one process, no
-            ``momentum``), at a step that cannot (nothing changes).
-            ``"auto"`` (default): CG where the direct solver's matrix would have more than
-            ``direct_max_params`` rows (``R`` through the outputs; ``P`` where ``G`` comes from the
-            per-sample Jacobian, or ``P <= cg_iters``); elsewhere CG's steps first, then exact steps
-            for good once they prove better: every 10th step also computes the exact step, which
-            wins if its point has a lower loss on the next batch, or the batch loss stalls
-            (:mod:`torch_sgn.solve.auto`). Rules, not timings, so every machine takes the same
-            steps. :attr:`StepInfo.solver` says which ran. :meth:`SGN.paper` sets ``"cg"``.
+            without ``momentum``, single process). For small models, and for fits to high
+            precision, where CG's inexact steps stall (see ``docs/SOLVERS.md``). A model whose
+            matrices (``3 P^2`` float64 numbers) do not fit in the free memory of its device
+            raises ``ValueError`` here, or, where its steps may go through the outputs (the
+            layer-wise engine's chains, one process, no ``momentum``), at a step that cannot
+            (nothing changes). ``"auto"`` (default): CG where the direct solver's matrix
+            would have more than ``direct_max_params`` rows (``R`` through the outputs; ``P``
+            where ``G`` comes from the per-sample Jacobian, or ``P <= cg_iters``); elsewhere
+            CG's steps first, then exact steps for good once they prove better: every 10th
+            step also computes the exact step, which wins if its point has a lower loss on the
+            next batch, or the batch loss stalls (:mod:`torch_sgn.solve.auto`). Rules, not
+            timings, so every machine takes the same steps. :attr:`StepInfo.solver` says which
+            ran. :meth:`SGN.paper` sets ``"cg"``.
         direct_max_params: the largest matrix ``solver="auto"`` takes the direct solver for
             (its rows: parameters, or the batch's outputs). Default 4000 (the matrix and its
             factor take about 384 MB: they are float64).
