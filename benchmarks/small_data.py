@@ -27,7 +27,7 @@ cosine decay to 0 over the run; SGN's defaults; ``SGN.paper``; SGN with the smal
 search, step size 0.3 with the same cosine decay; chosen on seeds 0-9, which the record does
 not use), and the recipe with a constant step size; linear least squares and ridge (closed
 form, ridge's penalty chosen on the validation split) for scale. The seeds are 10-19.
-Result (2-core x86-64 CPU, one thread, about 5 minutes):
+Result (2-core x86-64 CPU, one thread; 493 s of wall time, the training runs 155 CPU s):
 ``benchmarks/results/2026-11-27_cpu_small_data/README.md``.
 """
 
