@@ -234,3 +234,14 @@ def test_replayed_graph_steps_with_weight_decay_equal_eager_steps(each_engine, c
     assert cpu_graph_captures == [3]
     assert graph_infos == eager_infos and graph_infos[0].penalty > 0
     assert torch.equal(_flat(graph_model), _flat(eager_model))
+
+
+def test_weight_decay_set_in_param_groups_applies_at_the_next_step():
+    """Like torch.optim's options, it lives in param_groups: a user or a scheduler may change it."""
+    x, y = _ridge_problem()
+    model = nn.Linear(5, 1).double()
+    opt = SGN(model, "mse", solver="direct", damping=1e-12, damping_min=0.0)
+    opt.param_groups[0]["weight_decay"] = 0.5
+    info = opt.step(x, y)
+    torch.testing.assert_close(_flat(model), _ridge_solution(x, y, 0.5), rtol=1e-9, atol=1e-10)
+    assert info.penalty > 0
