@@ -41,6 +41,7 @@ class Case:
     solver: str = "cg"
     cg_iters: int = SETTINGS["cg_iters"]
     ddp: bool = False  # the ranks pass the model wrapped in DistributedDataParallel
+    weight_decay: float = 0.0
 
 
 CASES = [
@@ -84,6 +85,18 @@ CASES = [
     ),
     # A model wrapped in DistributedDataParallel: SGN takes its module and all-reduces itself.
     Case("mse-unequal-ddp-wrapped", lambda: "mse", (5, 7), "real", ddp=True),
+    # The penalty is added once, after the reduction; one process solves the direct case
+    # through the batch's outputs, the ranks through G.
+    Case("mse-unequal-weight-decay", lambda: "mse", (5, 7), "real", weight_decay=0.05),
+    Case(
+        "ce-unequal-weight-decay-direct",
+        lambda: "cross_entropy",
+        (4, 8),
+        "index",
+        damping=0.1,
+        solver="direct",
+        weight_decay=0.05,
+    ),  # fmt: skip
 ]
 
 
@@ -120,7 +133,10 @@ def run_case(case: Case, rank: int = 0, world: int = 1, reverse: bool = False) -
     before = flat(model)
     settings = {**SETTINGS, "cg_iters": case.cg_iters}
     net = nn.parallel.DistributedDataParallel(model) if case.ddp and world > 1 else model
-    opt = SGN(net, case.loss(), lr=case.lr, damping=case.damping, solver=case.solver, **settings)
+    opt = SGN(
+        net, case.loss(), lr=case.lr, damping=case.damping, solver=case.solver,
+        weight_decay=case.weight_decay, **settings,
+    )  # fmt: skip
     after_construction = flat(model)
     infos = []
     for step in range(STEPS):

@@ -91,6 +91,8 @@ def test_kernel_and_vjp_match_a_dense_jacobian(case, frozen):
     assert torch.linalg.eigvalsh(K).min() > -1e-10 * K.abs().max()  # PSD
     u = torch.randn(J.shape[0], dtype=D)
     torch.testing.assert_close(factors.vjp(u), J.T @ u, rtol=1e-10, atol=1e-12)
+    v = torch.randn(J.shape[1], dtype=D)
+    torch.testing.assert_close(factors.jvp(v), J @ v, rtol=1e-10, atol=1e-12)
 
 
 def _sgn_steps(problem, steps=4, **kwargs):
@@ -102,7 +104,8 @@ def _sgn_steps(problem, steps=4, **kwargs):
     return losses, torch.cat([p.detach().reshape(-1) for p in problem.parameters()])
 
 
-def test_sgn_steps_equal_those_through_the_rows_of_J(monkeypatch):
+@pytest.mark.parametrize("options", [{}, {"weight_decay": 1e-3}], ids=["plain", "weight-decay"])
+def test_sgn_steps_equal_those_through_the_rows_of_J(monkeypatch, options):
     net = _mlp([2, 8, 6, 1])
     problem = Residuals(net, _poisson(net))
     twin = copy.deepcopy(problem)
@@ -115,10 +118,10 @@ def test_sgn_steps_equal_those_through_the_rows_of_J(monkeypatch):
         return out
 
     monkeypatch.setattr(Residuals, "layer_factors", counted)
-    losses, theta = _sgn_steps(problem)
+    losses, theta = _sgn_steps(problem, **options)
     assert calls and all(calls)  # the factors were used at every step
     monkeypatch.setattr(Residuals, "layer_factors", lambda self, *args: None)
-    twin_losses, twin_theta = _sgn_steps(twin)
+    twin_losses, twin_theta = _sgn_steps(twin, **options)
     torch.testing.assert_close(theta, twin_theta, rtol=1e-8, atol=1e-10)
     assert losses[-1] < losses[0]
 

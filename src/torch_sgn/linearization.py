@@ -31,6 +31,7 @@ __all__ = [
     "ggn_matrix",
     "linearize",
     "loss_and_output_gradient",
+    "weight_penalty",
 ]
 
 Inputs = Union[Tensor, Tuple[Tensor, ...]]
@@ -72,6 +73,11 @@ class SampleSpace:
         vjp: output-shaped ``u -> J^T u`` (flat).
         kernel: ``() -> J J^T``, the ``R x R`` matrix in float64 (rows in the order of
             ``outputs.reshape(-1)``).
+        jvp: flat ``v -> J v`` (output-shaped), where the engine has it; the weight decay's
+            step through the outputs needs it.
+        weight_decay, point: the L2 penalty :math:`\lambda` and the point :math:`\theta`
+            (:meth:`Linearization.regularized`): the gradient is then
+            :math:`J^\top e + \lambda\theta` and the curvature :math:`G + \lambda I`.
     """
 
     outputs: Tensor
@@ -79,6 +85,9 @@ class SampleSpace:
     hessian: Callable[[Tensor], Tensor]
     vjp: Callable[[Tensor], Tensor]
     kernel: Callable[[], Tensor]
+    jvp: Optional[Callable[[Tensor], Tensor]] = None
+    weight_decay: float = 0.0
+    point: Optional[Tensor] = None
     _kernel: Optional[Tensor] = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -160,6 +169,54 @@ class Linearization:
             dense_ggn=dense,
             sample_space=None,  # its J spans the frozen directions too
         )
+
+    def regularized(self, weight_decay: float, flat: Tensor) -> Linearization:
+        r"""The linearization of the loss plus the penalty :math:`\frac\lambda2 \|\theta\|^2`
+        at ``flat`` (:math:`\theta`): loss :math:`L + \frac\lambda2\|\theta\|^2`, gradient
+        :math:`g + \lambda\theta`, curvature :math:`G + \lambda I` (the penalty's Hessian:
+        exact, it is quadratic), the trial points' loss with the penalty. Itself where
+        ``weight_decay`` is 0.
+
+        The view through the batch's outputs keeps the penalty
+        (:func:`~torch_sgn.solve.direct.solve_in_sample_space` solves for its term
+        :math:`\lambda\theta`, not of the form :math:`J^\top e`, by one product ``J theta``),
+        and is dropped where the engine has no ``J v`` for it. ``outputs``, ``outputs_at`` and
+        ``vjp`` describe the network, not the loss, and stay as they are.
+        """
+        if weight_decay == 0:
+            return self
+        ggn_vp, value_at, dense_ggn = self.ggn_vp, self.value_at, self.dense_ggn
+
+        def product(v: Tensor) -> Tensor:  # G v + lambda v (a product is a fresh tensor)
+            return ggn_vp(v).add_(v, alpha=weight_decay)
+
+        def value(point: Tensor) -> Tensor:
+            return value_at(point) + weight_penalty(point, weight_decay)
+
+        def dense() -> Tensor:  # G + lambda I, on a copy: an engine may keep its matrix
+            matrix = dense_ggn().to(torch.float64, copy=True)
+            matrix.diagonal().add_(weight_decay)
+            return matrix
+
+        space = self.sample_space
+        if space is not None:
+            keep = space.jvp is not None
+            space = replace(space, weight_decay=weight_decay, point=flat) if keep else None
+        return replace(
+            self,
+            loss=self.loss + weight_penalty(flat, weight_decay).to(self.loss.dtype),
+            grad=torch.add(self.grad, flat, alpha=weight_decay),
+            ggn_vp=product,
+            value_at=None if value_at is None else value,
+            dense_ggn=None if dense_ggn is None else dense,
+            sample_space=space,
+        )
+
+
+def weight_penalty(flat: Tensor, weight_decay: float) -> Tensor:
+    r""":math:`\frac\lambda2 \|\theta\|^2`, the penalty of ``SGN(weight_decay=lambda)``, as a
+    0-d tensor of ``flat``'s dtype (summed in float64)."""
+    return (0.5 * weight_decay * flat.double().square().sum()).to(flat.dtype)
 
 
 class Engine(Protocol):

@@ -16,7 +16,7 @@ from .diagnostics import warn
 from .distributed import ProcessGroup, SingleProcess, communicator
 from .engines.jacobian import per_sample, with_jacobian
 from .engines.selection import curvature_subset, engine_name, select_engine
-from .linearization import Batch, Inputs, Linearization, check_loss_parameters
+from .linearization import Batch, Inputs, Linearization, check_loss_parameters, weight_penalty
 from .losses import LossSpec, resolve_loss
 from .model.flat_model import FunctionalModel
 from .options import KEYS, PAPER_OPTIONS, check_arguments, check_loaded_state, check_options
@@ -154,8 +154,22 @@ class SGN(torch.optim.Optimizer):
             :attr:`StepInfo.taken` say which. Steps that end at or below the starting loss
             are untouched by it. Default on; off in :meth:`SGN.paper`, whose original
             commits the line search's last trial whatever its loss.
-        keep_grad: write the mini-batch gradient into each parameter's ``.grad``. Default off:
-            SGN leaves ``.grad`` untouched.
+        weight_decay: an L2 penalty :math:`\lambda` with :class:`torch.optim.SGD`'s meaning: the
+            objective becomes :math:`L(\theta) + \frac\lambda2 \|\theta\|^2` over every trainable
+            parameter, so the gradient is :math:`g + \lambda\theta`, the curvature
+            :math:`G + \lambda I` (the penalty's exact Hessian) and the damped system
+            :math:`(G + (\lambda + \rho) I)\, d = -(g + \lambda\theta)`: on ridge regression
+            one exact step lands on the ridge solution. The trust region, the line search,
+            ``solver="auto"``'s comparisons and :class:`StepInfo`'s losses all use this
+            objective (``StepInfo.penalty`` is its penalty term). Every solver takes it, exact
+            steps through the batch's outputs too (:math:`\lambda\theta` is not in the row
+            space of ``J``: one more product ``J theta``,
+            :func:`~torch_sgn.solve.direct.solve_in_sample_space`). Not decoupled (AdamW's
+            :math:`\theta \leftarrow (1 - \alpha\lambda)\theta`): see ``docs/OPTIONS.md``.
+            Kept in ``param_groups``. Default 0 (off), as the paper.
+        keep_grad: write the mini-batch gradient (with ``weight_decay``, of the penalized
+            objective) into each parameter's ``.grad``. Default off: SGN leaves ``.grad``
+            untouched.
         geodesic_acceleration: add to each exact (direct) step its geodesic acceleration
             (Transtrum and Sethna, 2012; :mod:`torch_sgn.solve.geodesic`): the second-order term
             ``a / 2``, ``(G + rho I) a = -J^T H f_vv``, of the path along which the outputs
@@ -294,6 +308,7 @@ class SGN(torch.optim.Optimizer):
         ls_max_evals: int = 10,
         reject_uphill: bool = True,
         keep_grad: bool = False,
+        weight_decay: float = 0.0,
         geodesic_acceleration: Optional[bool] = None,
         engine: str = "auto",
         cuda_graphs: bool = False,
@@ -315,6 +330,7 @@ class SGN(torch.optim.Optimizer):
             warm_start=warm_start, ls_c=ls_c,
             ls_shrink=ls_shrink, ls_max_evals=ls_max_evals, keep_grad=keep_grad,
             geodesic_acceleration=geodesic_acceleration, reject_uphill=reject_uphill,
+            weight_decay=weight_decay,
         )  # fmt: skip
         assert set(defaults) == set(KEYS)
         check_options(defaults)
@@ -509,19 +525,22 @@ class SGN(torch.optim.Optimizer):
         after = self._next_state(state, run, route, phase, loss0, candidate, momentum_buffer)
         after.write(stored)
         # Report.
-        info = self._report(run, loss0, grad_norm, evals)
+        info = self._report(run, loss0, grad_norm, evals, theta)
         self._log(state.step, info)
         return info
 
     # --- the step's phases -------------------------------------------------------------------
     def _linearize(self, t: int, theta: Tensor, batch: Batch, buffers: dict) -> Linearization:
         """The model and loss linearized at ``theta`` on the batch (reduced over a data-parallel
-        group), with a row-batched Jacobian where exact steps take it."""
+        group), with a row-batched Jacobian where exact steps take it, and the weight decay's
+        penalty."""
         lin = self._comm.linearize(t, self._step_engine(t), theta, batch, buffers)
         check_loss_parameters(self._loss, self._fmodel, lin, theta, batch)
         if self._jacobian_applies(lin, theta, batch):
             lin = with_jacobian(lin, self._fmodel, self._loss, theta, batch)
-        return lin
+        # The L2 penalty, added once here: after the data-parallel reduction (every rank holds
+        # the same theta) and before the mask of frozen parameters (which keeps them still).
+        return lin.regularized(self.param_groups[0]["weight_decay"], theta)
 
     def _momentum(self, grad: Tensor, state: StepState) -> tuple[Tensor, Optional[Tensor]]:
         """The right-hand side ``m_hat`` and the new moving average (None without momentum)."""
@@ -683,8 +702,12 @@ class SGN(torch.optim.Optimizer):
             after = replace(after, prev_direction=run.trial.result.x)
         return after
 
-    def _report(self, run: Outcome, loss0: float, grad_norm: float, evals: int) -> StepInfo:
+    def _report(
+        self, run: Outcome, loss0: float, grad_norm: float, evals: int, theta: Tensor
+    ) -> StepInfo:
         trial, search, result = run.trial, run.search, run.trial.result
+        weight_decay = self.param_groups[0]["weight_decay"]
+        penalty = float(weight_penalty(theta, weight_decay)) if weight_decay else 0.0
         return StepInfo(
             loss=loss0,
             loss_after=search.loss if run.moved else loss0,
@@ -704,6 +727,7 @@ class SGN(torch.optim.Optimizer):
             accelerated=run.moved and trial.curve is not None,
             taken=run.moved,
             uphill_resolves=run.resolves,
+            penalty=penalty,
         )
 
     # --- helpers -----------------------------------------------------------------------------
@@ -795,11 +819,17 @@ class SGN(torch.optim.Optimizer):
         return self._per_sample[key]
 
     def _loss_at(self, lin: Linearization, flat: Tensor, batch: Batch) -> float:
+        """The objective at ``flat`` on the batch: the loss, and the weight decay's penalty
+        (in ``lin.value_at`` where the engine has one)."""
         if lin.value_at is not None:
             return self._comm.loss_value(lambda: lin.value_at(flat))
-        return self._comm.loss_value(
-            lambda: self._loss.value(self._fmodel(flat, batch.inputs), batch.targets)
-        )
+        weight_decay = self.param_groups[0]["weight_decay"]
+
+        def value() -> Tensor:
+            value = self._loss.value(self._fmodel(flat, batch.inputs), batch.targets)
+            return value + weight_penalty(flat, weight_decay) if weight_decay else value
+
+        return self._comm.loss_value(value)
 
     def _write_grad(self, grad: Tensor) -> None:
         fm = self._fmodel

@@ -37,7 +37,7 @@ KEYS = (
     "gradient_averaging", "warmup_cg_iters", "warmup_steps", "damping_schedule",
     "damping_decay_steps", "preconditioner", "preconditioner_exponent", "preconditioner_rank",
     "preconditioner_every", "warm_start", "ls_c", "ls_shrink", "ls_max_evals", "keep_grad",
-    "geodesic_acceleration", "reject_uphill",
+    "geodesic_acceleration", "reject_uphill", "weight_decay",
 )  # fmt: skip
 
 #: The values of ``preconditioner``: none, the paper's diagonal, a randomized Nystrom one.
@@ -54,6 +54,7 @@ ADDED_KEYS = {
     "preconditioner_rank": 100,
     "preconditioner_every": 10,
     "reject_uphill": False,
+    "weight_decay": 0.0,
 }
 
 #: The constructor's argument for each group key named otherwise.
@@ -91,6 +92,7 @@ PAPER_OPTIONS: Mapping[str, object] = MappingProxyType(
         ls_max_evals=10,
         geodesic_acceleration=False,
         reject_uphill=False,
+        weight_decay=0.0,
         curvature_fraction=1.0,
     )
 )
@@ -172,6 +174,7 @@ def check_options(group: Mapping, in_step: bool = False) -> None:
         "must be None (on for float64 models), True or False",
     )
     need(lambda v: isinstance(v, bool), "reject_uphill", "must be True or False")
+    need(lambda v: _finite(v) and v >= 0, "weight_decay", "must be >= 0 and finite (0: off)")
 
 
 def check_loaded_state(state_dict: Mapping) -> dict:

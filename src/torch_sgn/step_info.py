@@ -13,9 +13,11 @@ class StepInfo:
     """What one :meth:`SGN.step` did.
 
     Attributes:
-        loss: mini-batch loss before the step.
-        loss_after: mini-batch loss at the accepted point (same batch).
-        grad_norm: 2-norm of the mini-batch gradient.
+        loss: mini-batch loss before the step; with ``SGN(weight_decay=lambda)``, the objective
+            the step minimizes, the loss plus ``penalty`` (``loss - penalty`` is the loss
+            alone).
+        loss_after: mini-batch loss (objective) at the accepted point (same batch).
+        grad_norm: 2-norm of the mini-batch gradient (of the objective).
         iterations: CG iterations run (``G v`` products after the first residual); 0 for a
             direct solve.
         residual: 2-norm of the final residual ``A d + m_hat`` of the system ``A d = -m_hat``
@@ -55,6 +57,8 @@ class StepInfo:
         uphill_resolves: how many times the step was solved again with a larger damping
             because its line search ended above ``loss`` (``SGN(reject_uphill=True)``); 0
             for a step that went downhill at once.
+        penalty: the weight decay's term ``weight_decay / 2 * ||theta||^2`` of ``loss``,
+            at the point the step started from (0 without weight decay).
 
     .. note::
         ``cg_iters``, ``cg_residual`` and ``cg_stop`` are read-only aliases of
@@ -80,6 +84,7 @@ class StepInfo:
     accelerated: bool = False
     taken: bool = True
     uphill_resolves: int = 0
+    penalty: float = 0.0
 
     @property
     def cg_iters(self) -> int:

@@ -170,12 +170,23 @@ def with_jacobian(
             return f.vjp(u)
         return (jac().T @ u.reshape(-1).to(torch.float64)).to(flat.dtype)
 
+    def jvp(v: Tensor) -> Tensor:
+        f = factors()
+        if f is not None:
+            return f.jvp(v).to(flat.dtype).view(outputs.shape)
+        return (jac() @ v.to(torch.float64)).to(flat.dtype).view(outputs.shape)
+
     def kernel() -> Tensor:
         f = factors()
         return _symmetric(f.kernel() if f is not None else jac() @ jac().T)
 
     space = SampleSpace(
-        outputs=outputs, output_grad=output_grad, hessian=hessian, vjp=vjp, kernel=kernel
+        outputs=outputs,
+        output_grad=output_grad,
+        hessian=hessian,
+        vjp=vjp,
+        kernel=kernel,
+        jvp=jvp,
     )
     return replace(lin, dense_ggn=lambda: jac().T @ hessian_columns(), sample_space=space)
 

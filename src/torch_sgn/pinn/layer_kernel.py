@@ -189,6 +189,27 @@ class LayerFactors:
                 flat[bias : bias + layer.out_features] = g[:, -1].to(self.dtype)
         return flat
 
+    def jvp(self, v: Tensor) -> Tensor:
+        """``J v`` (float64, one entry per residual) for flat parameters ``v``."""
+        v = v.reshape(-1).to(torch.float64)
+        weights: Dict[nn.Linear, Tensor] = {}  # each layer's [W_v, b_v] (out x in')
+        for layer, (w, bias) in self.slots.items():
+            parts = []
+            if w is not None:
+                parts.append(v[w : w + layer.weight.numel()].view(layer.out_features, -1))
+            if bias is not None:
+                parts.append(v[bias : bias + layer.out_features, None])
+            weights[layer] = torch.cat(parts, 1)
+        out = []
+        for b in self.blocks:
+            jv = v.new_zeros(b.n, b.m)
+            for layer, a in b.inputs.items():
+                za = a @ weights[layer].T  # C x n x out: the channels' tangents
+                for p, delta in enumerate(b.deltas[layer]):
+                    jv[:, p] += (delta * za).sum((0, 2))
+            out.append(jv.reshape(-1))
+        return torch.cat(out)
+
 
 def _rows(delta: Tensor, a: Tensor) -> Tensor:
     """The layer's block of ``J``'s rows, ``n x (out in')``: :math:`\\sum_c \\Delta_c \\otimes

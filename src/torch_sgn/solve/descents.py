@@ -130,7 +130,8 @@ class MatrixDescent:
 @dataclass(frozen=True)
 class SampleSpaceDescent:
     """Exactly, through the ``R x R`` matrix ``J J^T`` of the batch's outputs (fewer than the
-    parameters). The right-hand side must be the gradient ``J^T g_out`` itself (no momentum):
+    parameters). The right-hand side must be the gradient ``J^T g_out`` itself (no momentum;
+    with a weight decay, ``J^T g_out + lambda theta``, whose second term the space solves for):
     the route solves in output space."""
 
     space: SampleSpace

@@ -178,23 +178,40 @@ def solve_in_sample_space(
     pseudo-inverse where that fails). Only for the gradient itself: a gradient average is not
     of the form :math:`J^\top e`.
 
+    With a weight decay :math:`\lambda` (``space.weight_decay``, at ``space.point``
+    :math:`\theta`) the system is :math:`(G + \mu I)\, d = -(J^\top e + \lambda\theta)`,
+    :math:`\mu = \rho + \lambda`. Its part in :math:`J^\top e` is solved as above with
+    :math:`\mu`; the part in :math:`\theta`, which need not lie in the row space of ``J``, by
+    the push-through identity
+    :math:`(G + \mu I)^{-1} = \mu^{-1} (I - J^\top (H K + \mu I)^{-1} H J)`:
+
+    .. math::
+        d = -J^\top w - \frac{\lambda}{\mu}\bigl(\theta - J^\top u\bigr), \qquad
+        (H K + \mu I)\, u = H J \theta,
+
+    one more product ``J theta`` and one more solve with the same factorization.
+
     Args:
         space: the batch's outputs, ``J J^T`` and the loss's output-space Hessian.
-        grad: :math:`g`, flat, of the parameters' dtype.
+        grad: :math:`g` (with a weight decay, :math:`J^\top e + \lambda\theta`), flat, of the
+            parameters' dtype.
         damping: :math:`\rho \ge 0`.
-        ggn_vp: ``v -> G v``, for the residual of the solution (one product).
+        ggn_vp: ``v -> G v`` (with a weight decay, ``G v + lambda v``), for the residual of the
+            solution (one product).
 
     Returns:
-        A :class:`DirectResult` whose ``residual`` is :math:`(G + \rho I) d + g` measured with
-        one product.
+        A :class:`DirectResult` whose ``residual`` is :math:`(G + \rho I) d + g` (with a weight
+        decay, :math:`(G + \mu I) d + J^\top e + \lambda\theta`) measured with one product.
     """
     outputs = space.outputs
+    weight_decay = space.weight_decay
+    mu = damping + weight_decay  # G + lambda I + rho I: the penalty's curvature is lambda I
     kernel = space.kernel_matrix()
     e = space.output_grad.reshape(-1).double()
     hk = _hessian_rows(space.hessian, kernel, outputs)  # row j: H K e_j, so H K = hk^T
     matrix = hk.mT
     if torch.equal(matrix, hk):
-        system = solve_damped(matrix, -e, damping)  # its x solves (H K + rho I) w = e
+        system = solve_damped(matrix, -e, mu)  # its x solves (H K + mu I) w = e
         w, reason = system.x, system.reason
         minus = system.again
 
@@ -203,7 +220,7 @@ def solve_in_sample_space(
 
     else:
         damped = matrix.clone()
-        damped.diagonal().add_(damping)
+        damped.diagonal().add_(mu)
         factor, pivots, info = torch.linalg.lu_factor_ex(damped)
         reason = "lu"
         if int(info) == 0:
@@ -225,10 +242,14 @@ def solve_in_sample_space(
     def to_parameters(w: Tensor) -> Tensor:  # d = -J^T w
         return space.vjp(w.to(outputs.dtype).view(outputs.shape)).neg_()
 
-    def again(b: Tensor) -> Tensor:  # (G + rho I) x = -J^T b
+    def again(b: Tensor) -> Tensor:  # (G + mu I) x = -J^T b
         return to_parameters(solve_outputs(b.reshape(-1).double()))
 
     d = to_parameters(w)
+    if weight_decay:  # the penalty's term: d -= (lambda / mu) (theta - J^T u)
+        theta = space.point
+        u = solve_outputs(space.hessian(space.jvp(theta)).reshape(-1).double())
+        d.sub_(to_parameters(u).add_(theta), alpha=weight_decay / mu)
     if not _all_finite(d):
         return DirectResult(torch.zeros_like(grad), grad.clone(), 0, "non_finite")
     residual = ggn_vp(d).add_(d, alpha=damping).add_(grad)

@@ -325,6 +325,7 @@ def _by_hand(steps, fmodel, loss, flat, inputs, targets, captured=False) -> Line
             hessian=hessian,
             vjp=vjp,
             kernel=lambda: _sample_kernel(chain, first, fmodel, z),
+            jvp=lambda v: _jvp(chain, fmodel, v, z),
         )
     return Linearization(
         value, grad, ggn_vp, value_at, outputs=z, outputs_at=outputs_at, vjp=vjp,
