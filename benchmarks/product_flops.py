@@ -45,6 +45,7 @@ from torch.utils.flop_counter import flop_registry
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ggn_cost  # noqa: E402  (the models, batches and kernel switches of the cost table)
 
+from torch_sgn.engines.not_applicable import NotApplicable  # noqa: E402
 from torch_sgn.engines.selection import select_engine  # noqa: E402
 from torch_sgn.linearization import Batch  # noqa: E402
 from torch_sgn.losses import resolve_loss  # noqa: E402
@@ -84,6 +85,17 @@ class _Counting(TorchDispatchMode):
         return out
 
 
+def _first_applicable(chain, flat, batch):
+    """``(name, engine)``: the first of the chain's layer-wise and traced engines that applies."""
+    for name, engine in zip(("layer-wise", "traced"), chain.engines):
+        try:
+            engine(flat, batch)
+        except NotApplicable:
+            continue
+        return name, engine
+    raise SystemExit("neither the layer-wise nor the traced engine applies")
+
+
 def measure(name: str) -> Dict[str, object]:
     model, x, y, loss_name = ggn_cost._batch(name, torch.device("cpu"))
     loss = resolve_loss(loss_name)
@@ -92,7 +104,7 @@ def measure(name: str) -> Dict[str, object]:
         fmodel.freeze_rng()
     flat = fmodel.flat()
     v = torch.randn(flat.shape, generator=torch.Generator().manual_seed(1))
-    engine = select_engine(fmodel, loss, "auto")
+    used, engine = _first_applicable(select_engine(fmodel, loss, "auto"), flat, Batch(x, y))
     lin = engine(flat, Batch(x, y))  # (traces where the traced engine runs)
     lin.ggn_vp(v)
 
@@ -110,7 +122,7 @@ def measure(name: str) -> Dict[str, object]:
     grad = counts["grad"].flops
     return {
         "model": name,
-        "engine": "layer-wise" if engine.planned else "traced",
+        "engine": used,
         "grad GFLOP": grad / 1e9,
         **{f"{k} flops/grad": counts[k].flops / grad for k in ("setup", "product")},
         **{f"{k} ops": counts[k].ops for k in ("grad", "setup", "product")},

@@ -235,9 +235,9 @@ def test_sgn_nystrom_step_is_the_damped_gauss_newton_step():
     opt = SGN(
         model, "mse", solver="cg", preconditioner="nystrom", preconditioner_rank=theta.numel(),
         cg_iters=5, cg_tol=0.0, cg_rtol=1e-12, damping=damping, line_search=False,
-        trust_region=False, geodesic_acceleration=False,
+        trust_region=False, geodesic_acceleration=False, reject_uphill=False,
     )  # fmt: skip
-    info = opt.step(x, y)
+    info = opt.step(x, y)  # the plain step, whatever its loss (reject_uphill off)
     d = torch.linalg.solve(G + damping * torch.eye(theta.numel(), dtype=D), -g)
     moved = torch.cat([p.detach().reshape(-1) for p in model.parameters()]) - theta
     torch.testing.assert_close(moved, d, rtol=1e-7, atol=1e-10)
