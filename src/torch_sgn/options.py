@@ -18,6 +18,7 @@ from typing import Callable, Mapping
 from .engines.selection import ENGINE_ALIASES, ENGINES, engine_name
 from .solve.damping import DAMPING_SCHEDULES, DAMPING_UPDATES
 from .solve.direct import SOLVERS
+from .solve.quadratic import STEP_RULES
 
 __all__ = [
     "ADDED_KEYS",
@@ -35,7 +36,7 @@ KEYS = (
     "attempts", "damping_update", "line_search", "trust_region",
     "gradient_averaging", "warmup_cg_iters", "warmup_steps", "damping_schedule",
     "damping_decay_steps", "preconditioner", "preconditioner_exponent", "warm_start", "ls_c",
-    "ls_shrink", "ls_max_evals", "keep_grad", "geodesic_acceleration",
+    "ls_shrink", "ls_max_evals", "keep_grad", "geodesic_acceleration", "step_rule",
 )  # fmt: skip
 
 #: Keys added after SGN's first release, with the values that behave as SGN did before them: a
@@ -46,6 +47,7 @@ ADDED_KEYS = {
     "attempts": 1,
     "damping_update": "threshold",
     "geodesic_acceleration": False,
+    "step_rule": "lr",
 }
 
 #: The constructor's argument for each group key named otherwise.
@@ -80,6 +82,7 @@ PAPER_OPTIONS: Mapping[str, object] = MappingProxyType(
         ls_shrink=0.5,
         ls_max_evals=10,
         geodesic_acceleration=False,
+        step_rule="lr",
         curvature_fraction=1.0,
     )
 )
@@ -153,6 +156,7 @@ def check_options(group: Mapping, in_step: bool = False) -> None:
         "geodesic_acceleration",
         "must be None (on for float64 models), True or False",
     )
+    need(lambda v: v in STEP_RULES, "step_rule", f"must be one of {STEP_RULES}")
 
 
 def check_loaded_state(state_dict: Mapping) -> dict:
