@@ -21,10 +21,10 @@ A run stops when it reaches the highest target or after ``--budget`` CPU seconds
 
 Each finished run is kept as JSON under ``--out-dir/runs/`` (its settings, the accuracy
 history); running the command again skips the runs already there with the same settings, so an
-interrupted comparison resumes. The table gives, per optimizer, the median over seeds of the
-seconds to each target (a run that misses a target counts as slower than any that reaches it;
-"-" where the median misses it), how many seeds reached it, and the median best accuracy,
-steps and CPU seconds per step. ``--device cuda`` times with a synchronised device and wall
+interrupted comparison resumes (``--table-only`` prints the table of the runs kept). The table
+gives, per optimizer, the median over seeds of the seconds to each target (a run that misses a
+target counts as slower than any that reaches it; "-" where the median misses it), how many
+seeds reached it, and the median best accuracy, steps and CPU seconds per step. ``--device cuda`` times with a synchronised device and wall
 time instead.
 
 Peers: Adam and AdamW over learning rates, SGD, and :class:`torch.optim.Muon` (where the
@@ -58,6 +58,7 @@ PAPER_SGN = dict(cg_iters=5, warmup_cg_iters=10, warmup_steps=10, solver="cg")
 #: label -> (kind, options).
 RUNS = {
     "SGN(5) paper": ("sgn", PAPER_SGN),
+    "SGN(5) quadratic": ("sgn", dict(PAPER_SGN, step_rule="quadratic")),
     "SGN(5) functional": ("sgn", dict(PAPER_SGN, engine="functional")),
     "SGN(5) graphs": ("sgn", dict(PAPER_SGN, cuda_graphs=True)),
     "SGD lr 0.1": ("sgd", dict(lr=0.1)),
@@ -235,6 +236,10 @@ def main() -> None:
         '"batch=..." sets its batch size)',
     )  # fmt: skip
     parser.add_argument("--out-dir", default="", help="keeps each run's JSON; reruns skip them")
+    parser.add_argument(
+        "--table-only", action="store_true", help="the table of the runs kept in --out-dir; "
+        "runs nothing",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print("command: PYTHONPATH=src python " + " ".join(sys.argv))
@@ -258,7 +263,13 @@ def main() -> None:
             print(f"skipped {label}: torch {torch.__version__} has no torch.optim.Muon")
             del runs[label]
 
-    ds = datasets.load("fashion_mnist", device=torch.device(args.device))
+    if args.table_only and not args.out_dir:
+        parser.error("--table-only needs --out-dir")
+    ds = (
+        None
+        if args.table_only
+        else datasets.load("fashion_mnist", device=torch.device(args.device))
+    )
     out = Path(args.out_dir) / "runs" if args.out_dir else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
@@ -276,6 +287,8 @@ def main() -> None:
                 if kept["settings"] == settings:
                     records[label].append(kept["result"])
                     continue
+            if args.table_only:
+                continue
             result = run(ds, kind, options, seed, args)
             records[label].append(result)
             last = result["history"][-1] if result["history"] else (0, 0, 0.0)
@@ -287,7 +300,7 @@ def main() -> None:
             if path:
                 record = dict(settings=settings, torch=torch.__version__, result=result)
                 path.write_text(json.dumps(record))
-    text = table(records, sorted(args.targets))
+    text = table({label: runs for label, runs in records.items() if runs}, sorted(args.targets))
     print(text)
     if args.out_dir:
         (Path(args.out_dir) / "table.md").write_text(text + "\n")
