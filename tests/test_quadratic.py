@@ -1,6 +1,8 @@
 """step_rule="quadratic": the step size and momentum chosen on the damped quadratic model
 (torch_sgn.solve.quadratic), against dense float64 references."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -127,3 +129,21 @@ def test_invalid_step_rule_is_refused_by_name():
     model, _, _ = make_batch(MODELS[0], LOSS["mse"])
     with pytest.raises(ValueError, match="step_rule='momentum'.*'lr', 'quadratic'"):
         SGN(model, "mse", step_rule="momentum")
+
+
+def test_a_resumed_run_takes_the_same_quadratic_steps():
+    """The previous update is part of the state: a run resumed from a state_dict goes on with
+    the same momentum."""
+    model, x, y = make_batch(MODELS[0], LOSS["cross_entropy"])
+    options = dict(solver="cg", cg_iters=2, step_rule="quadratic")
+    opt = SGN(model, "cross_entropy", **options)
+    opt.step(x, y)
+    twin = copy.deepcopy(model)
+    resumed = SGN(twin, "cross_entropy", **options)
+    resumed.load_state_dict(opt.state_dict())
+    fresh_model = copy.deepcopy(model)
+    fresh = SGN(fresh_model, "cross_entropy", **options)  # no previous update: beta = 0
+    for o in (opt, resumed, fresh):
+        o.step(x, y)
+    torch.testing.assert_close(_flat(twin), _flat(model), rtol=1e-12, atol=0)
+    assert not torch.allclose(_flat(fresh_model), _flat(model), rtol=1e-6, atol=0)
