@@ -33,6 +33,7 @@ from .solve.descents import (
 )
 from .solve.direct import DirectResult
 from .solve.nystrom import NystromApproximation, nystrom
+from .solve.quadratic import QuadraticDescent
 from .solve.routes import choose_route
 from .solve.state import StepState
 from .solve.step import DampingRule, LineSearch, Outcome, Problem, damped_step
@@ -181,6 +182,13 @@ class SGN(torch.optim.Optimizer):
             lower precision, where the outputs' rounding blurs ``f_vv`` near a precise fit
             (``docs/SOLVERS.md`` has the measurements behind this default). :meth:`SGN.paper`
             turns it off.
+        step_rule: ``"lr"``: the step is ``lr`` times CG's solution ``d`` (the paper's).
+            ``"quadratic"``: the step is ``lr`` times :math:`\alpha d + \beta \delta`, with
+            :math:`\delta` the previous step's update and :math:`(\alpha, \beta)` the minimiser
+            of the damped quadratic model over their span (Martens & Grosse, 2015, section 7;
+            :mod:`torch_sgn.solve.quadratic`): a step size and a momentum chosen at every step,
+            for one more ``G v`` product. CG steps only (exact steps keep ``"lr"``).
+            Default ``"lr"``.
         engine: how ``G v`` products are computed (their costs: ``docs/PERFORMANCE.md``).
             ``"layerwise"``: the layer-wise engine of :mod:`torch_sgn.engines.layerwise.engine`
             for ``nn.Sequential`` chains of the layers listed by
@@ -310,6 +318,7 @@ class SGN(torch.optim.Optimizer):
         keep_grad: bool = False,
         weight_decay: float = 0.0,
         geodesic_acceleration: Optional[bool] = None,
+        step_rule: str = "lr",
         engine: str = "auto",
         cuda_graphs: bool = False,
         compile: bool = False,
@@ -331,6 +340,7 @@ class SGN(torch.optim.Optimizer):
             ls_shrink=ls_shrink, ls_max_evals=ls_max_evals, keep_grad=keep_grad,
             geodesic_acceleration=geodesic_acceleration, reject_uphill=reject_uphill,
             weight_decay=weight_decay,
+            step_rule=step_rule,
         )  # fmt: skip
         assert set(defaults) == set(KEYS)
         check_options(defaults)
@@ -581,6 +591,8 @@ class SGN(torch.optim.Optimizer):
         """The step by one route: its descent's damping attempts and the line search."""
         group = self.param_groups[0]
         descent = self._descent(lin, problem.rhs, state, route)
+        if route == CG and group["step_rule"] == "quadratic":
+            descent = QuadraticDescent(descent, lin.ggn_vp, lin.grad, problem.rhs, state.prev_step)
         accelerate = self._accelerator(lin, batch, theta, route, trainable)
         rule = DampingRule.of(group, exact=route != CG)
         return damped_step(descent, problem, state, rule, LineSearch.of(group), accelerate)
@@ -700,6 +712,10 @@ class SGN(torch.optim.Optimizer):
             after = replace(after, momentum_buffer=momentum_buffer)
         if group["warm_start"] > 0:
             after = replace(after, prev_direction=run.trial.result.x)
+        if group["step_rule"] == "quadratic":
+            moved = run.moved and not isinstance(run.trial.result, DirectResult)
+            update = run.trial.displacement(run.step_factor) if moved else None
+            after = replace(after, prev_step=update)
         return after
 
     def _report(

@@ -18,6 +18,7 @@ from typing import Callable, Mapping
 from .engines.selection import ENGINE_ALIASES, ENGINES, engine_name
 from .solve.damping import DAMPING_SCHEDULES, DAMPING_UPDATES
 from .solve.direct import SOLVERS
+from .solve.quadratic import STEP_RULES
 
 __all__ = [
     "ADDED_KEYS",
@@ -37,7 +38,7 @@ KEYS = (
     "gradient_averaging", "warmup_cg_iters", "warmup_steps", "damping_schedule",
     "damping_decay_steps", "preconditioner", "preconditioner_exponent", "preconditioner_rank",
     "preconditioner_every", "warm_start", "ls_c", "ls_shrink", "ls_max_evals", "keep_grad",
-    "geodesic_acceleration", "reject_uphill", "weight_decay",
+    "geodesic_acceleration", "reject_uphill", "weight_decay", "step_rule",
 )  # fmt: skip
 
 #: The values of ``preconditioner``: none, the paper's diagonal, a randomized Nystrom one.
@@ -55,6 +56,7 @@ ADDED_KEYS = {
     "preconditioner_every": 10,
     "reject_uphill": False,
     "weight_decay": 0.0,
+    "step_rule": "lr",
 }
 
 #: The constructor's argument for each group key named otherwise.
@@ -93,6 +95,7 @@ PAPER_OPTIONS: Mapping[str, object] = MappingProxyType(
         geodesic_acceleration=False,
         reject_uphill=False,
         weight_decay=0.0,
+        step_rule="lr",
         curvature_fraction=1.0,
     )
 )
@@ -175,6 +178,7 @@ def check_options(group: Mapping, in_step: bool = False) -> None:
     )
     need(lambda v: isinstance(v, bool), "reject_uphill", "must be True or False")
     need(lambda v: _finite(v) and v >= 0, "weight_decay", "must be >= 0 and finite (0: off)")
+    need(lambda v: v in STEP_RULES, "step_rule", f"must be one of {STEP_RULES}")
 
 
 def check_loaded_state(state_dict: Mapping) -> dict:

@@ -28,6 +28,8 @@ class StepState:
             (``damping_update="nielsen"``; ``None`` before the rule has run).
         momentum_buffer: the gradient's moving average ``m`` (``momentum > 0``).
         prev_direction: the last step's solution ``d`` (``warm_start > 0``).
+        prev_step: the last step's update, the parameters' change (``step_rule="quadratic"``;
+            ``None`` after a step that did not move).
         exact: ``solver="auto"`` has switched to exact steps for good
             (:mod:`~torch_sgn.solve.auto`).
         next_probe: the step of ``"auto"``'s next probe.
@@ -40,6 +42,7 @@ class StepState:
     damping_growth: Optional[float] = None
     momentum_buffer: Optional[Tensor] = None
     prev_direction: Optional[Tensor] = None
+    prev_step: Optional[Tensor] = None
     exact: bool = False
     next_probe: Optional[int] = None
     candidate: Optional[Tensor] = None
@@ -67,13 +70,14 @@ class StepState:
         stored.update(self.as_dict())
 
     def restricted(self, mask: Tensor) -> StepState:
-        """The state whose vectors (gradient average, previous direction) are zero where
-        ``mask`` is: CG's iterates then stay in the directions still trainable."""
-        m, d = self.momentum_buffer, self.prev_direction
+        """The state whose vectors (gradient average, previous direction and update) are zero
+        where ``mask`` is: CG's iterates then stay in the directions still trainable."""
+        m, d, s = self.momentum_buffer, self.prev_direction, self.prev_step
         return replace(
             self,
             momentum_buffer=None if m is None else m * mask,
             prev_direction=None if d is None else d * mask,
+            prev_step=None if s is None else s * mask,
         )
 
 
