@@ -24,12 +24,13 @@ def _seed():
     torch.manual_seed(0)
 
 
-@pytest.fixture(params=["auto", "functional"])
+@pytest.fixture(params=["auto", "traced", "functional"])
 def each_engine(request, monkeypatch):
     """Runs a test once per curvature engine: SGN and GGN built in it default to that engine.
 
-    ``"auto"`` is the fast layer-wise engine wherever it applies (every model of the shared
-    case table), so the core tests hold for both engines unchanged.
+    ``"auto"`` is the layer-wise engine wherever it applies (every model of the shared case
+    table); ``"traced"`` and ``"functional"`` run the same models through the other two, so
+    the core tests hold for every engine unchanged.
     """
     from torch_sgn import GGN, SGN
 

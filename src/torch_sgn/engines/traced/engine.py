@@ -120,6 +120,15 @@ class TracedEngine:
         self._retraces: Dict[str, int] = {}  # traces each attribute's change called for
         self._changing: Optional[str] = None  # the attribute that keeps changing, if one does
 
+    def _explain(self, flat: Tensor, args: tuple, targets: Tensor) -> None:
+        """Raises the error an eager forward pass and the loss's target check give, where
+        they give one: a trace that failed on bad targets or outputs reports those, not
+        the trace."""
+        with torch.no_grad():
+            outputs = self.fmodel(flat, args)
+        if isinstance(outputs, Tensor):
+            self.loss.check_targets(outputs, targets)
+
     def __call__(
         self, flat: Tensor, batch: Batch, buffers_out: Optional[dict] = None
     ) -> Linearization:
@@ -145,6 +154,7 @@ class TracedEngine:
                 after = self._attributes_now()
                 restore_module_state(state)
             if isinstance(traced, Untraceable) and self.strict:
+                self._explain(flat, args, targets)  # the model's or the targets' own error first
                 raise ValueError(f"engine='traced' cannot trace this model: {traced}") from None
             if after != attributes:  # written by the forward pass itself: not a setting
                 fmodel.written.update(changed_attributes(attributes, after))
@@ -172,7 +182,7 @@ class TracedEngine:
                 else f"forward-mode AD has no rule for {op}; the traced engine takes J v "
                 "through a second reverse pass (exact; a product costs about two reverse passes)"
             )
-        buffers, frozen = inputs_of(model)
+        buffers, frozen = inputs_of(self.fmodel)
         self.loss.check_targets(_shaped_like(traced, flat), targets)  # reads targets eagerly
         inputs = (flat, buffers, frozen, args, targets)
         replayed = self._replayed(traced, inputs)

@@ -146,10 +146,13 @@ def _slots(model: nn.Module, buffers: bool) -> List[Tuple[str, Tensor]]:
     return out
 
 
-def inputs_of(model: nn.Module) -> Tuple[List[Tensor], List[Tensor]]:
-    """The buffers and frozen parameters the traced function takes, each tensor once."""
+def inputs_of(fmodel: FunctionalModel) -> Tuple[List[Tensor], List[Tensor]]:
+    """The buffers and frozen parameters the traced function takes, each tensor once: frozen
+    are those outside SGN's parameter vector (one made trainable after SGN was built too)."""
+    model = fmodel.model
+    trainable = {id(p) for p in fmodel.params}
     buffers = list({id(b): b for _, b in _slots(model, buffers=True)}.values())
-    frozen = {id(p): p for _, p in _slots(model, buffers=False) if not p.requires_grad}
+    frozen = {id(p): p for _, p in _slots(model, buffers=False) if id(p) not in trainable}
     return buffers, list(frozen.values())
 
 
@@ -157,7 +160,7 @@ def _forward(fmodel: FunctionalModel) -> Callable:
     """``(theta, buffers, frozen, inputs) -> outputs``: the model as a function of its flat
     trainable parameters, its buffers and frozen parameters (each tensor once), to be traced."""
     model = fmodel.model
-    buffers_in, frozen_in = inputs_of(model)
+    buffers_in, frozen_in = inputs_of(fmodel)
     buffer_at = {id(b): i for i, b in enumerate(buffers_in)}
     frozen_at = {id(p): i for i, p in enumerate(frozen_in)}
     trainable_at = {id(p): i for i, p in enumerate(fmodel.params)}
@@ -287,7 +290,7 @@ def trace_product(
 ) -> Recording:
     """Traces the product at these shapes, by the first of :data:`ROUTES` that works; raises
     :class:`Untraceable`."""
-    buffers, frozen = inputs_of(fmodel.model)
+    buffers, frozen = inputs_of(fmodel)
     example = (flat.detach(), torch.zeros_like(flat), buffers, frozen, list(args), targets)
     errors: List[BaseException] = []
     declined = None  # why the tangent rules could not be used, if they could not
