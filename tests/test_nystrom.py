@@ -258,16 +258,16 @@ def test_sgn_nystrom_needs_fewer_iterations_than_plain_cg():
 
 
 def test_sgn_nystrom_is_rebuilt_every_preconditioner_every_steps(monkeypatch):
-    import torch_sgn.optimizer as optimizer_module
+    import torch_sgn.solve.nystrom as nystrom_module
 
     builds = []
-    real = optimizer_module.nystrom
+    real = nystrom_module.nystrom
 
     def counted(*args, **kwargs):
         builds.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(optimizer_module, "nystrom", counted)
+    monkeypatch.setattr(nystrom_module, "nystrom", counted)
     model, x, y = _fit_problem()
     opt = SGN(model, "mse", solver="cg", preconditioner="nystrom", preconditioner_rank=8,
               preconditioner_every=3)  # fmt: skip

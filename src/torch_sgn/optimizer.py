@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-import weakref
 from dataclasses import replace
 from typing import Callable, Optional, Union
 
@@ -12,7 +11,6 @@ import torch
 from torch import Tensor, nn
 
 from .checks import check_batch, finite_loss
-from .diagnostics import warn
 from .distributed import ProcessGroup, SingleProcess, communicator
 from .engines.jacobian import per_sample, with_jacobian
 from .engines.selection import curvature_subset, engine_name, select_engine
@@ -32,7 +30,7 @@ from .solve.descents import (
     SampleSpaceDescent,
 )
 from .solve.direct import DirectResult
-from .solve.nystrom import NystromApproximation, nystrom
+from .solve.nystrom import NystromCache
 from .solve.quadratic import QuadraticDescent
 from .solve.routes import choose_route
 from .solve.state import StepState
@@ -142,32 +140,19 @@ class SGN(torch.optim.Optimizer):
         ls_c: Armijo constant (``C_LS``). Default ``1e-4`` (Nocedal & Wright).
         ls_shrink: backtracking factor (``RHO_LS``). Default 0.5.
         ls_max_evals: most loss evaluations in one line search (``MAX_LS_ITERS``). Default 10.
-        reject_uphill: no step ends above the batch's starting loss. A step whose line search
-            ends above it (or at a non-finite loss) is solved again on the same batch with
-            the damping raised (:meth:`~torch_sgn.solve.step.DampingRule.raised`: by the rule
-            for a failed attempt, and at least by the inverse of the line search's last
-            factor), up to :data:`~torch_sgn.solve.step.UPHILL_RESOLVES` times; if it still
-            ends above, it is not taken: the parameters stay as they were and the raised
-            damping carries to the next step (with ``trust_region=False`` the schedule sets
-            the next step's damping). Not solved again, only rejected: a step within rounding
-            of the loss, or one along a gradient average (``momentum``) that climbs on the
-            batch, which more damping cannot turn downhill. :attr:`StepInfo.uphill_resolves` and
-            :attr:`StepInfo.taken` say which. Steps that end at or below the starting loss
-            are untouched by it. Default on; off in :meth:`SGN.paper`, whose original
-            commits the line search's last trial whatever its loss.
-        weight_decay: an L2 penalty :math:`\lambda` with :class:`torch.optim.SGD`'s meaning: the
-            objective becomes :math:`L(\theta) + \frac\lambda2 \|\theta\|^2` over every trainable
-            parameter, so the gradient is :math:`g + \lambda\theta`, the curvature
-            :math:`G + \lambda I` (the penalty's exact Hessian) and the damped system
-            :math:`(G + (\lambda + \rho) I)\, d = -(g + \lambda\theta)`: on ridge regression
-            one exact step lands on the ridge solution. The trust region, the line search,
-            ``solver="auto"``'s comparisons and :class:`StepInfo`'s losses all use this
-            objective (``StepInfo.penalty`` is its penalty term). Every solver takes it, exact
-            steps through the batch's outputs too (:math:`\lambda\theta` is not in the row
-            space of ``J``: one more product ``J theta``,
-            :func:`~torch_sgn.solve.direct.solve_in_sample_space`). Not decoupled (AdamW's
-            :math:`\theta \leftarrow (1 - \alpha\lambda)\theta`): see ``docs/OPTIONS.md``.
-            Kept in ``param_groups``. Default 0 (off), as the paper.
+        reject_uphill: no step ends above the batch's starting loss: a step whose line search
+            ends above it (or at a non-finite loss) is solved again with the damping raised
+            (:meth:`~torch_sgn.solve.step.DampingRule.raised`), up to
+            :data:`~torch_sgn.solve.step.UPHILL_RESOLVES` times, else not taken (the parameters
+            unchanged, the raised damping kept); :attr:`StepInfo.uphill_resolves` and
+            :attr:`StepInfo.taken` say which (``docs/OPTIONS.md``). Default on; off in
+            :meth:`SGN.paper`, whose original commits the line search's last trial.
+        weight_decay: an L2 penalty :math:`\lambda` with :class:`torch.optim.SGD`'s meaning:
+            the objective :math:`L(\theta) + \frac\lambda2 \|\theta\|^2`, so the gradient
+            :math:`g + \lambda\theta`, the curvature :math:`G + \lambda I`; the trust region,
+            the line search and :class:`StepInfo`'s losses use this objective
+            (``StepInfo.penalty`` is its penalty term). Every solver takes it; not decoupled
+            (``docs/OPTIONS.md`` says why). Default 0 (off), as the paper.
         keep_grad: write the mini-batch gradient (with ``weight_decay``, of the penalized
             objective) into each parameter's ``.grad``. Default off: SGN leaves ``.grad``
             untouched.
@@ -365,9 +350,9 @@ class SGN(torch.optim.Optimizer):
         self._engine = select_engine(self._fmodel, self._loss, engine, cuda_graphs, compile)
         self._engine_options = (engine, cuda_graphs, compile)  # a copy builds its own engine
         self._per_sample: dict = {}  # batch shapes -> whether the model is per-sample on them
-        self._last_inputs: tuple = ()  # the last step's inputs (see _fits_one_batch)
+        self._last_inputs = auto.BatchMemory()  # the last step's inputs (see _fits_one_batch)
         self._curvature_fraction = curvature_fraction
-        self._nystrom: Optional[tuple[int, NystromApproximation]] = None  # (step built, it)
+        self._nystrom = NystromCache()  # CG's preconditioner="nystrom"
         if solver == "direct" and not self._may_solve_through_outputs():
             # before anything of the matrix's size is allocated
             fm = self._fmodel
@@ -421,7 +406,7 @@ class SGN(torch.optim.Optimizer):
             state[key] = {**first, "exact": True}
             loaded["state"] = state
         super().load_state_dict(loaded)
-        self._nystrom = None  # built afresh at the next step that uses it
+        self._nystrom.reset()  # built afresh at the next step that uses it
 
     def __getstate__(self) -> dict:
         # torch's Optimizer pickles only its defaults, state and groups; SGN's model, loss and
@@ -444,7 +429,8 @@ class SGN(torch.optim.Optimizer):
         if "_comm" in self.__dict__:  # load_state_dict's call: the optimizer is built already
             return
         self._comm = SingleProcess()
-        self._per_sample, self._last_inputs, self._nystrom = {}, (), None
+        self._per_sample, self._nystrom = {}, NystromCache()
+        self._last_inputs = auto.BatchMemory()
         with warnings.catch_warnings():  # the original already warned about its engine
             warnings.simplefilter("ignore")
             self._engine = select_engine(self._fmodel, self._loss, *self._engine_options)
@@ -502,7 +488,7 @@ class SGN(torch.optim.Optimizer):
         batch, stored = Batch(inputs, targets), self._global_state()
         state, theta, buffers = StepState.of(stored), self._fmodel.flat(), {}
         trainable = self._fmodel.trainable_mask()
-        self._warn_unfrozen()
+        self._fmodel.warn_unfrozen()
         with self._fmodel.consistent():
             # Linearize: the loss, its gradient and v -> G v at theta on the batch.
             lin = self._linearize(state.step, theta, batch, buffers)
@@ -531,7 +517,7 @@ class SGN(torch.optim.Optimizer):
             self._fmodel.write(theta + run.trial.displacement(run.step_factor))
         self._fmodel.write_buffers(buffers)
         if self.param_groups[0]["keep_grad"]:
-            self._write_grad(lin.grad)
+            self._fmodel.write_grad(lin.grad)
         after = self._next_state(state, run, route, phase, loss0, candidate, momentum_buffer)
         after.write(stored)
         # Report.
@@ -615,34 +601,14 @@ class SGN(torch.optim.Optimizer):
             x0 = group["warm_start"] * state.prev_direction
         kind = group["preconditioner"]
         exponent = group["preconditioner_exponent"] if kind in (True, "diagonal") else None
-        approx = self._nystrom_at(lin, rhs, state.step) if kind == "nystrom" else None
+        approx = None
+        if kind == "nystrom":
+            rank, every = group["preconditioner_rank"], group["preconditioner_every"]
+            approx = self._nystrom.at(lin.ggn_vp, rhs, state.step, rank, every)
         return CGDescent(
             lin.ggn_vp, rhs, iters, group["cg_tol"], group["cg_rtol"], group["cg_progress_tol"],
             x0, exponent, approx,
         )  # fmt: skip
-
-    def _nystrom_at(self, lin: Linearization, rhs: Tensor, t: int) -> NystromApproximation:
-        """The Nystrom approximation of ``G`` for step ``t``'s CG: the one built at most
-        ``preconditioner_every`` steps ago, else a new one from ``preconditioner_rank``
-        products at this step's point and batch (the draws seeded with ``t``). It is not kept
-        in ``state_dict``: a loaded optimizer builds its own at its next step."""
-        group = self.param_groups[0]
-        built = self._nystrom
-        if (
-            built is None
-            or not 0 <= t - built[0] < group["preconditioner_every"]
-            or built[1].eigenvectors.shape[0] != rhs.numel()  # the trainable set changed
-        ):
-            self._nystrom = None  # its memory free before the new one is built
-            n = rhs.numel()
-            rank = min(group["preconditioner_rank"], n)
-            gen = torch.Generator(device=rhs.device).manual_seed(t)
-            # One product at a time: the engines' products are not all batchable by vmap,
-            # and a batch of ``rank`` products would hold ``rank`` times their memory.
-            approx = nystrom(lin.ggn_vp, n, rank, rhs, generator=gen, vmap=False)
-            built = self._nystrom = (t, approx)
-            logger.debug("  Nystrom preconditioner of rank %d built at step %d", rank, t)
-        return built[1]
 
     def _accelerator(
         self,
@@ -671,7 +637,7 @@ class SGN(torch.optim.Optimizer):
         samples = route == SAMPLES
         vjp = None
         if not samples:
-            vjp = lin.vjp if lin.vjp is not None else self._vjp_at(theta, batch)
+            vjp = lin.vjp if lin.vjp is not None else self._fmodel.vjp_at(theta, batch.inputs)
         return geodesic.accelerator(
             theta, outputs_at, lambda centre: self._loss.hessian(centre, batch.targets), vjp,
             self._comm.shares, lin.sample_space.size if samples else theta.numel(),
@@ -747,36 +713,12 @@ class SGN(torch.optim.Optimizer):
         )
 
     # --- helpers -----------------------------------------------------------------------------
-    def _warn_unfrozen(self) -> None:
-        """Warns once about parameters made trainable after construction: SGN's parameter
-        vector was fixed then, and they stay where they are."""
-        names = [] if getattr(self, "_unfrozen_warned", False) else self._fmodel.unfrozen()
-        if names:
-            self._unfrozen_warned = True
-            warn(
-                f"parameter(s) {', '.join(names[:5])}{' ...' if len(names) > 5 else ''} became "
-                "trainable after SGN was built; SGN trains the parameters that were trainable "
-                "then, so these keep their values. Build a new SGN to train them"
-            )
-
     def _step_engine(self, t: int):
         """The engine for step ``t``: the curvature subset is drawn from a generator seeded
         with ``t``, so a resumed run, or a step retried after a failure, draws the same one."""
         if self._curvature_fraction < 1:
             return curvature_subset(self._engine, self._loss, self._curvature_fraction, seed=t)
         return self._engine
-
-    def _vjp_at(self, theta: Tensor, batch: Batch) -> Callable[[Tensor], Tensor]:
-        """``u -> J^T u`` at ``theta`` by a forward and a backward pass, for engines that keep
-        no graph."""
-
-        def vjp(u: Tensor) -> Tensor:
-            leaf = theta.detach().requires_grad_(True)
-            with torch.enable_grad():
-                (jtu,) = torch.autograd.grad(self._fmodel(leaf, batch.inputs), leaf, u)
-            return jtu
-
-        return vjp
 
     def _may_solve_through_outputs(self) -> bool:
         """Whether steps may go through the batch's outputs (the engine and the options allow
@@ -798,14 +740,8 @@ class SGN(torch.optim.Optimizer):
         least-squares problem of residuals (:class:`torch_sgn.pinn.Residuals`, whose points
         may be drawn anew), or this step's inputs are the previous step's tensors, unchanged
         (a full-batch fit). ``solver="auto"`` then takes exact steps at once."""
-        # The same tensor objects (weak references: a new batch in the freed memory of the last
-        # one is another batch), not written in place since.
-        last = self._last_inputs
-        same = len(last) == len(batch.args) and all(
-            ref() is x and version == x._version for (ref, version), x in zip(last, batch.args)
-        )
-        self._last_inputs = tuple((weakref.ref(x), x._version) for x in batch.args)
-        return same or hasattr(self._fmodel.model, "jacobian_blocks")
+        repeated = self._last_inputs.repeated(batch.args)
+        return repeated or hasattr(self._fmodel.model, "jacobian_blocks")
 
     def _jacobian_applies(self, lin: Linearization, theta: Tensor, batch: Batch) -> bool:
         """Whether this step's exact solves form ``J`` row by row
@@ -846,11 +782,6 @@ class SGN(torch.optim.Optimizer):
             return value + weight_penalty(flat, weight_decay) if weight_decay else value
 
         return self._comm.loss_value(value)
-
-    def _write_grad(self, grad: Tensor) -> None:
-        fm = self._fmodel
-        for p, g, shape in zip(fm.params, grad.split(fm.numels), fm.shapes):
-            p.grad = g.view(shape).clone()
 
     def _log(self, t: int, info: StepInfo) -> None:
         uphill = ""

@@ -8,12 +8,13 @@ every engine of :mod:`torch_sgn.engines.selection` evaluates the model through i
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager, nullcontext
-from typing import ContextManager, FrozenSet, Iterator, Optional, Tuple
+from typing import Callable, ContextManager, FrozenSet, Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from ..diagnostics import warn
 from ..linearization import Inputs
 from .attributes import changed_attributes, model_attributes
 from .composites import Composites, composite_modules, scripted_stop
@@ -197,6 +198,35 @@ class FunctionalModel:
         """Copies ``flat`` into the model's parameters."""
         for p, chunk in zip(self.params, flat.split(self.numels)):
             p.copy_(chunk.view(p.shape))
+
+    def write_grad(self, grad: Tensor) -> None:
+        """Writes the flat ``grad`` into each trainable parameter's ``.grad``."""
+        for p, g, shape in zip(self.params, grad.split(self.numels), self.shapes):
+            p.grad = g.view(shape).clone()
+
+    def vjp_at(self, theta: Tensor, inputs: Inputs) -> Callable[[Tensor], Tensor]:
+        """``u -> J^T u`` of the outputs at ``theta`` by a forward and a backward pass each
+        (for engines that keep no graph)."""
+
+        def vjp(u: Tensor) -> Tensor:
+            leaf = theta.detach().requires_grad_(True)
+            with torch.enable_grad():
+                (jtu,) = torch.autograd.grad(self(leaf, inputs), leaf, u)
+            return jtu
+
+        return vjp
+
+    def warn_unfrozen(self) -> None:
+        """Warns once about parameters made trainable after construction: the parameter vector
+        was fixed then, and they stay where they are."""
+        names = [] if getattr(self, "_unfrozen_warned", False) else self.unfrozen()
+        if names:
+            self._unfrozen_warned = True
+            warn(
+                f"parameter(s) {', '.join(names[:5])}{' ...' if len(names) > 5 else ''} became "
+                "trainable after SGN was built; SGN trains the parameters that were trainable "
+                "then, so these keep their values. Build a new SGN to train them"
+            )
 
     @torch.no_grad()
     def write_buffers(self, buffers: dict[str, Tensor]) -> None:

@@ -25,6 +25,7 @@ data-parallel group decides alike on every rank: the losses compared are reduced
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
@@ -33,7 +34,9 @@ from torch import Tensor
 from .descents import CG
 from .state import StepState
 
-__all__ = ["KEYS", "MARGIN", "PROBE_EVERY", "STALL", "WINDOW", "Phase", "advance", "plan"]
+__all__ = [
+    "KEYS", "MARGIN", "PROBE_EVERY", "STALL", "WINDOW", "BatchMemory", "Phase", "advance", "plan",
+]  # fmt: skip
 
 #: Steps from one probe to the next (the first step probes).
 PROBE_EVERY = 10
@@ -124,3 +127,20 @@ def advance(
     if reason is not None:
         state = replace(state, exact=True, next_probe=None, candidate=None, recent=None)
     return state, reason
+
+
+class BatchMemory:
+    """Whether a step's inputs are the previous step's tensors, unchanged: the same objects
+    (weak references: a new batch in the freed memory of the last one is another batch), not
+    written in place since: a full-batch fit rather than a stream of mini-batches."""
+
+    def __init__(self) -> None:
+        self._last: tuple = ()
+
+    def repeated(self, args: tuple) -> bool:
+        last = self._last
+        same = len(last) == len(args) and all(
+            ref() is x and version == x._version for (ref, version), x in zip(last, args)
+        )
+        self._last = tuple((weakref.ref(x), x._version) for x in args)
+        return same

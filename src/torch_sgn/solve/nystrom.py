@@ -37,7 +37,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["NystromApproximation", "nystrom"]
+__all__ = ["NystromApproximation", "NystromCache", "nystrom"]
 
 #: Tries of the stabilizing shift, each ten times the last, before the Cholesky factor is given up.
 _SHIFT_TRIES = 6
@@ -177,6 +177,39 @@ def nystrom(
     u, sigma, _ = torch.linalg.svd(b, full_matrices=False)
     lam = torch.clamp(sigma.square() - nu, min=0.0)
     return NystromApproximation(u, lam, like.dtype)
+
+
+class NystromCache:
+    """The approximation CG steps share (``SGN(preconditioner="nystrom")``): the one built at
+    most ``every`` steps ago, else a new one of rank ``min(rank, P)`` from ``G v`` products at
+    the step's point and batch, its draws seeded with the step. Not saved: a loaded or copied
+    optimizer builds its own at its next step."""
+
+    def __init__(self) -> None:
+        self._built: Optional[tuple] = None  # (step built, approximation)
+
+    def reset(self) -> None:
+        self._built = None
+
+    def at(
+        self, matvec: Callable[[Tensor], Tensor], rhs: Tensor, t: int, rank: int, every: int
+    ) -> NystromApproximation:
+        built = self._built
+        if (
+            built is None
+            or not 0 <= t - built[0] < every
+            or built[1].eigenvectors.shape[0] != rhs.numel()  # the trainable set changed
+        ):
+            self._built = None  # its memory free before the new one is built
+            n = rhs.numel()
+            gen = torch.Generator(device=rhs.device).manual_seed(t)
+            # One product at a time: the engines' products are not all batchable by vmap,
+            # and a batch of ``rank`` products would hold ``rank`` times their memory.
+            built = self._built = (
+                t,
+                nystrom(matvec, n, min(rank, n), rhs, generator=gen, vmap=False),
+            )
+        return built[1]
 
 
 def _products(
