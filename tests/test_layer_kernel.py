@@ -56,10 +56,15 @@ def _gradient_and_two_outputs(net):
     }
 
 
+# Narrow layers take J's rows (sum_c Delta_c (x) A_c); wide ones the channel-pair kernel
+# sum_cc' (Delta_c Delta_c'^T) o (A_c A_c'^T): both are covered.
 CASES = {
     "poisson": (lambda: _mlp([2, 8, 6, 1]), _poisson),
     "heat": (lambda: _mlp([2, 7, 7, 1], act=nn.Softplus), _heat),
     "two-outputs": (lambda: _mlp([2, 6, 2]), _gradient_and_two_outputs),
+    "poisson-wide": (lambda: _mlp([2, 64, 64, 1]), _poisson),
+    "heat-wide": (lambda: _mlp([2, 40, 40, 1], act=nn.Softplus), _heat),
+    "two-outputs-wide": (lambda: _mlp([2, 48, 48, 2]), _gradient_and_two_outputs),
 }
 
 

@@ -153,17 +153,21 @@ class LayerFactors:
                         jq = jp if same and p == q else _rows(bj.deltas[layer][q], a_j)
                         out[:, p, :, q] += (jp @ jq.T).to(torch.float64)
                 continue
-            grams = {(c, d): a_i[c] @ a_j[d].T for c in range(ci) for d in range(cj)}
-            for p in range(bi.m):
-                for q in range(bj.m):
-                    d_i, d_j = bi.deltas[layer][p], bj.deltas[layer][q]
-                    acc = torch.zeros_like(grams[(0, 0)])
-                    for (c, d), aa in grams.items():
-                        if same and p == q and d < c:
-                            continue  # the transpose of (d, c), added below
-                        term = (d_i[c] @ d_j[d].T) * aa
-                        acc += term if not (same and p == q and d > c) else term + term.T
-                    out[:, p, :, q] += acc.to(torch.float64)
+            for c in range(ci):  # one n_i x n_j Gram of inputs at a time (memory O(n^2))
+                for d in range(cj):
+                    if same and d < c:
+                        continue  # with p == q below: the transpose of (d, c)
+                    aa = a_i[c] @ a_j[d].T
+                    for p in range(bi.m):
+                        for q in range(bj.m):
+                            if same and p == q:
+                                term = (bi.deltas[layer][p][c] @ bj.deltas[layer][q][d].T) * aa
+                                out[:, p, :, q] += term if d == c else term + term.T
+                            elif not (same and d < c):
+                                d_i, d_j = bi.deltas[layer][p], bj.deltas[layer][q]
+                                out[:, p, :, q] += (d_i[c] @ d_j[d].T) * aa
+                                if same and d > c:  # the (d, c) term skipped above
+                                    out[:, p, :, q] += (d_i[d] @ d_j[c].T) * (a_i[d] @ a_j[c].T)
         return out.reshape(bi.n * bi.m, bj.n * bj.m)
 
     def vjp(self, u: Tensor) -> Tensor:
