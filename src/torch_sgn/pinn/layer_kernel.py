@@ -44,6 +44,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -154,20 +155,15 @@ class LayerFactors:
                         out[:, p, :, q] += (jp @ jq.T).to(torch.float64)
                 continue
             for c in range(ci):  # one n_i x n_j Gram of inputs at a time (memory O(n^2))
-                for d in range(cj):
-                    if same and d < c:
-                        continue  # with p == q below: the transpose of (d, c)
+                for d in range(c if same else 0, cj):  # within a block, (d, c) with (c, d)
                     aa = a_i[c] @ a_j[d].T
                     for p in range(bi.m):
                         for q in range(bj.m):
-                            if same and p == q:
-                                term = (bi.deltas[layer][p][c] @ bj.deltas[layer][q][d].T) * aa
-                                out[:, p, :, q] += term if d == c else term + term.T
-                            elif not (same and d < c):
-                                d_i, d_j = bi.deltas[layer][p], bj.deltas[layer][q]
-                                out[:, p, :, q] += (d_i[c] @ d_j[d].T) * aa
-                                if same and d > c:  # the (d, c) term skipped above
-                                    out[:, p, :, q] += (d_i[d] @ d_j[c].T) * (a_i[d] @ a_j[c].T)
+                            d_i, d_j = bi.deltas[layer][p], bj.deltas[layer][q]
+                            term = (d_i[c] @ d_j[d].T) * aa
+                            if same and d > c:  # the (d, c) term: A_d A_c^T = aa^T
+                                term = term + (term.T if p == q else (d_i[d] @ d_j[c].T) * aa.T)
+                            out[:, p, :, q] += term
         return out.reshape(bi.n * bi.m, bj.n * bj.m)
 
     def vjp(self, u: Tensor) -> Tensor:
@@ -227,7 +223,7 @@ def layer_factors(
     """The factors of ``J`` for a :class:`~torch_sgn.pinn.Residuals` problem at ``flat``, or
     ``None`` where its parameters are not all weights and biases of linear layers applied as
     :func:`record` sees them (check the result with :func:`checked` before use)."""
-    offsets = dict(zip(fmodel.names, _cumulative(fmodel.numels)))
+    offsets = dict(zip(fmodel.names, accumulate(fmodel.numels, initial=0)))
     slots: Dict[nn.Linear, Tuple[Optional[int], Optional[int]]] = {}
     covered = 0
     for name, module in problem.named_modules():
@@ -273,9 +269,9 @@ def _factors(problem: nn.Module, fmodel, flat: Tensor, inputs, slots) -> Optiona
             deltas_by_component.append(grads)
         inputs_by_layer: Dict[nn.Linear, List[Tensor]] = {}
         deltas_by_layer: Dict[nn.Linear, List[List[Tensor]]] = {}
-        for i, use in enumerate(uses):
+        k = 0  # the index of the use's first output in ``outputs``
+        for use in uses:
             weight_slot, bias_slot = slots[use.layer]
-            k = sum(len(u.outputs) for u in uses[:i])
             for c, (a, z, biased) in enumerate(zip(use.inputs, use.outputs, use.biased)):
                 a3 = (a if a.dim() == 3 else a.unsqueeze(0)).detach().to(torch.float64)
                 if a3.shape[1] != n or a3.dim() != 3:
@@ -292,6 +288,7 @@ def _factors(problem: nn.Module, fmodel, flat: Tensor, inputs, slots) -> Optiona
                     g = torch.zeros_like(z) if g is None else g
                     g = g if g.dim() == 3 else g.unsqueeze(0)
                     per_component[p].append(g.to(torch.float64))
+            k += len(use.outputs)
         merged_inputs, merged_deltas = {}, {}
         for layer, chans in inputs_by_layer.items():
             a, ds = _merge(chans, deltas_by_layer[layer])
@@ -330,14 +327,6 @@ def _merge(inputs: List[Tensor], deltas: List[List[Tensor]]) -> Tuple[Tensor, Li
         out = d.new_zeros(len(keep), *d.shape[1:])
         merged.append(out.index_add_(0, index, d[used]) if used else out)
     return a[keep], merged
-
-
-def _cumulative(sizes: Sequence[int]) -> List[int]:
-    out, total = [], 0
-    for s in sizes:
-        out.append(total)
-        total += s
-    return out
 
 
 def checked(factors: LayerFactors, fmodel, flat: Tensor, problem: nn.Module, inputs) -> bool:
