@@ -339,6 +339,18 @@ def test_another_optimizers_state_dict_is_refused_at_load_time(other):
     opt.step(x, y)  # still SGN's own state
 
 
+def test_a_state_dict_lacking_an_option_is_refused_by_name():
+    """No option is filled in with a default: a state without one is not SGN's."""
+    model, opt, x, y = _trained()
+    state = copy.deepcopy(opt.state_dict())
+    del state["param_groups"][0]["weight_decay"]
+    snap = _snapshot(model, opt)
+    with pytest.raises(ValueError, match=r"not an SGN state_dict.*lacks SGN's options "
+                       r"\['weight_decay'\]\. It was saved"):  # fmt: skip
+        opt.load_state_dict(state)
+    _assert_unchanged(model, opt, snap)
+
+
 def test_a_state_dict_with_bad_values_is_refused_at_load_time():
     model, opt, x, y = _trained()
     state = copy.deepcopy(opt.state_dict())

@@ -216,17 +216,10 @@ def test_cg_steps_and_the_paper_take_no_acceleration(monkeypatch):
     assert not calls
 
 
-def test_geodesic_option_is_checked_and_old_state_dicts_load_without_it():
+def test_geodesic_option_is_checked():
     model, x, y = _near_fit(40)
     with pytest.raises(ValueError, match="geodesic_acceleration"):
         SGN(model, "mse", geodesic_acceleration="yes")
-    opt = SGN(model, "mse")
-    opt.step(x, y)
-    state = opt.state_dict()
-    del state["param_groups"][0]["geodesic_acceleration"]  # saved before the option existed
-    fresh = SGN(model, "mse")
-    fresh.load_state_dict(state)
-    assert fresh.param_groups[0]["geodesic_acceleration"] is False
 
 
 def test_the_default_accelerates_float64_models_only():

@@ -522,18 +522,6 @@ def test_schedulers_that_cycle_momentum_leave_the_gradient_averaging_alone():
     assert "momentum" not in opt.param_groups[0]
 
 
-def test_a_state_dict_saved_with_the_former_momentum_key_loads():
-    model, x, y = make_batch(MODELS[0], LOSSES[0])
-    opt = SGN(model, "mse", momentum=0.5)
-    opt.step(x, y)
-    state = copy.deepcopy(opt.state_dict())
-    state["param_groups"][0]["momentum"] = state["param_groups"][0].pop("gradient_averaging")
-    fresh = SGN(copy.deepcopy(model), "mse")
-    fresh.load_state_dict(state)
-    assert fresh.param_groups[0]["gradient_averaging"] == 0.5
-    assert "momentum" not in fresh.param_groups[0]
-
-
 def test_a_parameter_frozen_after_construction_keeps_its_value_and_the_rest_step_exactly():
     """The step is the damped Gauss-Newton step of the trainable block alone:
     -(G_tt + rho I)^-1 g_t, from the dense reference."""

@@ -481,7 +481,7 @@ def test_the_damping_floor_follows_the_solver():
     assert paper.param_groups[0]["damping_min"] == 1e-6 and paper._solver == "cg"
 
 
-def test_state_dict_round_trip_continues_bit_identically_and_old_choice_keys_load():
+def test_state_dict_round_trip_continues_bit_identically():
     model, x, y = make_batch(MODELS[1], LOSS["cross_entropy"], dtype=torch.float32)
     batches = [(x + 0.1 * k, y) for k in range(6)]
     opt = SGN(model, "cross_entropy", solver="direct")
@@ -493,7 +493,7 @@ def test_state_dict_round_trip_continues_bit_identically_and_old_choice_keys_loa
     resumed = MODELS[1].build()
     resumed.load_state_dict(saved_model)
     opt2 = SGN(resumed, "cross_entropy", solver="direct")
-    opt2.load_state_dict({**saved_opt, "solver_choice": "cg"})  # saved by earlier versions
+    opt2.load_state_dict(saved_opt)
     assert [opt2.step(*b) for b in batches[3:]] == reference
     for p, q in zip(model.parameters(), resumed.parameters()):
         assert torch.equal(p, q)

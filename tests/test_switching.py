@@ -137,16 +137,24 @@ def test_a_resumed_run_takes_the_same_steps_through_the_switch():
     torch.testing.assert_close(_flat(resumed), _flat(whole), rtol=0, atol=0)
 
 
-def test_a_state_saved_before_the_switching_goes_on_with_exact_steps():
+@pytest.mark.parametrize("solver", ["auto", "cg", "direct"])
+def test_a_loaded_state_is_the_state_saved(solver):
+    """Loading adds nothing: a state without the switching's keys (an explicit solver's) stays
+    without them, and ``solver="auto"`` loaded from it starts with its CG steps and a probe."""
     model, data = _regression()
-    opt = SGN(model, "mse", solver="direct")
+    opt = SGN(model, "mse", solver=solver)
     opt.step(*data[0])
-    saved = opt.state_dict()
-    for key in switching.KEYS:  # as saved when "auto" took exact steps from the first
-        saved["state"][0].pop(key, None)
-    fresh = SGN(model, "mse")
+    saved = copy.deepcopy(opt.state_dict())
+    assert (solver == "auto") == bool(set(switching.KEYS) & set(saved["state"][0]))
+    fresh = SGN(copy.deepcopy(model), "mse", solver=solver)
     fresh.load_state_dict(saved)
-    assert fresh.step(*data[1]).solver == "direct"
+    loaded = fresh.state_dict()["state"][0]
+    assert loaded.keys() == saved["state"][0].keys()
+    for key, value in saved["state"][0].items():
+        assert torch.equal(torch.as_tensor(loaded[key]), torch.as_tensor(value)), key
+    auto = SGN(copy.deepcopy(model), "mse")
+    auto.load_state_dict(saved)
+    assert auto.step(*data[1]).solver == ("cg" if solver != "auto" else opt.step(*data[1]).solver)
 
 
 @pytest.mark.parametrize("solver", ["cg", "direct"])

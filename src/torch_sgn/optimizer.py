@@ -394,18 +394,9 @@ class SGN(torch.optim.Optimizer):
 
     # --- state -------------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict) -> None:
-        """Loads SGN's state; another optimizer's ``state_dict`` raises ``ValueError`` here.
-        The ``"solver_choice"`` that earlier versions saved (a measured choice) is ignored; a
-        state saved after steps by a version whose ``solver="auto"`` took exact steps from the
-        first (without :mod:`~torch_sgn.solve.auto`'s keys) goes on with exact steps."""
-        loaded = {k: v for k, v in check_loaded_state(state_dict).items() if k != "solver_choice"}
-        key = loaded["param_groups"][0]["params"][0] if loaded["param_groups"][0]["params"] else 0
-        first = loaded.get("state", {}).get(key)
-        if first and first.get("step", 0) > 0 and not set(auto.KEYS) & set(first):
-            state = dict(loaded["state"])
-            state[key] = {**first, "exact": True}
-            loaded["state"] = state
-        super().load_state_dict(loaded)
+        """Loads SGN's state; another optimizer's ``state_dict`` raises ``ValueError`` here."""
+        check_loaded_state(state_dict)
+        super().load_state_dict(state_dict)
         self._nystrom.reset()  # built afresh at the next step that uses it
 
     def __getstate__(self) -> dict:

@@ -21,7 +21,6 @@ from .solve.direct import SOLVERS
 from .solve.quadratic import STEP_RULES
 
 __all__ = [
-    "ADDED_KEYS",
     "ARGUMENT_NAMES",
     "KEYS",
     "PAPER_OPTIONS",
@@ -43,21 +42,6 @@ KEYS = (
 
 #: The values of ``preconditioner``: none, the paper's diagonal, a randomized Nystrom one.
 PRECONDITIONERS = (False, True, "diagonal", "nystrom")
-
-#: Keys added after SGN's first release, with the values that behave as SGN did before them: a
-#: ``state_dict`` saved without them loads with these.
-ADDED_KEYS = {
-    "cg_rtol": 0.0,
-    "cg_progress_tol": 0.0,
-    "attempts": 1,
-    "damping_update": "threshold",
-    "geodesic_acceleration": False,
-    "preconditioner_rank": 100,
-    "preconditioner_every": 10,
-    "reject_uphill": False,
-    "weight_decay": 0.0,
-    "step_rule": "lr",
-}
 
 #: The constructor's argument for each group key named otherwise.
 ARGUMENT_NAMES = {"gradient_averaging": "momentum"}
@@ -181,12 +165,11 @@ def check_options(group: Mapping, in_step: bool = False) -> None:
     need(lambda v: v in STEP_RULES, "step_rule", f"must be one of {STEP_RULES}")
 
 
-def check_loaded_state(state_dict: Mapping) -> dict:
+def check_loaded_state(state_dict: Mapping) -> None:
     """``state_dict`` checked as SGN's before :meth:`torch.optim.Optimizer.load_state_dict`.
 
-    Returns a copy whose group uses the current key names (a ``state_dict`` saved before the
-    gradient averaging's key was renamed loads too). Raises ``ValueError`` for another
-    optimizer's ``state_dict``, at load time rather than at the next step.
+    Raises ``ValueError`` for another optimizer's ``state_dict`` (or one whose values SGN
+    refuses), at load time rather than at the next step.
     """
     groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
     if not isinstance(groups, (list, tuple)) or len(groups) != 1:
@@ -195,11 +178,7 @@ def check_loaded_state(state_dict: Mapping) -> dict:
             f"this is not an SGN state_dict: it has {count} parameter groups where SGN has one; "
             "load it into the optimizer that saved it"
         )
-    group = dict(groups[0])
-    if "momentum" in group and "gradient_averaging" not in group and "trust_region" in group:
-        group["gradient_averaging"] = group.pop("momentum")  # saved under the former key
-    if "trust_region" in group:  # saved before these options existed: behave as then
-        group = {**ADDED_KEYS, **group}
+    group = groups[0]
     missing = sorted(set(KEYS) - set(group))
     if missing:
         # torch adds options of its own to every group (differentiable, foreach, ...)
@@ -218,7 +197,6 @@ def check_loaded_state(state_dict: Mapping) -> dict:
             "saved it"
         )
     check_options(group)
-    return {**state_dict, "param_groups": [group]}
 
 
 def check_arguments(
