@@ -9,9 +9,12 @@ before the change, again after it, and compare (from the repository root, CPU)::
     PYTHONPATH=src python scripts/step_equivalence.py compare /tmp/before.pt /tmp/after.pt
 
 Each case runs ~20 steps and keeps the parameters after every step, each step's
-:class:`~torch_sgn.StepInfo` (read by attribute, so that renamed fields with aliases compare)
-and the optimizer's final ``state_dict``. ``compare`` checks tensors with ``torch.equal`` and
-numbers with ``==`` (NaN equal to NaN) and exits 1 on the first difference of each case.
+:class:`~torch_sgn.StepInfo` fields :data:`INFO_FIELDS` and the optimizer's final
+``state_dict``. ``compare`` checks tensors with ``torch.equal`` and numbers with ``==`` (NaN
+equal to NaN), reports the first difference of each case and exits 1 if there is one. It
+compares the fields both records have: a ``StepInfo`` field, an option of the parameter group
+or a key of the optimizer's state that only one record has (a record made before the field or
+option existed) is named in the report, not counted as a difference.
 The cases cover the Boston MLP of :mod:`torch_sgn.experiments`, a CNN, a traced
 non-``Sequential`` model, the solvers ``"cg"``, ``"direct"`` (through ``G`` and through the
 batch's outputs) and ``"auto"`` (its probes and switch), geodesic acceleration on and off,
@@ -25,7 +28,7 @@ import argparse
 import copy
 import math
 import sys
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Mapping
 
 import torch
 from torch import nn
@@ -36,10 +39,12 @@ from torch_sgn.experiments.models import mlp
 
 STEPS = 20
 INFO_FIELDS = (
-    "loss", "loss_after", "grad_norm", "cg_iters", "cg_residual", "cg_stop", "damping",
+    "loss", "loss_after", "grad_norm", "iterations", "residual", "stop_reason", "damping",
     "next_damping", "step_size", "tr_ratio", "predicted_change", "loss_evals", "line_search_ok",
-    "attempts", "solver", "accelerated",
+    "attempts", "solver", "accelerated", "taken", "uphill_resolves", "penalty",
 )  # fmt: skip
+#: The fields that records made before their renaming keep under the former names.
+RENAMED = {"cg_iters": "iterations", "cg_residual": "residual", "cg_stop": "stop_reason"}
 
 
 class _Residual(nn.Module):
@@ -221,7 +226,7 @@ def run(case: dict) -> dict:
 
 
 def record(path: str, only: List[str]) -> None:
-    torch.set_num_threads(1)
+    """Runs the cases (those named in ``only``, else all) and saves their records at ``path``."""
     out = {}
     for name, case in cases().items():
         if only and name not in only:
@@ -250,26 +255,73 @@ def _same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
+class _Comparison:
+    """The differences of one case's two records, in the fields both have, and the fields
+    (``"info taken"``, ``"option reject_uphill"``, ``"state exact"``) that only one has."""
+
+    def __init__(self) -> None:
+        self.differs: List[str] = []
+        self.only: Dict[str, set] = {"before": set(), "after": set()}
+
+    def values(self, where: str, a, b) -> None:
+        if not _same(a, b):
+            self.differs.append(where)
+
+    def fields(self, kind: str, where: str, a: Mapping, b: Mapping) -> None:
+        self.only["before"].update(f"{kind} {k}" for k in a if k not in b)
+        self.only["after"].update(f"{kind} {k}" for k in b if k not in a)
+        for k in a:
+            if k in b:
+                self.values(f"{where} {kind} {k}", a[k], b[k])
+
+
+def _infos(info: Mapping) -> dict:
+    return {RENAMED.get(k, k): v for k, v in info.items()}
+
+
+def compare_case(x: dict, y: dict) -> _Comparison:
+    """``x`` (before) and ``y`` (after), one case's records, compared."""
+    c = _Comparison()
+    c.values("number of steps", len(x["params"]), len(y["params"]))
+    for t, (pa, pb, ia, ib) in enumerate(zip(x["params"], y["params"], x["infos"], y["infos"])):
+        c.values(f"step {t} params", pa, pb)
+        c.fields("info", f"step {t}", _infos(ia), _infos(ib))
+    ga, gb = x["state"]["param_groups"], y["state"]["param_groups"]
+    c.values("final state_dict: number of parameter groups", len(ga), len(gb))
+    for a, b in zip(ga, gb):
+        c.fields("option", "final state_dict", a, b)
+    sa, sb = x["state"]["state"], y["state"]["state"]
+    c.values("final state_dict: parameters with state", sorted(sa), sorted(sb))
+    for i in sorted(sa.keys() & sb.keys()):
+        c.fields("state", f"final state_dict parameter {i}", sa[i], sb[i])
+    return c
+
+
 def compare(before: str, after: str) -> int:
+    """Prints each common case's verdict and the fields only one record has; 1 where a case
+    differs or only one record has it, else 0."""
     a, b = torch.load(before, weights_only=False), torch.load(after, weights_only=False)
-    failed = 0
-    if a.keys() != b.keys():
-        print(f"different cases: {sorted(a.keys() ^ b.keys())}")
-        failed += 1
-    for name in sorted(a.keys() & b.keys()):
-        x, y = a[name], b[name]
-        bad = [
-            f"step {t} {part}"
-            for t in range(STEPS)
-            for part in ("params", "infos")
-            if not _same(x[part][t], y[part][t])
-        ]
-        if not _same(x["state"], y["state"]):
-            bad.append("final state_dict")
-        print(f"{name}: {'identical' if not bad else 'DIFFERS at ' + bad[0]}")
-        failed += bool(bad)
-    print(f"{len(a.keys() & b.keys()) - failed} of {len(a)} cases bit for bit identical")
-    return 1 if failed else 0
+    for side, names in (("before", a.keys() - b.keys()), ("after", b.keys() - a.keys())):
+        if names:
+            print(f"cases only in {side}: {sorted(names)}")
+    only: Dict[str, set] = {"before": set(), "after": set()}
+    common = sorted(a.keys() & b.keys())
+    differing = 0
+    for name in common:
+        c = compare_case(a[name], b[name])
+        for side in only:
+            only[side] |= c.only[side]
+        if c.differs:
+            more = f" (and {len(c.differs) - 1} more)" if len(c.differs) > 1 else ""
+            print(f"{name}: DIFFERS at {c.differs[0]}{more}")
+            differing += 1
+        else:
+            print(f"{name}: identical")
+    for side, fields in only.items():
+        if fields:
+            print(f"fields only in {side} (not compared): {', '.join(sorted(fields))}")
+    print(f"{len(common) - differing} of {len(common)} common cases bit for bit identical")
+    return 1 if differing or a.keys() != b.keys() else 0
 
 
 def main() -> int:
@@ -282,6 +334,7 @@ def main() -> int:
     cmp.add_argument("before")
     cmp.add_argument("after")
     args = parser.parse_args()
+    torch.set_num_threads(1)
     if args.command == "record":
         record(args.path, args.only)
         return 0
