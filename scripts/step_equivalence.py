@@ -80,34 +80,38 @@ def _images(dtype):
     return list(zip(x, y))
 
 
-def _case(build, dtype, batches, loss, **options):
+def _mlp(*widths: int) -> Callable[[], nn.Module]:
+    """A builder of the Boston MLP with these hidden widths."""
+    return lambda: mlp(13, widths, 1)
+
+
+def _case(build, dtype, batches="boston", loss="mse", **options) -> dict:
+    """A case: the model's builder, its dtype, the batches (:func:`_batches`), the loss and
+    the options of :class:`SGN` (``paper=1``: :meth:`SGN.paper`; ``freeze=1``: the first
+    parameter frozen after construction)."""
     return dict(build=build, dtype=dtype, batches=batches, loss=loss, options=options)
 
 
 def cases() -> Dict[str, dict]:
     f32, f64 = torch.float32, torch.float64
+    images = dict(batches="images", loss="cross_entropy")
     return {
-        "boston_paper_cg": _case(lambda: mlp(13, (100, 100), 1), f32, "boston", "mse", paper=1),
-        "boston_auto": _case(lambda: mlp(13, (16,), 1), f32, "boston", "mse", cg_iters=2),
-        "linear_auto_switch": _case(
-            lambda: nn.Linear(13, 1), torch.float64, "boston", "mse", cg_iters=1
-        ),  # the probe's exact step wins: auto switches
-        "boston_auto_f64": _case(lambda: mlp(13, (12,), 1), f64, "boston", "mse"),
+        "boston_paper_cg": _case(_mlp(100, 100), f32, paper=1),
+        "boston_auto": _case(_mlp(16), f32, cg_iters=2),
+        # the probe's exact step wins: auto switches
+        "linear_auto_switch": _case(lambda: nn.Linear(13, 1), f64, cg_iters=1),
+        "boston_auto_f64": _case(_mlp(12), f64),
         "boston_direct_geodesic_nielsen": _case(
-            lambda: mlp(13, (16,), 1),
+            _mlp(16),
             f64,
-            "boston",
-            "mse",
             solver="direct",
             damping_update="nielsen",
             damping_min=1e-12,
             attempts=3,
-        ),  # fmt: skip
+        ),
         "boston_direct_no_geodesic_no_tr_no_ls": _case(
-            lambda: mlp(13, (16,), 1),
+            _mlp(16),
             f64,
-            "boston",
-            "mse",
             solver="direct",
             geodesic_acceleration=False,
             trust_region=False,
@@ -115,20 +119,13 @@ def cases() -> Dict[str, dict]:
             damping_schedule="linear",
             damping=1e-2,
             damping_min=1e-5,
-        ),  # fmt: skip
+        ),
         "boston_samples_route": _case(
-            lambda: mlp(13, (64,), 1),
-            f64,
-            "boston_small",
-            "mse",
-            solver="direct",
-            attempts=2,
-        ),  # fmt: skip
+            _mlp(64), f64, batches="boston_small", solver="direct", attempts=2
+        ),
         "boston_cg_momentum": _case(
-            lambda: mlp(13, (32,), 1),
+            _mlp(32),
             f32,
-            "boston",
-            "mse",
             solver="cg",
             momentum=0.9,
             warm_start=0.5,
@@ -137,58 +134,33 @@ def cases() -> Dict[str, dict]:
             warmup_steps=5,
             attempts=2,
             lr=0.5,
-        ),  # fmt: skip
+        ),
         "boston_cg_no_tr_cosine": _case(
-            lambda: mlp(13, (32,), 1),
+            _mlp(32),
             f32,
-            "boston",
-            "mse",
             solver="cg",
             trust_region=False,
             damping_schedule="cosine",
             line_search=False,
             cg_rtol=0.1,
-        ),  # fmt: skip
+        ),
         "boston_direct_momentum": _case(
-            lambda: mlp(13, (8,), 1),
-            f64,
-            "boston",
-            "mse",
-            solver="direct",
-            momentum=0.5,
-            warm_start=1.0,
-        ),  # fmt: skip
-        "boston_curvature_fraction": _case(
-            lambda: mlp(13, (16,), 1), f32, "boston", "mse", solver="cg", curvature_fraction=0.5
+            _mlp(8), f64, solver="direct", momentum=0.5, warm_start=1.0
         ),
-        "boston_one_batch_auto": _case(lambda: mlp(13, (8,), 1), f64, "boston_one", "mse"),
-        "cnn_cg": _case(_cnn, f32, "images", "cross_entropy", solver="cg", cg_iters=5),
-        "cnn_auto": _case(_cnn, f64, "images", "cross_entropy", attempts=2),
+        "boston_curvature_fraction": _case(_mlp(16), f32, solver="cg", curvature_fraction=0.5),
+        "boston_one_batch_auto": _case(_mlp(8), f64, batches="boston_one"),
+        "cnn_cg": _case(_cnn, f32, **images, solver="cg", cg_iters=5),
+        "cnn_auto": _case(_cnn, f64, **images, attempts=2),
         "cnn_direct_nielsen": _case(
-            _cnn,
-            f64,
-            "images",
-            "cross_entropy",
-            solver="direct",
-            damping_update="nielsen",
-            attempts=3,
-        ),  # fmt: skip
-        "traced_cg": _case(_Residual, f32, "boston", "mse", solver="cg", engine="traced"),
-        "traced_direct_geodesic": _case(_Residual, f64, "boston", "mse", solver="direct"),
-        "traced_auto": _case(_Residual, f64, "boston", "mse", cg_iters=1),
-        "frozen_direct": _case(
-            lambda: mlp(13, (8,), 1), f64, "boston", "mse", solver="direct", freeze=1
+            _cnn, f64, **images, solver="direct", damping_update="nielsen", attempts=3
         ),
+        "traced_cg": _case(_Residual, f32, solver="cg", engine="traced"),
+        "traced_direct_geodesic": _case(_Residual, f64, solver="direct"),
+        "traced_auto": _case(_Residual, f64, cg_iters=1),
+        "frozen_direct": _case(_mlp(8), f64, solver="direct", freeze=1),
         "frozen_cg_momentum": _case(
-            lambda: mlp(13, (8,), 1),
-            f32,
-            "boston",
-            "mse",
-            solver="cg",
-            momentum=0.9,
-            warm_start=0.5,
-            freeze=1,
-        ),  # fmt: skip
+            _mlp(8), f32, solver="cg", momentum=0.9, warm_start=0.5, freeze=1
+        ),
     }
 
 
