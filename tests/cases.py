@@ -6,9 +6,10 @@ the families with a loss of their own, its targets). ``MODELS`` is the core tabl
 (plain chains, taken by every engine), crossed with ``LOSSES`` by :func:`make_batch`; the other
 families (residual nets with batch norm, attention, recurrent nets, several inputs, shared and
 tied parameters) are drawn by :func:`make_model`. :func:`dense_ggn` (and :func:`dense_parts`,
-its factors) builds the reference by reverse mode through the model's own parameters and forward
-pass, one output element at a time: no ``torch.func``, no forward mode, parameters never
-swapped, so it holds for any model autograd can differentiate.
+its factors) builds ``J`` and ``g`` by reverse mode through the model's own parameters and forward
+pass, one output element at a time: no forward mode, parameters never swapped (``torch.func``
+only for ``f``, the outputs at other points), so it holds for any model autograd can
+differentiate.
 """
 
 from __future__ import annotations
