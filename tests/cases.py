@@ -212,6 +212,54 @@ def _twice_in_sequential() -> nn.Module:
     return nn.Sequential(shared, nn.Tanh(), shared, nn.Tanh(), nn.Linear(4, 3))
 
 
+class Parametrized(nn.Module):
+    """Weight norm, an orthogonal weight, a channels-last convolution, spectral norm (in eval
+    mode: in training mode its power iteration runs under no_grad, see
+    test_any_model.NoGradGate)."""
+
+    def __init__(self):
+        super().__init__()
+        P = nn.utils.parametrizations
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.norm = P.weight_norm(nn.Linear(3 * 4 * 4, 6))
+        self.turn = P.orthogonal(nn.Linear(6, 6))
+        self.head = P.spectral_norm(nn.Linear(6, 3)).eval()
+
+    def forward(self, x):
+        h = torch.tanh(self.conv(x.contiguous(memory_format=torch.channels_last)))
+        return self.head(torch.tanh(self.turn(torch.tanh(self.norm(h.flatten(1))))))
+
+
+class Checkpointed(nn.Module):
+    """Activation checkpointing (non-reentrant): traced with the checkpointed function run
+    plainly."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.head = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        inner = lambda t: torch.tanh(self.a(t))  # noqa: E731
+        return self.head(torch.utils.checkpoint.checkpoint(inner, x, use_reentrant=False))
+
+
+class MobileBlock(nn.Module):
+    """A MobileNetV3 block: an expansion, a depthwise convolution, hard-swish, and a
+    squeeze-and-excitation gate through a hard sigmoid."""
+
+    def __init__(self):
+        super().__init__()
+        self.expand = nn.Conv2d(2, 6, 1)
+        self.depthwise = nn.Conv2d(6, 6, 3, padding=1, groups=6)
+        self.squeeze, self.excite = nn.Linear(6, 3), nn.Linear(3, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = F.hardswish(self.depthwise(F.hardswish(self.expand(x))))
+        gate = F.hardsigmoid(self.excite(F.relu(self.squeeze(h.mean((2, 3))))))
+        return self.head((h * gate[:, :, None, None]).mean((2, 3)))
+
+
 _SEQUENCES = normal(4, LENGTH, WIDTH)
 ZOO = {
     case.name: case
@@ -244,6 +292,10 @@ ZOO = {
         ModelCase("shared-module", SharedModule, normal(6, 4), normal(6, 3)),
         ModelCase("twice-in-sequential", _twice_in_sequential, normal(6, 4), normal(6, 3)),
         ModelCase("tied-weight", TiedWeight, classes(3, 6, 2), normal(6, 3)),
+        # parametrizations, activation checkpointing, a MobileNetV3 block
+        ModelCase("parametrized", Parametrized, normal(4, 2, 4, 4), normal(4, 3)),
+        ModelCase("checkpointed", Checkpointed, normal(5, 4), normal(5, 3)),
+        ModelCase("mobile-block", MobileBlock, normal(4, 2, 5, 5), normal(4, 3)),
     ]
 }
 MODELS = [ZOO["mlp"], ZOO["cnn"], ZOO["seq"]]
@@ -253,19 +305,23 @@ def _draw(maker, g: torch.Generator, dtype: torch.dtype):
     return tuple(m(g, dtype) for m in maker) if isinstance(maker, tuple) else maker(g, dtype)
 
 
-def _model_and_inputs(case: ModelCase, dtype, seed: int, mode: str):
-    """The model (built after ``torch.manual_seed(seed)``, in ``mode``), its inputs and the
+def _model_and_inputs(case: ModelCase, dtype, seed: int, mode: str | None):
+    """The model (built after ``torch.manual_seed(seed)``, put in ``mode``), its inputs and the
     generator, seeded with ``seed``, that drew them."""
-    if mode not in ("train", "eval"):
-        raise ValueError(f"invalid mode={mode!r}: 'train' or 'eval'")
+    if mode not in ("train", "eval", None):
+        raise ValueError(f"invalid mode={mode!r}: 'train', 'eval' or None (as built)")
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    model = case.build().to(dtype).train(mode == "train")
+    model = case.build().to(dtype)
+    if mode is not None:
+        model.train(mode == "train")
     return model, _draw(case.inputs, g, dtype), g
 
 
-def make_model(name: str, *, mode: str = "train", dtype=D, seed: int = 0):
-    """(model, inputs, targets, loss) of the zoo's family ``name``, drawn from ``seed``."""
+def make_model(name: str, *, mode: str | None = None, dtype=D, seed: int = 0):
+    """(model, inputs, targets, loss) of the zoo's family ``name``, drawn from ``seed``; the
+    model in ``mode`` ("train" or "eval"), or as built (in training mode, but where a model
+    sets a part of itself otherwise, as "parametrized" does)."""
     case = ZOO[name]
     if case.targets is None:
         raise ValueError(f"{name!r} draws its targets by a loss case: use make_batch")
@@ -323,7 +379,7 @@ LOSS = {case.name: case for case in LOSSES}
 def make_batch(model_case: ModelCase, loss_case: LossCase, dtype=D, seed=0):
     """(model, inputs, targets) of one cell of the core table: targets of the loss case's
     kind, shaped as the model's outputs."""
-    model, x, g = _model_and_inputs(model_case, dtype, seed, "train")
+    model, x, g = _model_and_inputs(model_case, dtype, seed, None)
     with torch.no_grad():
         out_shape = model(x).shape
     n, c = out_shape[0], out_shape[1]

@@ -306,62 +306,10 @@ def test_sgn_with_huber_decreases_the_loss_in_float32():
         start = loss(model(x), y).item()
 
 
-class Parametrized(nn.Module):
-    """Weight norm, an orthogonal weight, a channels-last convolution, spectral norm (in eval
-    mode: in training mode its power iteration runs under no_grad, see NoGradGate)."""
-
-    def __init__(self):
-        super().__init__()
-        P = nn.utils.parametrizations
-        self.conv = nn.Conv2d(2, 3, 3, padding=1)
-        self.norm = P.weight_norm(nn.Linear(3 * 4 * 4, 6))
-        self.turn = P.orthogonal(nn.Linear(6, 6))
-        self.head = P.spectral_norm(nn.Linear(6, 3)).eval()
-
-    def forward(self, x):
-        h = torch.tanh(self.conv(x.contiguous(memory_format=torch.channels_last)))
-        return self.head(torch.tanh(self.turn(torch.tanh(self.norm(h.flatten(1))))))
-
-
-class Checkpointed(nn.Module):
-    """Activation checkpointing (non-reentrant): traced with the checkpointed function run
-    plainly."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.head = nn.Linear(4, 6), nn.Linear(6, 3)
-
-    def forward(self, x):
-        inner = lambda t: torch.tanh(self.a(t))  # noqa: E731
-        return self.head(torch.utils.checkpoint.checkpoint(inner, x, use_reentrant=False))
-
-
-class MobileBlock(nn.Module):
-    """A MobileNetV3 block: an expansion, a depthwise convolution, hard-swish, and a
-    squeeze-and-excitation gate through a hard sigmoid."""
-
-    def __init__(self):
-        super().__init__()
-        self.expand = nn.Conv2d(2, 6, 1)
-        self.depthwise = nn.Conv2d(6, 6, 3, padding=1, groups=6)
-        self.squeeze, self.excite = nn.Linear(6, 3), nn.Linear(3, 6)
-        self.head = nn.Linear(6, 3)
-
-    def forward(self, x):
-        h = F.hardswish(self.depthwise(F.hardswish(self.expand(x))))
-        gate = F.hardsigmoid(self.excite(F.relu(self.squeeze(h.mean((2, 3))))))
-        return self.head((h * gate[:, :, None, None]).mean((2, 3)))
-
-
 @pytest.mark.parametrize("engine", ["auto", "traced", "functional"])
-@pytest.mark.parametrize(
-    "build,shape",
-    [(Parametrized, (4, 2, 4, 4)), (Checkpointed, (5, 4)), (MobileBlock, (4, 2, 5, 5))],
-)
-def test_parametrized_and_checkpointed_models_match_the_dense_reference(build, shape, engine):
-    torch.manual_seed(0)
-    model = build().double()
-    x, y = torch.randn(shape, dtype=torch.float64), torch.randn(shape[0], 3, dtype=torch.float64)
+@pytest.mark.parametrize("name", ["parametrized", "checkpointed", "mobile-block"])
+def test_parametrized_and_checkpointed_models_match_the_dense_reference(name, engine):
+    model, x, y, _ = make_model(name)
     G_ref, g_ref, _ = dense_ggn(model, "mse", x, y)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
