@@ -1,25 +1,58 @@
-"""One shared table of models x losses for the core tests, with independent dense references."""
+"""The shared test cases: one zoo of models with the batches they take, the losses of the core
+table, and one dense float64 reference of ``G = J^T H J`` and the gradient.
+
+The zoo maps a name to a :class:`ModelCase`: how to build the model and draw its inputs (and, for
+the families with a loss of their own, its targets). ``MODELS`` is the core table's model axis
+(plain chains, taken by every engine), crossed with ``LOSSES`` by :func:`make_batch`; the other
+families (residual nets with batch norm, attention, recurrent nets, several inputs, shared and
+tied parameters) are drawn by :func:`make_model`. :func:`dense_ggn` (and :func:`dense_parts`,
+its factors) builds ``J`` and ``g`` by reverse mode through the model's own parameters and forward
+pass, one output element at a time: no forward mode, parameters never swapped (``torch.func``
+only for ``f``, the outputs at other points), so it holds for any model autograd can
+differentiate.
+"""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.autograd.functional import hessian, jacobian
+from torch.autograd.functional import hessian
 from torch.func import functional_call
+
+D = torch.float64
+
+# A maker draws one tensor from a generator, in a floating dtype (index tensors ignore it).
+Maker = Callable[[torch.Generator, torch.dtype], Tensor]
+
+
+def normal(*shape: int) -> Maker:
+    return lambda g, dtype: torch.randn(shape, generator=g, dtype=dtype)
+
+
+def classes(count: int, *shape: int) -> Maker:
+    """Class indices (or tokens) in ``range(count)``."""
+    return lambda g, dtype: torch.randint(0, count, shape, generator=g)
 
 
 @dataclass(frozen=True)
 class ModelCase:
+    """One model of the zoo. ``inputs`` is a maker, or a tuple of makers for a model of several
+    inputs; ``targets`` is ``None`` for the core table's models (the loss case draws them),
+    else a maker, with ``loss`` the loss the family is tested with."""
+
     name: str
     build: Callable[[], nn.Module]
-    input_shape: tuple
-    output_kind: str  # "flat": (N, C); "seq": (N, C, L)
+    inputs: Union[Maker, tuple]
+    targets: Maker | None = None
+    loss: str = "mse"
 
 
+# --- the core table's models: chains of known layers -------------------------------------------
 def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
 
@@ -35,11 +68,265 @@ def _seq() -> nn.Module:
     return nn.Sequential(nn.Conv1d(2, 3, 2), nn.Sigmoid(), nn.Conv1d(3, 3, 1))
 
 
-MODELS = [
-    ModelCase("mlp", _mlp, (6, 4), "flat"),
-    ModelCase("cnn", _cnn, (5, 1, 8, 8), "flat"),
-    ModelCase("seq", _seq, (4, 2, 5), "seq"),
-]
+# --- small families that are not chains of known layers ----------------------------------------
+class ResidualBlock(nn.Module):
+    """Convolutions, batch norm, a skip connection, global pooling."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(3)
+        self.skip = nn.Conv2d(2, 3, 1)
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x):
+        h = F.relu(self.bn(self.conv(x)) + self.skip(x))
+        return self.head(h.mean((2, 3)))
+
+
+class TokenAttention(nn.Module):
+    """Embedding, pre-norm causal self-attention (scaled_dot_product_attention), LayerNorm."""
+
+    def __init__(self, vocab=5, width=4, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, width)
+        self.norm = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, vocab)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        n, length, width = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(n, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + a.transpose(1, 2).reshape(n, length, width)
+        return self.out(x).transpose(1, 2)  # (N, classes, L) for cross-entropy per position
+
+
+class MaskedMultihead(nn.Module):
+    """nn.MultiheadAttention with an explicit causal mask, dropout and a GELU MLP."""
+
+    def __init__(self, width=4):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(width, 2, dropout=0.2, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(width, 6), nn.GELU(), nn.Dropout(0.3), nn.Linear(6, 2))
+
+    def forward(self, x):
+        length = x.shape[1]
+        mask = torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)
+        a, _ = self.attn(x, x, x, attn_mask=mask, need_weights=False)
+        return self.mlp(x + a)
+
+
+LENGTH, WIDTH = 5, 8  # sequence length and width of the larger sequence models
+
+
+class Recurrent(nn.Module):
+    """A recurrent layer read at the last time step, and a linear head."""
+
+    def __init__(self, cell, width=WIDTH, hidden=6, outputs=3, **options):
+        super().__init__()
+        self.rnn = cell(width, hidden, batch_first=True, **options)
+        self.head = nn.Linear(hidden * (2 if options.get("bidirectional") else 1), outputs)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+class TwoInputs(nn.Module):
+    """A custom forward with two inputs and a frozen parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 4)
+        self.b = nn.Linear(2, 4)
+        self.scale = nn.Parameter(torch.tensor(1.5), requires_grad=False)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x, z):
+        return self.head(torch.tanh(self.a(x)) * self.b(z).sigmoid() * self.scale)
+
+
+def _encoder_layer() -> nn.Module:
+    layer = nn.TransformerEncoderLayer(4, 2, dim_feedforward=6, dropout=0.0, batch_first=True)
+    return nn.Sequential(layer, nn.Flatten(), nn.Linear(12, 2))
+
+
+class CausalEncoder(nn.Module):
+    """A causal transformer encoder layer (its attention goes through the fused kernels)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(WIDTH, 2, 16, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(WIDTH, 3)
+
+    def forward(self, x):
+        mask = nn.Transformer.generate_square_subsequent_mask(LENGTH, dtype=x.dtype)
+        return self.head(self.layer(x, src_mask=mask, is_causal=True)).mean(1)
+
+
+class CausalAttention(nn.Module):
+    """Multi-head causal self-attention by ``F.scaled_dot_product_attention``."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
+        self.head = nn.Linear(WIDTH, 3)
+
+    def forward(self, x):
+        heads = (t.unflatten(-1, (2, WIDTH // 2)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        a = F.scaled_dot_product_attention(*heads, is_causal=True)
+        return self.head(torch.tanh(a.transpose(1, 2).flatten(2))).mean(1)
+
+
+class SharedModule(nn.Module):
+    """One module under two names, applied twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = self.a
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+class TiedWeight(nn.Module):
+    """An embedding tied to the output layer, as in language models."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(3, 4)
+        self.hidden = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 3)
+        self.out.weight = self.embed.weight  # both (3, 4)
+
+    def forward(self, tokens):
+        return self.out(torch.tanh(self.hidden(self.embed(tokens)))).mean(1)
+
+
+def _twice_in_sequential() -> nn.Module:
+    shared = nn.Linear(4, 4)
+    return nn.Sequential(shared, nn.Tanh(), shared, nn.Tanh(), nn.Linear(4, 3))
+
+
+class Parametrized(nn.Module):
+    """Weight norm, an orthogonal weight, a channels-last convolution, spectral norm (in eval
+    mode: in training mode its power iteration runs under no_grad, see
+    test_any_model.NoGradGate)."""
+
+    def __init__(self):
+        super().__init__()
+        P = nn.utils.parametrizations
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.norm = P.weight_norm(nn.Linear(3 * 4 * 4, 6))
+        self.turn = P.orthogonal(nn.Linear(6, 6))
+        self.head = P.spectral_norm(nn.Linear(6, 3)).eval()
+
+    def forward(self, x):
+        h = torch.tanh(self.conv(x.contiguous(memory_format=torch.channels_last)))
+        return self.head(torch.tanh(self.turn(torch.tanh(self.norm(h.flatten(1))))))
+
+
+class Checkpointed(nn.Module):
+    """Activation checkpointing (non-reentrant): traced with the checkpointed function run
+    plainly."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.head = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        inner = lambda t: torch.tanh(self.a(t))  # noqa: E731
+        return self.head(torch.utils.checkpoint.checkpoint(inner, x, use_reentrant=False))
+
+
+class MobileBlock(nn.Module):
+    """A MobileNetV3 block: an expansion, a depthwise convolution, hard-swish, and a
+    squeeze-and-excitation gate through a hard sigmoid."""
+
+    def __init__(self):
+        super().__init__()
+        self.expand = nn.Conv2d(2, 6, 1)
+        self.depthwise = nn.Conv2d(6, 6, 3, padding=1, groups=6)
+        self.squeeze, self.excite = nn.Linear(6, 3), nn.Linear(3, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = F.hardswish(self.depthwise(F.hardswish(self.expand(x))))
+        gate = F.hardsigmoid(self.excite(F.relu(self.squeeze(h.mean((2, 3))))))
+        return self.head((h * gate[:, :, None, None]).mean((2, 3)))
+
+
+_SEQUENCES = normal(4, LENGTH, WIDTH)
+ZOO = {
+    case.name: case
+    for case in [
+        # the core table
+        ModelCase("mlp", _mlp, normal(6, 4)),
+        ModelCase("cnn", _cnn, normal(5, 1, 8, 8)),
+        ModelCase("seq", _seq, normal(4, 2, 5)),
+        # small enough for a dense G by one product per parameter
+        ModelCase("resnet-bn", ResidualBlock, normal(6, 2, 4, 4), classes(3, 6), "cross_entropy"),
+        ModelCase("attention", TokenAttention, classes(5, 3, 4), classes(5, 3, 4), "cross_entropy"),
+        ModelCase("mha-mask", MaskedMultihead, normal(2, 3, 4), normal(2, 3, 2)),
+        ModelCase("lstm-small", lambda: Recurrent(nn.LSTM, 3, 4, 2), normal(4, 3, 3), normal(4, 2)),
+        ModelCase("gru-small", lambda: Recurrent(nn.GRU, 3, 4, 2), normal(4, 3, 3), normal(4, 2)),
+        ModelCase(
+            "two-inputs", TwoInputs, (normal(5, 3), normal(5, 2)), classes(2, 5), "cross_entropy"
+        ),
+        ModelCase("encoder-layer", _encoder_layer, normal(3, 3, 4), normal(3, 2)),
+        # larger sequence models, and parameters reachable by several names
+        ModelCase("encoder", CausalEncoder, _SEQUENCES, normal(4, 3)),
+        ModelCase("sdpa", CausalAttention, _SEQUENCES, normal(4, 3)),
+        ModelCase("lstm", lambda: Recurrent(nn.LSTM), _SEQUENCES, normal(4, 3)),
+        ModelCase("gru", lambda: Recurrent(nn.GRU), _SEQUENCES, normal(4, 3)),
+        ModelCase(
+            "bilstm",
+            lambda: Recurrent(nn.LSTM, num_layers=2, bidirectional=True),
+            _SEQUENCES,
+            normal(4, 3),
+        ),
+        ModelCase("shared-module", SharedModule, normal(6, 4), normal(6, 3)),
+        ModelCase("twice-in-sequential", _twice_in_sequential, normal(6, 4), normal(6, 3)),
+        ModelCase("tied-weight", TiedWeight, classes(3, 6, 2), normal(6, 3)),
+        # parametrizations, activation checkpointing, a MobileNetV3 block
+        ModelCase("parametrized", Parametrized, normal(4, 2, 4, 4), normal(4, 3)),
+        ModelCase("checkpointed", Checkpointed, normal(5, 4), normal(5, 3)),
+        ModelCase("mobile-block", MobileBlock, normal(4, 2, 5, 5), normal(4, 3)),
+    ]
+}
+MODELS = [ZOO["mlp"], ZOO["cnn"], ZOO["seq"]]
+
+
+def _draw(maker, g: torch.Generator, dtype: torch.dtype):
+    return tuple(m(g, dtype) for m in maker) if isinstance(maker, tuple) else maker(g, dtype)
+
+
+def _model_and_inputs(case: ModelCase, dtype, seed: int, mode: str | None):
+    """The model (built after ``torch.manual_seed(seed)``, put in ``mode``), its inputs and the
+    generator, seeded with ``seed``, that drew them."""
+    if mode not in ("train", "eval", None):
+        raise ValueError(f"invalid mode={mode!r}: 'train', 'eval' or None (as built)")
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = case.build().to(dtype)
+    if mode is not None:
+        model.train(mode == "train")
+    return model, _draw(case.inputs, g, dtype), g
+
+
+def make_model(name: str, *, mode: str | None = None, dtype=D, seed: int = 0):
+    """(model, inputs, targets, loss) of the zoo's family ``name``, drawn from ``seed``; the
+    model in ``mode`` ("train" or "eval"), or as built (in training mode, but where a model
+    sets a part of itself otherwise, as "parametrized" does)."""
+    case = ZOO[name]
+    if case.targets is None:
+        raise ValueError(f"{name!r} draws its targets by a loss case: use make_batch")
+    model, x, g = _model_and_inputs(case, dtype, seed, mode)
+    return model, x, case.targets(g, dtype), case.loss
 
 
 def _log_cosh(outputs: Tensor, targets: Tensor) -> Tensor:
@@ -89,11 +376,10 @@ LOSSES = [
 LOSS = {case.name: case for case in LOSSES}
 
 
-def make_batch(model_case: ModelCase, loss_case: LossCase, dtype=torch.float64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    model = model_case.build().to(dtype)
-    x = torch.randn(model_case.input_shape, generator=g, dtype=dtype)
+def make_batch(model_case: ModelCase, loss_case: LossCase, dtype=D, seed=0):
+    """(model, inputs, targets) of one cell of the core table: targets of the loss case's
+    kind, shaped as the model's outputs."""
+    model, x, g = _model_and_inputs(model_case, dtype, seed, None)
     with torch.no_grad():
         out_shape = model(x).shape
     n, c = out_shape[0], out_shape[1]
@@ -123,52 +409,90 @@ def loss_fn(loss) -> Callable[[Tensor, Tensor], Tensor]:
     return loss
 
 
-def dense_ggn(model: nn.Module, loss, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(G, g, theta) built from full Jacobians and the output-space Hessian by autograd."""
-    _, J, H, g, theta = dense_parts(model, loss, x, y)
-    return J.T @ H @ J, g, theta
+# --- the dense reference -----------------------------------------------------------------------
+@contextlib.contextmanager
+def _random_numbers(seed: int | None):
+    """With ``seed``, random numbers (dropout) drawn from ``torch.manual_seed(seed)`` and the
+    global random state left as it was; without, drawn as they come."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
 
 
-def dense_parts(model: nn.Module, loss, x: Tensor, y: Tensor):
-    """(f, J, H, g, theta) by autograd over the trainable parameters: the outputs as a function
-    ``f`` of the flat parameters, its Jacobian, the loss's output-space Hessian, the gradient
-    and the point."""
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    params = [p.detach() for n, p in model.named_parameters() if p.requires_grad]
-    theta = torch.cat([p.reshape(-1) for p in params])
-    sizes = [p.numel() for p in params]
+@contextlib.contextmanager
+def _one_pass(model: nn.Module, seed: int | None):
+    """One forward pass and its derivatives: the buffers it writes (batch norm's running
+    statistics) are put back afterwards, so that each pass starts from the model's own, as the
+    one forward pass of a step does."""
+    saved = {n: b.detach().clone() for n, b in model.named_buffers()}
+    try:
+        with _random_numbers(seed):
+            yield
+    finally:
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                if n in saved and not torch.equal(b, saved[n]):
+                    b.copy_(saved[n])
+
+
+def _flat_grad(output: Tensor, params: list, **options) -> Tensor:
+    """d output / d params, flat; zeros for a parameter the output does not use, dense for a
+    sparse gradient (embeddings with ``sparse=True``)."""
+    grads = torch.autograd.grad(output, params, allow_unused=True, **options)
+    return torch.cat(
+        [
+            (torch.zeros_like(p) if t is None else t.to_dense() if t.is_sparse else t).reshape(-1)
+            for t, p in zip(grads, params)
+        ]
+    )
+
+
+def dense_parts(model: nn.Module, loss, inputs, targets: Tensor, *, seed: int | None = None):
+    """(f, J, H, g, theta) at the model's trainable parameters ``theta``: the Jacobian ``J`` of
+    the outputs, one reverse-mode pass per output element through the model's own parameters
+    (each tensor once, shared modules and tied weights included), the loss's output-space
+    Hessian ``H``, the gradient ``g``, and the outputs as a function ``f`` of flat parameters
+    (by ``functional_call``, for evaluations elsewhere).
+
+    ``inputs`` is a tensor or a tuple of the model's arguments. Every pass starts from the
+    model's buffers (:func:`_one_pass`); with ``seed`` each one draws its random numbers
+    (dropout) from ``torch.manual_seed(seed)``, so that all see the same masks.
+    """
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    fn = loss_fn(loss)
+    params = [p for p in model.parameters() if p.requires_grad]  # each tensor once
+    with _one_pass(model, seed):
+        out = model(*args)
+        J = torch.stack([_flat_grad(o, params, retain_graph=True) for o in out.reshape(-1)])
+    with _one_pass(model, seed):
+        g = _flat_grad(fn(model(*args), targets), params)
+    H = hessian(lambda z: fn(z.view(out.shape), targets), out.detach().reshape(-1))
+    theta = torch.cat([p.detach().reshape(-1) for p in params])  # after the passes (max_norm)
+    return _outputs_of_flat(model, args, seed), J, H, g, theta
+
+
+def _outputs_of_flat(model: nn.Module, args: tuple, seed: int | None):
+    names = [n for n, p in model.named_parameters() if p.requires_grad]  # as parameters()
+    shapes = [p.shape for n, p in model.named_parameters() if p.requires_grad]
+    buffers = {n: b.detach() for n, b in model.named_buffers()}
 
     def f(flat: Tensor) -> Tensor:
-        chunks = [c.view(p.shape) for c, p in zip(flat.split(sizes), params)]
-        return functional_call(model, dict(zip(names, chunks)), (x,))
+        tensors = {n: b.clone() for n, b in buffers.items()}  # fresh, as in one pass
+        chunks = flat.split([s.numel() for s in shapes])
+        tensors.update({n: c.view(s) for n, c, s in zip(names, chunks, shapes)})
+        with _random_numbers(seed):
+            return functional_call(model, tensors, args)
 
-    out = f(theta)
-    fn = loss_fn(loss)
-    J = jacobian(f, theta).reshape(out.numel(), -1)
-    H = hessian(lambda z: fn(z.view(out.shape), y), out.detach().reshape(-1))
-    g = torch.func.grad(lambda t: fn(f(t), y))(theta)
-    return f, J, H, g, theta
+    return f
 
 
-def dense_ggn_of_module(model: nn.Module, loss, x, y: Tensor) -> tuple[Tensor, Tensor]:
-    """(G, g) through the model's own parameters: one reverse-mode pass per output element
-    (no ``torch.func``, no forward mode, parameters never swapped), so it holds for any model
-    autograd can differentiate, shared modules and tied weights included."""
-    params = [p for p in model.parameters() if p.requires_grad]  # each tensor once
-    out = model(x)
-
-    def dense(g, p):  # no gradient, or a sparse one (embeddings with sparse=True)
-        return torch.zeros_like(p) if g is None else g.to_dense() if g.is_sparse else g
-
-    rows = []
-    for o in out.reshape(-1):
-        grads = torch.autograd.grad(o, params, retain_graph=True, allow_unused=True)
-        rows.append(torch.cat([dense(g, p).reshape(-1) for g, p in zip(grads, params)]))
-    J = torch.stack(rows)
-    fn = loss_fn(loss)
-    H = hessian(lambda z: fn(z.view(out.shape), y), out.detach().reshape(-1))
-    g = torch.autograd.grad(fn(model(x), y), params, allow_unused=True)
-    return J.T @ H @ J, torch.cat([dense(t, p).reshape(-1) for t, p in zip(g, params)])
+def dense_ggn(model: nn.Module, loss, inputs, targets: Tensor, *, seed: int | None = None):
+    """(G, g, theta): ``G = J^T H J``, the gradient and the point, from :func:`dense_parts`."""
+    _, J, H, g, theta = dense_parts(model, loss, inputs, targets, seed=seed)
+    return J.T @ H @ J, g, theta
 
 
 class SineWithoutJvp(torch.autograd.Function):

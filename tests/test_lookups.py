@@ -1,9 +1,9 @@
 """Embedding lookups whose own kernels break a Gauss-Newton product (``padding_idx``,
 ``max_norm``, ``sparse``, ``scale_grad_by_freq``, ``nn.EmbeddingBag``): their composites
 against the modules themselves, and the products against a dense ``J^T H J`` built by reverse
-mode alone through the model's own parameters and forward pass
-(``cases.dense_ggn_of_module``), in float64; lookups outside ``nn.Embedding``'s own forward
-(a subclass, ``F.embedding`` in ``forward``)."""
+mode alone through the model's own parameters and forward pass (``cases.dense_ggn``), in
+float64; lookups outside ``nn.Embedding``'s own forward (a subclass, ``F.embedding`` in
+``forward``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cases import dense_ggn_of_module
+from cases import dense_ggn
 from torch_sgn import GGN, SGN
 from torch_sgn.engines.functional import FunctionalEngine
 from torch_sgn.engines.selection import select_engine
@@ -356,24 +356,13 @@ def _case(name, dtype=D):
     return model.to(dtype), x, torch.randn(n, 3, generator=g, dtype=dtype)
 
 
-class _Inputs(nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, inputs):
-        return self.model(*inputs)
-
-
 @pytest.mark.parametrize("engine", ["auto", "traced", "functional", "double-backward"])
 @pytest.mark.parametrize("name", CASES)
 def test_products_match_the_dense_reference(name, engine):
     model, x, y = _case(name)
     reference = copy.deepcopy(model)
     # the model's own forward passes (renormalising the reference's rows, as in training)
-    G_ref, g_ref = dense_ggn_of_module(
-        _Inputs(reference) if isinstance(x, tuple) else reference, "mse", x, y
-    )
+    G_ref, g_ref, _ = dense_ggn(reference, "mse", x, y)
     weights = [p.detach().clone() for p in model.parameters()]
     V = torch.randn(len(g_ref), 3, generator=torch.Generator().manual_seed(7), dtype=D)
     if engine == "double-backward":
@@ -541,7 +530,7 @@ def test_scripted_submodules_give_exact_products(name, engine):
     x = torch.randint(0, 5, (6, 3), generator=g)
     x[:, -1] = 0  # the padding row in every sequence
     y = torch.randn(6, 3, generator=g, dtype=D)
-    G_ref, g_ref = dense_ggn_of_module(model, "mse", x, y)
+    G_ref, g_ref, _ = dense_ggn(model, "mse", x, y)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         G = GGN(model, "mse", x, y, engine=engine)
@@ -576,7 +565,7 @@ def test_scripted_modules_named_embedding_without_its_options_are_read_as_code(h
         embed = torch.jit.trace(nn.Embedding(5, 4, padding_idx=0).to(D), (x,))
     model = nn.Sequential(embed, nn.Flatten(), nn.Linear(12, 3)).to(D)
     y = torch.randn(6, 3, generator=torch.Generator().manual_seed(1), dtype=D)
-    G_ref, _ = dense_ggn_of_module(model, "mse", x, y)
+    G_ref, _, _ = dense_ggn(model, "mse", x, y)
     with pytest.warns(UserWarning, match="TorchScript module '0'.*double backward"):
         dense = GGN(model, "mse", x, y).to_dense()
     torch.testing.assert_close(dense, G_ref, rtol=1e-9, atol=1e-11)

@@ -7,10 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.functional import hessian, jacobian
-from torch.func import functional_call
 
-from cases import SineWithoutJvp
+from cases import Recurrent, SineWithoutJvp, dense_ggn, loss_fn, make_model
 from torch_sgn import GGN, SGN
 from torch_sgn.engines.layerwise.engine import LayerwiseEngine
 from torch_sgn.engines.selection import select_engine
@@ -23,143 +21,17 @@ from torch_sgn.model.flat_model import FunctionalModel
 D = torch.float64
 
 
-def dense_reference(model, loss_fn, inputs, targets, seed=None):
-    """(G, g) from full Jacobians and the output-space Hessian by autograd; every evaluation
-    works on fresh copies of the buffers, as one forward pass of the step does, and with
-    ``seed`` draws its random numbers (dropout) from ``torch.manual_seed(seed)``."""
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    params = [p.detach() for _, p in model.named_parameters() if p.requires_grad]
-    theta = torch.cat([p.reshape(-1) for p in params])
-    buffers = {n: b.detach() for n, b in model.named_buffers()}
-    args = inputs if isinstance(inputs, tuple) else (inputs,)
-
-    def f(flat):
-        tensors = {n: b.clone() for n, b in buffers.items()}
-        chunks = flat.split([p.numel() for p in params])
-        tensors.update({n: c.view(p.shape) for n, c, p in zip(names, chunks, params)})
-        if seed is None:
-            return functional_call(model, tensors, args)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            return functional_call(model, tensors, args)
-
-    out = f(theta)
-    J = jacobian(f, theta).reshape(out.numel(), -1)
-    H = hessian(lambda z: loss_fn(z.view(out.shape), targets), out.detach().reshape(-1))
-    g = jacobian(lambda t: loss_fn(f(t), targets), theta)
-    return J.T @ H @ J, g
-
-
-# --- the families ------------------------------------------------------------------------------
-class _Residual(nn.Module):
-    """Convolutions, batch norm, a skip connection, global pooling."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(2, 3, 3, padding=1, bias=False)
-        self.bn = nn.BatchNorm2d(3)
-        self.skip = nn.Conv2d(2, 3, 1)
-        self.head = nn.Linear(3, 3)
-
-    def forward(self, x):
-        h = F.relu(self.bn(self.conv(x)) + self.skip(x))
-        return self.head(h.mean((2, 3)))
-
-
-class _Attention(nn.Module):
-    """Embedding, pre-norm causal self-attention (scaled_dot_product_attention), LayerNorm."""
-
-    def __init__(self, vocab=5, width=4, heads=2):
-        super().__init__()
-        self.heads = heads
-        self.embed = nn.Embedding(vocab, width)
-        self.norm = nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
-        self.out = nn.Linear(width, vocab)
-
-    def forward(self, idx):
-        x = self.embed(idx)
-        n, length, width = x.shape
-        q, k, v = self.qkv(self.norm(x)).view(n, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + a.transpose(1, 2).reshape(n, length, width)
-        return self.out(x).transpose(1, 2)  # (N, classes, L) for cross-entropy per position
-
-
-class _MultiheadMask(nn.Module):
-    """nn.MultiheadAttention with an explicit causal mask, dropout and a GELU MLP."""
-
-    def __init__(self, width=4):
-        super().__init__()
-        self.attn = nn.MultiheadAttention(width, 2, dropout=0.2, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(width, 6), nn.GELU(), nn.Dropout(0.3), nn.Linear(6, 2))
-
-    def forward(self, x):
-        length = x.shape[1]
-        mask = torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)
-        a, _ = self.attn(x, x, x, attn_mask=mask, need_weights=False)
-        return self.mlp(x + a)
-
-
-class _Recurrent(nn.Module):
-    def __init__(self, cell):
-        super().__init__()
-        self.rnn = cell(3, 4, batch_first=True)
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, x):
-        return self.head(self.rnn(x)[0][:, -1])
-
-
-class _TwoInputs(nn.Module):
-    """A custom forward with two inputs and a frozen parameter."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(3, 4)
-        self.b = nn.Linear(2, 4)
-        self.scale = nn.Parameter(torch.tensor(1.5), requires_grad=False)
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, x, z):
-        return self.head(torch.tanh(self.a(x)) * self.b(z).sigmoid() * self.scale)
-
-
-def _encoder_layer():
-    layer = nn.TransformerEncoderLayer(4, 2, dim_feedforward=6, dropout=0.0, batch_first=True)
-    return nn.Sequential(layer, nn.Flatten(), nn.Linear(12, 2))
-
-
-def _family(name, seed=0, dtype=D):
-    """(model, inputs, targets, loss) of one family, small enough for a dense reference."""
-    torch.manual_seed(seed)
-    g = torch.Generator().manual_seed(seed)
-    if name == "resnet-bn":
-        model, x = _Residual(), torch.randn(6, 2, 4, 4, generator=g)
-        y = torch.randint(0, 3, (6,), generator=g)
-        return model.to(dtype), x.to(dtype), y, "cross_entropy"
-    if name == "attention":
-        model, x = _Attention(), torch.randint(0, 5, (3, 4), generator=g)
-        return model.to(dtype), x, torch.randint(0, 5, (3, 4), generator=g), "cross_entropy"
-    if name == "mha-mask":
-        model, x = _MultiheadMask(), torch.randn(2, 3, 4, generator=g)
-        return model.to(dtype), x.to(dtype), torch.randn(2, 3, 2, generator=g).to(dtype), "mse"
-    if name in ("lstm", "gru"):
-        model = _Recurrent(nn.LSTM if name == "lstm" else nn.GRU)
-        x = torch.randn(4, 3, 3, generator=g)
-        return model.to(dtype), x.to(dtype), torch.randn(4, 2, generator=g).to(dtype), "mse"
-    if name == "two-inputs":
-        model = _TwoInputs()
-        x = (torch.randn(5, 3, generator=g).to(dtype), torch.randn(5, 2, generator=g).to(dtype))
-        return model.to(dtype), x, torch.randint(0, 2, (5,), generator=g), "cross_entropy"
-    if name == "encoder-layer":
-        model, x = _encoder_layer(), torch.randn(3, 3, 4, generator=g)
-        return model.to(dtype), x.to(dtype), torch.randn(3, 2, generator=g).to(dtype), "mse"
-    raise KeyError(name)
-
-
-FAMILIES = ["resnet-bn", "attention", "mha-mask", "lstm", "gru", "two-inputs", "encoder-layer"]
-_LOSS_FN = {"mse": F.mse_loss, "cross_entropy": F.cross_entropy}
+# the families of the zoo (cases.ZOO) this file runs: small enough for a dense G, one product
+# per parameter
+FAMILIES = [
+    "resnet-bn",
+    "attention",
+    "mha-mask",
+    "lstm-small",
+    "gru-small",
+    "two-inputs",
+    "encoder-layer",
+]
 
 
 def _count_jvp_calls(monkeypatch, rule) -> list:
@@ -176,8 +48,8 @@ def _traced(model, loss):
 
 def _matches_dense_reference(model, inputs, targets, loss="mse"):
     """The traced engine's gradient and ``G`` (every product with a unit vector) against
-    :func:`dense_reference`, in float64; the engine, for further checks."""
-    G_ref, g_ref = dense_reference(model, _LOSS_FN[loss], inputs, targets)
+    :func:`cases.dense_ggn`, in float64; the engine, for further checks."""
+    G_ref, g_ref, _ = dense_ggn(model, loss, inputs, targets)
     engine = _traced(model, loss)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a route's report; tested where it matters
@@ -191,11 +63,11 @@ def _matches_dense_reference(model, inputs, targets, loss="mse"):
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("name", FAMILIES)
 def test_traced_products_match_the_dense_reference(name, train):
-    model, x, y, loss = _family(name)
+    model, x, y, loss = make_model(name)
     model.train(train)
     if train and name == "mha-mask":
         model.eval()  # dropout: a random function; its train mode is tested below
-    G_ref, g_ref = dense_reference(model, _LOSS_FN[loss], x, y)
+    G_ref, g_ref, _ = dense_ggn(model, loss, x, y)
     engine = _traced(model, loss)
     fmodel = engine.fmodel
     lin = engine(fmodel.flat(), Batch(x, y))
@@ -204,7 +76,7 @@ def test_traced_products_match_the_dense_reference(name, train):
     G = torch.stack([lin.ggn_vp(e) for e in eye], dim=1)
     torch.testing.assert_close(G, G_ref, rtol=1e-9, atol=1e-11)
     torch.testing.assert_close(G, G.T, rtol=1e-9, atol=1e-12)
-    torch.testing.assert_close(lin.loss, _LOSS_FN[loss](lin.outputs, y))
+    torch.testing.assert_close(lin.loss, loss_fn(loss)(lin.outputs, y))
     if not train:
         with torch.no_grad():
             z = model(*(x if isinstance(x, tuple) else (x,)))
@@ -212,7 +84,7 @@ def test_traced_products_match_the_dense_reference(name, train):
 
 
 def test_batch_norm_running_statistics_are_updated_once_per_step():
-    model, x, y, loss = _family("resnet-bn")
+    model, x, y, loss = make_model("resnet-bn")
     twin = copy.deepcopy(model)
     before = {n: b.clone() for n, b in model.named_buffers()}
     engine = _traced(model, loss)
@@ -233,7 +105,7 @@ def test_batch_norm_running_statistics_are_updated_once_per_step():
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
 def test_training_mode_dropout_is_consistent_and_matches_the_functional_engine(fraction):
     # With a curvature subset the engine runs twice per step: both replay the step's numbers.
-    model, x, y, loss = _family("mha-mask")
+    model, x, y, loss = make_model("mha-mask")
     twin = copy.deepcopy(model)
     states, infos = [], {}
     for m, engine in ((model, "traced"), (twin, "functional")):
@@ -249,7 +121,7 @@ def test_training_mode_dropout_is_consistent_and_matches_the_functional_engine(f
 
 
 def test_one_trace_per_shape_and_mode():
-    model, x, y, loss = _family("resnet-bn")
+    model, x, y, loss = make_model("resnet-bn")
     engine = _traced(model, loss)
     flat = engine.fmodel.flat()
     for _ in range(2):
@@ -259,7 +131,7 @@ def test_one_trace_per_shape_and_mode():
     model.eval()
     lin = engine(flat, Batch(x, y))
     assert len(engine._cache) == 3
-    G_ref, _ = dense_reference(model, F.cross_entropy, x, y)
+    G_ref, _, _ = dense_ggn(model, F.cross_entropy, x, y)
     v = torch.randn(engine.fmodel.numel, dtype=D)
     torch.testing.assert_close(lin.ggn_vp(v), G_ref @ v, rtol=1e-9, atol=1e-11)
 
@@ -296,7 +168,7 @@ def test_a_changed_model_attribute_is_traced_again():
             warnings.simplefilter("error")  # each attribute changed once: no hand-over
             lin = engine(flat, Batch(x, y))
         assert torch.equal(lin.loss, F.mse_loss(model(x), y))
-        G_ref, g_ref = dense_reference(model, F.mse_loss, x, y)
+        G_ref, g_ref, _ = dense_ggn(model, F.mse_loss, x, y)
         v = torch.randn(engine.fmodel.numel, dtype=D)
         torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(lin.ggn_vp(v), G_ref @ v, rtol=1e-9, atol=1e-11)
@@ -323,7 +195,7 @@ def test_an_attribute_that_keeps_changing_hands_the_model_to_the_functional_engi
             lin = engine(flat, Batch(x, y))
             assert torch.equal(lin.loss, F.mse_loss(model(x), y))
     assert len(traced._cache) == 3  # the fourth change ran on the functional engine
-    G_ref, _ = dense_reference(model, F.mse_loss, x, y)
+    G_ref, _, _ = dense_ggn(model, F.mse_loss, x, y)
     v = torch.randn(traced.fmodel.numel, dtype=D)
     torch.testing.assert_close(lin.ggn_vp(v), G_ref @ v, rtol=1e-9, atol=1e-11)
 
@@ -355,7 +227,7 @@ def test_attributes_the_forward_pass_writes_do_not_call_for_new_traces():
             lin = engine(flat, Batch(x, y))
     assert len(traced._cache) == 1
     assert type(model.last) is torch.Tensor and model.calls == 5
-    G_ref, g_ref = dense_reference(model, F.mse_loss, x, y)
+    G_ref, g_ref, _ = dense_ggn(model, F.mse_loss, x, y)
     v = torch.randn(traced.fmodel.numel, dtype=D)
     torch.testing.assert_close(lin.ggn_vp(v), G_ref @ v, rtol=1e-9, atol=1e-11)
 
@@ -373,7 +245,7 @@ def test_a_changed_attribute_of_a_loss_module_is_traced_again():
             huber.delta = delta
             lin = engine(flat, Batch(x, y))
             assert torch.equal(lin.loss, huber(model(x), y))
-            G_ref, _ = dense_reference(model, huber, x, y)
+            G_ref, _, _ = dense_ggn(model, huber, x, y)
             v = torch.randn(engine.fmodel.numel, dtype=D)
             torch.testing.assert_close(lin.ggn_vp(v), G_ref @ v, rtol=1e-9, atol=1e-11)
 
@@ -410,7 +282,7 @@ def test_untraceable_model_falls_back_to_functional_with_the_reason_once():
     torch.testing.assert_close(dict(trained), dict(reference))
     for flip in (1.0, -1.0):  # both branches, as the model takes them
         xs = flip * x
-        G_ref, _ = dense_reference(model, F.mse_loss, xs, y)
+        G_ref, _, _ = dense_ggn(model, F.mse_loss, xs, y)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             G = GGN(model, "mse", xs, y, engine="auto").to_dense()
@@ -419,7 +291,7 @@ def test_untraceable_model_falls_back_to_functional_with_the_reason_once():
 
 @pytest.mark.slow  # a ResNet block against the dense reference, behind torch.compile's wrapper
 def test_a_model_compiled_by_torch_compile_is_traced_as_the_module_it_wraps():
-    model, x, y, loss = _family("resnet-bn")
+    model, x, y, loss = make_model("resnet-bn")
     compiled = torch.compile(model)  # compiled at its first call, which never comes here
     engine = _matches_dense_reference(compiled, x, y, loss)  # strict: no fallback
     assert engine.fmodel.model is model
@@ -467,7 +339,7 @@ def test_auto_takes_the_layerwise_engine_for_chains_and_the_traced_engine_else()
     loss = resolve_loss("mse")
     layerwise, traced, _ = select_engine(FunctionalModel(chain), loss, "auto").engines
     assert isinstance(layerwise, LayerwiseEngine) and layerwise._steps is not None
-    model, x, y, loss_name = _family("resnet-bn")
+    model, x, y, loss_name = make_model("resnet-bn")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback warning: the traced engine applies
         auto = select_engine(FunctionalModel(model), resolve_loss(loss_name), "auto")
@@ -475,21 +347,21 @@ def test_auto_takes_the_layerwise_engine_for_chains_and_the_traced_engine_else()
     layerwise, traced, _ = auto.engines
     assert layerwise._steps is None and isinstance(traced, TracedEngine)
     assert len(traced._cache) == 1  # it traced the model
-    G_ref, _ = dense_reference(model, F.cross_entropy, x, y)
+    G_ref, _, _ = dense_ggn(model, F.cross_entropy, x, y)
     v = torch.randn(G_ref.shape[0], dtype=D)
     torch.testing.assert_close(lin.ggn_vp(v), G_ref @ v, rtol=1e-9, atol=1e-11)
 
 
 def test_tracing_leaves_the_kernel_settings_as_they_were():
     mkldnn = torch.backends.mkldnn.enabled
-    model, x, y, loss = _family("lstm", dtype=torch.float32)
+    model, x, y, loss = make_model("lstm-small", dtype=torch.float32)
     _traced(model, loss)(FunctionalModel(model).flat(), Batch(x, y))
     assert torch.backends.mkldnn.enabled == mkldnn
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_sgn_steps_in_float32_reduce_the_loss(name):
-    model, x, y, loss = _family(name, dtype=torch.float32)
+    model, x, y, loss = make_model(name, dtype=torch.float32)
     model.train(name != "mha-mask")
     opt = SGN(model, loss, engine="traced", cg_iters=5)
     infos = [opt.step(x, y) for _ in range(4)]
@@ -499,7 +371,7 @@ def test_sgn_steps_in_float32_reduce_the_loss(name):
 
 def test_a_loss_linear_in_the_outputs_gives_zero_products():
     # H = 0, so G v does not depend on v: the product graph has no operator on v.
-    model, x, labels, _ = _family("resnet-bn")
+    model, x, labels, _ = make_model("resnet-bn")
     y = F.one_hot(labels, 3).to(D)
 
     def linear_loss(z, t):
@@ -512,7 +384,7 @@ def test_a_loss_linear_in_the_outputs_gives_zero_products():
     assert torch.count_nonzero(first) == 0
     first.add_(1.0)  # the next product is a fresh tensor
     assert torch.count_nonzero(lin.ggn_vp(v)) == 0
-    _, g_ref = dense_reference(model, linear_loss, x, y)
+    _, g_ref, _ = dense_ggn(model, linear_loss, x, y)
     torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
 
 
@@ -556,7 +428,7 @@ NORMS = ["1d-flat", "1d-seq", "2d-no-affine", "2d-no-running"]
 def test_batch_norm_rule_matches_the_dense_reference(variant, train, monkeypatch):
     model, x, y = _norms(variant)
     model.train(train)
-    G_ref, g_ref = dense_reference(model, F.mse_loss, x, y)
+    G_ref, g_ref, _ = dense_ggn(model, F.mse_loss, x, y)
     twin = copy.deepcopy(model)
     calls = _count_jvp_calls(monkeypatch, BatchNorm)
     engine = _traced(model, "mse")
@@ -576,7 +448,7 @@ def test_batch_norm_rule_matches_the_dense_reference(variant, train, monkeypatch
 def test_batch_norm_rule_gives_the_products_of_pytorchs_own_rule(train, monkeypatch):
     import torch_sgn.engines.traced.trace as traced
 
-    model, x, y, loss = _family("resnet-bn")
+    model, x, y, loss = make_model("resnet-bn")
     model.train(train)
     v = torch.randn(FunctionalModel(model).numel, dtype=D)
     products = []
@@ -821,7 +693,7 @@ def test_frequency_scaled_embeddings_give_the_symmetric_matrix_of_their_gradient
     model = nn.Sequential(nn.Embedding(4, 3, scale_grad_by_freq=True), nn.Flatten())
     model.append(nn.Linear(15, 2)).to(D)
     idx, y = torch.randint(0, 4, (6, 5)), torch.randn(6, 2, dtype=D)
-    G_ref, g_ref = dense_reference(model, F.mse_loss, idx, y)
+    G_ref, g_ref, _ = dense_ggn(model, F.mse_loss, idx, y)
     own = _OwnLookup(4, 3, scale_grad_by_freq=True).to(D)
     own.load_state_dict(model[0].state_dict())
     for first in (model[0], own):
@@ -947,7 +819,7 @@ def test_lstm_rule_matches_the_dense_reference(variant, train, monkeypatch):
     g = torch.Generator().manual_seed(2)
     x, y = torch.randn(3, 5, 3, generator=g).to(D), torch.randn(3, 2, generator=g).to(D)
     calls = _count_jvp_calls(monkeypatch, LSTMLayer)
-    G_ref, g_ref = dense_reference(model, F.mse_loss, x, y, seed=11)
+    G_ref, g_ref, _ = dense_ggn(model, F.mse_loss, x, y, seed=11)
     engine = _traced(model, "mse")
     torch.manual_seed(11)
     engine.fmodel.freeze_rng()
@@ -960,7 +832,7 @@ def test_lstm_rule_matches_the_dense_reference(variant, train, monkeypatch):
     torch.testing.assert_close(lin.grad, g_ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(G, G_ref, rtol=1e-9, atol=1e-11)
     if LSTMS[variant].get("dropout") and train:  # the masks matter: another draw differs
-        G_other, _ = dense_reference(model, F.mse_loss, x, y, seed=12)
+        G_other, _, _ = dense_ggn(model, F.mse_loss, x, y, seed=12)
         assert (G_other - G_ref).abs().max() > 1e-3
 
 
@@ -969,12 +841,12 @@ def test_a_failing_tangent_rule_falls_back_to_pytorchs_rules_with_the_reason(mon
         raise RuntimeError("no such kernel here")
 
     monkeypatch.setattr(BatchNorm, "jvp", staticmethod(broken))
-    model, x, y, loss = _family("resnet-bn")
+    model, x, y, loss = make_model("resnet-bn")
     engine = TracedEngine(FunctionalModel(model), resolve_loss(loss))
     with pytest.warns(UserWarning, match="tangent rules.*no such kernel here"):
         lin = engine(engine.fmodel.flat(), Batch(x, y))
     assert list(engine._cache.values())[0].declined is not None  # traced, without the rule
-    G_ref, _ = dense_reference(model, F.cross_entropy, x, y)
+    G_ref, _, _ = dense_ggn(model, F.cross_entropy, x, y)
     v = torch.randn(engine.fmodel.numel, dtype=D)
     torch.testing.assert_close(lin.ggn_vp(v), G_ref @ v, rtol=1e-9, atol=1e-11)
 
@@ -999,7 +871,7 @@ def test_an_operator_without_a_forward_rule_is_named_once_not_blamed_on_the_rule
     model = _Warp().to(D)
     g = torch.Generator().manual_seed(4)
     x, y = torch.randn(3, 1, 4, 4, generator=g).to(D), torch.randn(3, 2, generator=g).to(D)
-    G_ref, g_ref = dense_reference(model, F.mse_loss, x, y)
+    G_ref, g_ref, _ = dense_ggn(model, F.mse_loss, x, y)
     engine = _traced(model, "mse")
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -1026,7 +898,7 @@ def test_rules_with_frozen_parameters_and_projections(train, monkeypatch):
     lstm.rnn.weight_ih_l0.requires_grad_(False)  # layer 0: W_hh's tangent alone
     lstm.rnn.weight_hh_l1.requires_grad_(False)  # layer 1: W_ih's alone, one bias
     lstm.rnn.bias_hh_l1.requires_grad_(False)
-    projected = _Recurrent(lambda i, h, **kw: nn.LSTM(i, 5, proj_size=h, **kw)).to(D)
+    projected = Recurrent(lambda i, h, **kw: nn.LSTM(i, 5, proj_size=h, **kw), 3, 4, 2).to(D)
     xs = torch.randn(3, 5, 3, generator=g).to(D)
     ys = torch.randn(3, 2, generator=g).to(D)
     for model, inputs, targets, rule in [
@@ -1036,7 +908,7 @@ def test_rules_with_frozen_parameters_and_projections(train, monkeypatch):
     ]:
         model.train(train)
         calls.clear()
-        G_ref, g_ref = dense_reference(model, F.mse_loss, inputs, targets)
+        G_ref, g_ref, _ = dense_ggn(model, F.mse_loss, inputs, targets)
         engine = _traced(model, "mse")
         with warnings.catch_warnings():  # declined cleanly, not failed and fallen back
             warnings.filterwarnings("error", message=".*tangent rules")
@@ -1081,7 +953,7 @@ def test_layer_norm_rule_matches_the_dense_reference(monkeypatch):
         for m in (model.n1, model.n4):
             m.bias.uniform_(-0.5, 0.5, generator=g)
     x, y = torch.randn(5, 2, 3, generator=g).to(D), torch.randn(5, 2, generator=g).to(D)
-    G_ref, g_ref = dense_reference(model, F.mse_loss, x, y)
+    G_ref, g_ref, _ = dense_ggn(model, F.mse_loss, x, y)
     engine = _traced(model, "mse")
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*tangent rules")
@@ -1122,7 +994,7 @@ def test_attention_rule_matches_the_dense_reference(kind, monkeypatch):
     g = torch.Generator().manual_seed(5)
     model = _Attend(kind).to(D)
     x, y = torch.randn(3, 4, 4, generator=g).to(D), torch.randn(3, 2, generator=g).to(D)
-    G_ref, g_ref = dense_reference(model, F.mse_loss, x, y)
+    G_ref, g_ref, _ = dense_ggn(model, F.mse_loss, x, y)
     engine = _traced(model, "mse")
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*tangent rules")
@@ -1147,7 +1019,7 @@ def test_compiled_steps_match_uncompiled_steps(name, monkeypatch):
     # order); float64, so that the compiled kernels differ only by rounding.
     compile_, given = torch.compile, []
     monkeypatch.setattr(torch, "compile", lambda g, **kw: given.append(g) or compile_(g, **kw))
-    model, x, y, loss = _family(name)
+    model, x, y, loss = make_model(name)
     reference = copy.deepcopy(model)
     torch.manual_seed(5)
     with warnings.catch_warnings(record=True) as record:
@@ -1189,7 +1061,7 @@ def _fake_compile(monkeypatch, fails: bool) -> list:
 
 def test_a_failed_compile_warns_once_and_steps_run_uncompiled(monkeypatch):
     given = _fake_compile(monkeypatch, fails=True)
-    model, x, y, loss = _family("attention")
+    model, x, y, loss = make_model("attention")
     reference = copy.deepcopy(model)
     with pytest.warns(UserWarning, match="torch.compile failed .* C\\+\\+ compile error") as rec:
         compiled = _steps(model, x, y, loss, n=3, compile=True)
@@ -1227,7 +1099,7 @@ def test_compile_needs_the_traced_engine_and_no_cuda_graphs():
 
 def test_auto_engine_compiles_a_model_that_is_not_a_chain(monkeypatch):
     given = _fake_compile(monkeypatch, fails=False)
-    model, x, y, loss = _family("attention")
+    model, x, y, loss = make_model("attention")
     reference = copy.deepcopy(model)
     opt = SGN(model, loss, cg_iters=3, solver="cg", compile=True)  # engine="auto"
     infos = [opt.step(x, y) for _ in range(2)]

@@ -2,7 +2,7 @@
 ``torch.nn.utils.weight_norm``), whose fused kernel has no forward-mode rule: SGN's passes run it
 as a composite (``torch_sgn.model.weight_norms``). Its values against PyTorch's kernel, and the
 products against a dense ``J^T H J`` built by reverse mode alone through the model's own
-parameters and forward pass (``cases.dense_ggn_of_module``), in float64, on every engine."""
+parameters and forward pass (``cases.dense_ggn``), in float64, on every engine."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn.utils.parametrizations import _WeightNorm, weight_norm
 
-from cases import dense_ggn_of_module
+from cases import dense_ggn
 from torch_sgn import GGN, SGN
 from torch_sgn.model.composites import Composites
 
@@ -91,7 +91,7 @@ def test_composite_matches_pytorchs_kernel(dim):
 def test_products_match_the_dense_reference_without_double_backward(form, train, engine):
     model, x, y = _case(form)
     model.train(train)
-    G_ref, g_ref = dense_ggn_of_module(model, "mse", x, y)  # (the hook's model cannot be copied)
+    G_ref, g_ref, _ = dense_ggn(model, "mse", x, y)  # (the hook's model cannot be copied)
     with warnings.catch_warnings():  # no fallback: neither double backward nor another engine
         warnings.simplefilter("error")
         G = GGN(model, "mse", x, y, engine=engine)
