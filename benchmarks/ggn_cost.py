@@ -279,7 +279,7 @@ def measure(name: str, device: torch.device, cfg: Config) -> Dict[str, object]:
 
     def step(key):
         info = opts[key].step(x, y)
-        cg_iters.setdefault(f"{key[0]}/step{key[1]}", []).append(info.cg_iters)
+        cg_iters.setdefault(f"{key[0]}/step{key[1]}", []).append(info.iterations)
 
     def reset(key):
         # Every timed step starts from the initial point and state, so that k CG iterations

@@ -89,10 +89,10 @@ def _case(device: torch.device, loss: str, n_out: int, momentum: float, geodesic
     error = float((got - expected).norm() / (expected - theta).norm())
     print(
         f"exactness {loss} momentum {momentum} geodesic {geodesic}: relative error {error:.2e} "
-        f"({info.cg_stop}; accelerated {info.accelerated}, reference {used})"
+        f"({info.stop_reason}; accelerated {info.accelerated}, reference {used})"
     )
     return {
-        "relative_error": error, "stop": info.cg_stop, "solver": info.solver,
+        "relative_error": error, "stop": info.stop_reason, "solver": info.solver,
         "accelerated": info.accelerated, "reference_accelerated": used,
     }  # fmt: skip
 

@@ -322,7 +322,7 @@ def make_stepper(method: Method, model: nn.Module) -> Callable[[Tensor, Tensor],
 
         def step(x, y):
             info = opt.step(x, y)
-            return {"damping": info.damping, "cg_iters": info.cg_iters, "step": info}
+            return {"damping": info.damping, "cg_iters": info.iterations, "step": info}
 
         return step
     if method.kind == "lm":

@@ -81,7 +81,7 @@ def test_two_ranks_match_one_process_on_the_full_batch(equivalence, case):
     for got in ranks:
         torch.testing.assert_close(got["final"], expected, rtol=1e-10, atol=0)
         for a, b in zip(got["infos"], reference["infos"]):
-            assert a.loss_evals == b.loss_evals and a.cg_iters == b.cg_iters
+            assert a.loss_evals == b.loss_evals and a.iterations == b.iterations
             assert a.solver == b.solver
             assert a.solver == case.solver or case.solver == "auto"
             assert a.accelerated == b.accelerated

@@ -233,7 +233,7 @@ def test_captured_cuda_steps_match_eager_cuda_steps(name):
     eager_infos, _ = _run(eager_model, p.loss, batches)
     assert len(opt._engine.engines[0]._graphs._by_key) == 2  # the layer-wise engine's
     for a, b in zip(graph_infos, eager_infos):
-        assert a.cg_iters == b.cg_iters
+        assert a.iterations == b.iterations
         assert a.loss == pytest.approx(b.loss, rel=1e-10)
         assert a.loss_after == pytest.approx(b.loss_after, rel=1e-10)
         assert a.damping == b.damping
@@ -256,7 +256,7 @@ def test_captured_cuda_steps_with_ignored_targets_subsets_and_frozen_layers():
     graph_infos, _ = _run(graph_model, p.loss, batches, cuda_graphs=True, **options)
     eager_infos, _ = _run(eager_model, p.loss, batches, **options)
     for a, b in zip(graph_infos, eager_infos):
-        assert a.cg_iters == b.cg_iters
+        assert a.iterations == b.iterations
         assert a.loss_after == pytest.approx(b.loss_after, rel=1e-10)
     for a, b in zip(graph_model.parameters(), eager_model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
@@ -528,7 +528,7 @@ def test_captured_cuda_dropout_steps_match_eager_cuda_steps(name):
     traced = opt._engine.engines[0]
     assert len([t for t in traced._cache.values() if t.replayed is not None]) == 2
     for a, b in zip(infos, expected):
-        assert a.cg_iters == b.cg_iters
+        assert a.iterations == b.iterations
         assert a.loss == pytest.approx(b.loss, rel=1e-10)
         assert a.loss_after == pytest.approx(b.loss_after, rel=1e-10)
     for a, b in zip(model.parameters(), reference.parameters()):
@@ -676,7 +676,7 @@ def test_captured_traced_cuda_steps_match_eager_cuda_steps(name):
     replayed = [t for t in opt._engine.engines[0]._cache.values() if t.replayed is not None]
     assert len(replayed) == 2  # one per batch shape
     for a, b in zip(graph_infos, eager_infos):
-        assert a.cg_iters == b.cg_iters
+        assert a.iterations == b.iterations
         assert a.loss == pytest.approx(b.loss, rel=1e-10)
         assert a.loss_after == pytest.approx(b.loss_after, rel=1e-10)
         assert a.damping == b.damping

@@ -167,7 +167,7 @@ def test_damping_stays_finite_once_the_batch_is_solved():
     infos = [opt.step(x, y) for _ in range(300)]
     assert infos[-1].loss < 1e-6 * infos[0].loss  # solved to rounding level
     assert all(math.isfinite(i.damping) and i.damping < 1.0 for i in infos)
-    assert infos[-1].cg_stop != "non_finite"
+    assert infos[-1].stop_reason != "non_finite"
 
 
 @pytest.mark.parametrize("schedule", ["linear", "cosine"])
@@ -202,7 +202,7 @@ def test_cg_iteration_warmup_schedule():
         cg_tol=0.0,
         solver="cg",
     )
-    iters = [opt.step(x, y).cg_iters for _ in range(5)]
+    iters = [opt.step(x, y).iterations for _ in range(5)]
     assert iters == [6, 6, 6, 2, 2]
 
 
@@ -344,9 +344,9 @@ def test_step_info_fields_are_consistent():
     assert isinstance(info, StepInfo)
     assert info.loss_after <= info.loss
     assert info.loss_after == pytest.approx(F.cross_entropy(model(x), y).item(), rel=1e-12)
-    assert 1 <= info.cg_iters <= 4 and info.cg_stop in ("max_iters", "converged")
+    assert 1 <= info.iterations <= 4 and info.stop_reason in ("max_iters", "converged")
     assert info.predicted_change < 0 and info.grad_norm > 0 and info.loss_evals >= 1
-    assert math.isfinite(info.cg_residual)
+    assert math.isfinite(info.residual)
 
 
 def test_training_on_a_small_regression_problem_beats_its_start():

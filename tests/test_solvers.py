@@ -218,8 +218,8 @@ def test_direct_step_solves_the_damped_system_for_every_loss(loss_case, momentum
         opt = SGN(model, loss, damping=rho, solver="direct", cg_iters=1, **options)
         info = opt.step(x, y)
         torch.testing.assert_close(_flat(model), expected, rtol=1e-9, atol=1e-11)
-        assert info.solver == "direct" and info.cg_iters == 0
-        assert info.cg_stop in ("cholesky", "lu")  # through G, or through the outputs
+        assert info.solver == "direct" and info.iterations == 0
+        assert info.stop_reason in ("cholesky", "lu")  # through G, or through the outputs
         d = expected - theta
         predicted = float(g @ d + 0.5 * d @ A @ d)
         assert info.predicted_change == pytest.approx(predicted, rel=1e-9, abs=1e-14)
@@ -233,7 +233,7 @@ def test_direct_step_on_a_non_convex_custom_loss_takes_the_fallback_and_stays_fi
 
     opt = SGN(model, concave, damping=1e-4, solver="direct", **EXACT)
     info = opt.step(x, y)
-    assert info.cg_stop == "eigh" and info.solver == "direct"
+    assert info.stop_reason == "eigh" and info.solver == "direct"
     assert torch.isfinite(_flat(model)).all() and info.predicted_change < 0
 
 
@@ -368,7 +368,7 @@ def test_auto_probes_direct_within_the_limit_and_only_cg_above_it(monkeypatch):
     assert info.solver == "cg" and samples
     samples.clear()
     info = SGN(model, "mse", direct_max_params=17).step(x, y)  # 18 outputs, 43 parameters
-    assert info.solver == "cg" and info.cg_iters > 0 and not samples
+    assert info.solver == "cg" and info.iterations > 0 and not samples
 
 
 def test_auto_forms_G_by_products_only_where_they_cost_at_most_cg(monkeypatch):

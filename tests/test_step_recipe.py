@@ -55,19 +55,6 @@ def test_a_huge_damping_steps_along_minus_the_gradient_over_the_damping():
     assert out.search.success and out.step_factor == 1.0
 
 
-def test_step_info_keeps_the_cg_names_as_read_only_aliases():
-    model = nn.Linear(3, 1).double()
-    x, y = torch.randn(20, 3, dtype=torch.float64), torch.randn(20, 1, dtype=torch.float64)
-    for solver in ("cg", "direct"):
-        info = SGN(copy.deepcopy(model), "mse", solver=solver).step(x, y)
-        assert (info.cg_iters, info.cg_residual, info.cg_stop) == (
-            info.iterations, info.residual, info.stop_reason,
-        )  # fmt: skip
-        assert (info.iterations == 0) == (solver == "direct")
-        with pytest.raises(AttributeError):
-            info.cg_iters = 3
-
-
 def test_the_stored_state_is_step_state_as_a_dict_and_round_trips():
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
     opt = SGN(model, "mse", momentum=0.9, warm_start=0.5, damping_update="nielsen")

@@ -1033,7 +1033,7 @@ def test_compiled_steps_match_uncompiled_steps(name, monkeypatch):
     eager = _steps(reference, x, y, loss)
     assert torch.equal(torch.get_rng_state(), after_compiled)  # as many random numbers
     for a, b in zip(compiled, eager):
-        assert a.cg_iters == b.cg_iters
+        assert a.iterations == b.iterations
         assert a.loss == pytest.approx(b.loss, rel=1e-9)
         assert a.loss_after == pytest.approx(b.loss_after, rel=1e-9)
     for a, b in zip(model.state_dict().values(), reference.state_dict().values()):

@@ -59,11 +59,6 @@ class StepInfo:
             for a step that went downhill at once.
         penalty: the weight decay's term ``weight_decay / 2 * ||theta||^2`` of ``loss``,
             at the point the step started from (0 without weight decay).
-
-    .. note::
-        ``cg_iters``, ``cg_residual`` and ``cg_stop`` are read-only aliases of
-        ``iterations``, ``residual`` and ``stop_reason``, the names of an earlier release
-        that described direct solves too; they will be removed in the next release.
     """
 
     loss: float
@@ -85,18 +80,3 @@ class StepInfo:
     taken: bool = True
     uphill_resolves: int = 0
     penalty: float = 0.0
-
-    @property
-    def cg_iters(self) -> int:
-        """Deprecated alias of :attr:`iterations`."""
-        return self.iterations
-
-    @property
-    def cg_residual(self) -> float:
-        """Deprecated alias of :attr:`residual`."""
-        return self.residual
-
-    @property
-    def cg_stop(self) -> str:
-        """Deprecated alias of :attr:`stop_reason`."""
-        return self.stop_reason

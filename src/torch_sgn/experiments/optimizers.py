@@ -92,7 +92,7 @@ class _SGN(_Optimizer):
             "loss": info.loss,
             "damping": info.damping,
             "step_size": info.step_size,
-            "cg_iters": info.cg_iters,
+            "cg_iters": info.iterations,
         }
         return record, True
 
