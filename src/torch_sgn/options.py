@@ -168,8 +168,9 @@ def check_options(group: Mapping, in_step: bool = False) -> None:
 def check_loaded_state(state_dict: Mapping) -> None:
     """``state_dict`` checked as SGN's before :meth:`torch.optim.Optimizer.load_state_dict`.
 
-    Raises ``ValueError`` for another optimizer's ``state_dict`` (or one whose values SGN
-    refuses), at load time rather than at the next step.
+    Raises ``ValueError`` for another optimizer's ``state_dict``, one lacking an SGN option
+    (none is filled in with a default) or one whose values SGN refuses, at load time rather
+    than at the next step.
     """
     groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
     if not isinstance(groups, (list, tuple)) or len(groups) != 1:
@@ -184,10 +185,11 @@ def check_loaded_state(state_dict: Mapping) -> None:
         # torch adds options of its own to every group (differentiable, foreach, ...)
         foreign = sorted(set(group) - set(KEYS) - {"params"} - _TORCH_KEYS)
         raise ValueError(
-            f"this is not an SGN state_dict: its parameter group lacks SGN's options {missing}"
+            f"this is not a whole SGN state_dict: its parameter group lacks SGN's option(s) "
+            f"{missing}"
             + (f" and has options SGN does not know, {foreign}" if foreign else "")
-            + ". It was saved by another optimizer: load it into that optimizer, or start SGN "
-            "afresh (load only the model's state_dict)"
+            + ": it was saved by another optimizer or edited; load it into the optimizer that "
+            "saved it, or start SGN afresh (load only the model's state_dict)"
         )
     first = state_dict.get("state", {}).get(group["params"][0] if group["params"] else 0, {})
     if not {"step", "damping"} <= set(first):
