@@ -15,7 +15,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
-from cases import LENGTH, WIDTH, CausalEncoder, Recurrent, SineWithoutJvp, dense_ggn, make_model
+from cases import (
+    LENGTH,
+    WIDTH,
+    ZOO,
+    CausalEncoder,
+    Recurrent,
+    SineWithoutJvp,
+    dense_ggn,
+    make_model,
+)
 from torch_sgn import GGN, SGN
 from torch_sgn.engines.functional import FunctionalEngine
 from torch_sgn.engines.selection import select_engine
@@ -148,7 +157,7 @@ LOSS_CALLABLES = {
 
 def _loss_batch(kind, dtype=torch.float64):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(dtype)
+    model = ZOO["mlp"].build().to(dtype)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(8, 4, generator=g, dtype=dtype)
     y = torch.randn(8, 3, generator=g, dtype=dtype)
@@ -196,7 +205,7 @@ class _Focal(nn.Module):
 
 def _focal_batch():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    model = ZOO["mlp"].build().double()
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,))
     return model, x, y

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cases import Recurrent, SineWithoutJvp, dense_ggn, loss_fn, make_model
+from cases import ZOO, Recurrent, SineWithoutJvp, dense_ggn, loss_fn, make_model
 from torch_sgn import GGN, SGN
 from torch_sgn.engines.layerwise.engine import LayerwiseEngine
 from torch_sgn.engines.selection import select_engine
@@ -234,7 +234,7 @@ def test_attributes_the_forward_pass_writes_do_not_call_for_new_traces():
 
 def test_a_changed_attribute_of_a_loss_module_is_traced_again():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(D)
+    model = ZOO["mlp"].build().to(D)
     x, y = torch.randn(6, 4, dtype=D), torch.randn(6, 3, dtype=D)
     huber = nn.HuberLoss(delta=0.1)
     engine = TracedEngine(FunctionalModel(model), resolve_loss(huber))
@@ -328,7 +328,7 @@ def test_compiled_submodules_are_traced_as_the_modules_they_wrap():
 
 def test_a_submodule_compiled_in_place_is_traced_as_it_is():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(D)
+    model = ZOO["mlp"].build().to(D)
     model[0].compile()  # nn.Module.compile: the module itself, its calls compiled
     x, y = torch.randn(6, 4, dtype=D), torch.randn(6, 3, dtype=D)
     _matches_dense_reference(model, x, y)  # strict: a failed trace would raise
