@@ -209,12 +209,15 @@ def test_reject_uphill_must_be_a_bool(value):
         SGN(model, "mse", reject_uphill=value)
 
 
-def test_state_dict_saved_before_the_option_loads_without_it():
+def test_a_state_dict_without_the_option_is_refused_and_changes_nothing():
     model, x, y = _problem()
     opt = SGN(model, "mse")
     opt.step(x, y)
     saved = opt.state_dict()
     del saved["param_groups"][0]["reject_uphill"]
-    again = SGN(model, "mse")
-    again.load_state_dict(saved)
-    assert again.param_groups[0]["reject_uphill"] is False  # as SGN behaved before it
+    again = SGN(model, "mse", reject_uphill=False)
+    before = again.state_dict()
+    with pytest.raises(ValueError, match="reject_uphill"):
+        again.load_state_dict(saved)
+    assert again.param_groups[0]["reject_uphill"] is False
+    assert again.state_dict()["state"] == before["state"]

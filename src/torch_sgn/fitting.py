@@ -47,8 +47,10 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
+from .curve_steps import UNSUPPORTED, CurveSteps
 from .optimizer import SGN, StepInfo
 from .pinn.residuals import Residual, Residuals
+from .solve.direct import DEFAULT_DIRECT_MAX_PARAMS
 
 __all__ = ["LeastSquaresResult", "least_squares"]
 
@@ -161,7 +163,8 @@ def least_squares(
         ``d`` (exact for CG and direct solutions, which satisfy :math:`g^\top d = -d^\top
         (G + \rho I) d`). Where SGN finds the predicted reduction within rounding of the cost
         (its trust-region ratio is NaN), the ``ftol`` test takes MINPACK's form instead: the
-        actual and predicted reductions both below ``ftol F``. A step that does not move
+        actual and predicted reductions both below ``ftol F``, or the step not taken (the next
+        would be the same step again: MINPACK's "ftol is too small"). A step that does not move
         meets ``xtol`` when the bound :math:`\lVert d \rVert \le \sqrt{2\,\text{pred}/\rho}`
         on its direction does. ``gtol`` is tested at the start and then from each step's
         gradient at its starting point: a step that finds its start met ``gtol`` is undone.
@@ -183,15 +186,17 @@ def least_squares(
     # functional engine, which prepares nothing, saves the traced engine's tracing at every
     # fit (Misra1a, 8 steps, one thread: 50-60 ms a fit with it, 200-400 ms with "auto").
     sgn_options.setdefault("engine", "functional")
-    problem, params = _problem(residuals, params_or_module)
+    sgn_options.setdefault("damping_update", "nielsen")
+    problem, params, curve = _problem(residuals, params_or_module)
     inputs, targets = problem.batch()
     if max_steps is None:
         max_steps = STEPS_PER_PARAMETER * sum(p.numel() for p in params)
     saved_grads = [p.grad for p in params]
     try:
         return _run(
-            problem, params, inputs, targets, xtol, ftol, gtol, max_steps, solver, sgn_options
-        )
+            problem, params, inputs, targets, xtol, ftol, gtol, max_steps, solver, sgn_options,
+            curve,
+        )  # fmt: skip
     finally:
         for p, g in zip(params, saved_grads):
             p.grad = g
@@ -208,13 +213,20 @@ def _run(
     max_steps: int,
     solver: str,
     sgn_options: dict,
+    curve: Optional[Tuple[ResidualFn, nn.Module]],
 ) -> LeastSquaresResult:
     fun, grad = _residuals_and_gradient(problem, params, inputs, check=True)
     evaluations, steps, info = 1, 0, None
     status = 1 if _sup(grad) < gtol else None
     if status is None and max_steps > 0:
         opt = SGN(problem, problem.loss, solver=solver, keep_grad=True, **sgn_options)
-        lr = opt.param_groups[0]["lr"]
+        group = opt.param_groups[0]
+        lr = group["lr"]
+        if curve is not None and _takes_curve_steps({**group, **sgn_options}, solver, params):
+            lean = CurveSteps(curve[0], curve[1], params, group)
+            steps, evaluations, status, info = _run_curve(
+                lean, params, xtol, ftol, gtol, max_steps, lr
+            )
     while status is None and steps < max_steps:
         x = _flat(params)
         try:
@@ -248,6 +260,53 @@ def _run(
     )
 
 
+def _takes_curve_steps(options: dict, solver: str, params: List[nn.Parameter]) -> bool:
+    """Whether the fit's steps may run through :class:`~torch_sgn.curve_steps.CurveSteps`:
+    exact steps, options it takes, a matrix of at most ``direct_max_params`` rows, floating
+    parameters."""
+    return (
+        solver in ("auto", "direct")
+        and all(options.get(k, v) == v for k, v in UNSUPPORTED.items())
+        and sum(p.numel() for p in params)
+        <= options.get("direct_max_params", DEFAULT_DIRECT_MAX_PARAMS)
+        and all(p.is_floating_point() for p in params)
+    )
+
+
+def _run_curve(
+    lean: CurveSteps,
+    params: List[nn.Parameter],
+    xtol: float,
+    ftol: float,
+    gtol: float,
+    max_steps: int,
+    lr: float,
+) -> Tuple[int, int, Optional[int], Optional[StepInfo]]:
+    """The fit's steps by ``lean``: ``(steps, evaluations, status, last step's info)``; the
+    parameters hold the last accepted point after it, whatever stops it."""
+    theta = _flat(params)
+    steps, evaluations, status, info = 0, 1, None, None
+    try:
+        while status is None and steps < max_steps:
+            r, jac = lean.jacobian(theta)
+            evaluations += 1
+            grad = jac.T @ r  # the cost's gradient
+            if not bool(torch.isfinite(grad).all()):
+                status = -1
+            elif steps > 0 and _sup(grad) < gtol:
+                status = 1
+            else:
+                point, info = lean.step(theta, r, jac)
+                evaluations += info.loss_evals
+                steps += 1
+                status = _test(info, theta, point, lr, xtol, ftol)
+                theta = point
+    finally:
+        lean.write(theta)
+        lean.close()
+    return steps, evaluations, status, info
+
+
 def _test(
     info: StepInfo, before: Tensor, after: Tensor, lr: float, xtol: float, ftol: float
 ) -> Optional[int]:
@@ -259,8 +318,10 @@ def _test(
     predicted = predicted_full * a * (2 - a)
     ratio = reduction / predicted if predicted > 0 else math.nan
     noise = info.tr_ratio is not None and math.isnan(info.tr_ratio)
+    # At a prediction within rounding a step not taken would be the same step again (same point,
+    # same damping): no reduction can be told from rounding there, MINPACK's "ftol too small".
     ftol_met = reduction < ftol * cost and (
-        ratio > 0.25 or (noise and predicted_full < ftol * cost)
+        ratio > 0.25 or (noise and (predicted_full < ftol * cost or not info.taken))
     )
     if a > 0:
         dx = float((after - before).norm())
@@ -289,7 +350,10 @@ class _Vector(nn.Module):
 
 def _problem(
     residuals: Union[ResidualFn, Residuals], params_or_module: Union[nn.Module, Tensor, None]
-) -> Tuple[Residuals, List[nn.Parameter]]:
+) -> Tuple[Residuals, List[nn.Parameter], Optional[Tuple[ResidualFn, nn.Module]]]:
+    """The problem, its trainable parameters, and for a residual function ``(fn, module)``
+    with ``fn(module)`` the residuals."""
+    curve = None
     if isinstance(residuals, Residuals):
         if params_or_module is not None and params_or_module not in (
             residuals,
@@ -309,12 +373,15 @@ def _problem(
     elif callable(residuals):
         if isinstance(params_or_module, nn.Module):
             problem = Residuals(params_or_module, {"residuals": Residual(residuals)})
+            curve = (residuals, params_or_module)
         elif isinstance(params_or_module, Tensor):
             x = params_or_module
             if not isinstance(x, nn.Parameter):
                 x = nn.Parameter(x.detach().clone())
             fn = residuals
-            problem = Residuals(_Vector(x), {"residuals": Residual(lambda u: fn(u.x))})
+            vector = _Vector(x)
+            problem = Residuals(vector, {"residuals": Residual(lambda u: fn(u.x))})
+            curve = (lambda u: fn(u.x), vector)
         else:
             raise TypeError(
                 "params_or_module must be the nn.Module whose parameters are fitted (or one "
@@ -328,7 +395,7 @@ def _problem(
     params = [p for p in problem.parameters() if p.requires_grad]
     if not params:
         raise ValueError("params_or_module has no trainable parameters to fit")
-    return problem, params
+    return problem, params, curve
 
 
 def _residuals_and_gradient(

@@ -36,7 +36,7 @@ from .solve.routes import choose_route
 from .solve.state import StepState
 from .solve.step import DampingRule, LineSearch, Outcome, Problem, damped_step
 from .step_call import batch_of_call
-from .step_info import StepInfo
+from .step_info import StepInfo, step_info
 
 __all__ = ["SGN", "StepInfo"]
 
@@ -512,7 +512,9 @@ class SGN(torch.optim.Optimizer):
         after = self._next_state(state, run, route, phase, loss0, candidate, momentum_buffer)
         after.write(stored)
         # Report.
-        info = self._report(run, loss0, grad_norm, evals, theta)
+        group = self.param_groups[0]
+        penalty = weight_penalty(theta, group["weight_decay"]) if group["weight_decay"] else 0.0
+        info = step_info(run, loss0, grad_norm, evals, group["lr"], float(penalty))
         self._log(state.step, info)
         return info
 
@@ -674,34 +676,6 @@ class SGN(torch.optim.Optimizer):
             update = run.trial.displacement(run.step_factor) if moved else None
             after = replace(after, prev_step=update)
         return after
-
-    def _report(
-        self, run: Outcome, loss0: float, grad_norm: float, evals: int, theta: Tensor
-    ) -> StepInfo:
-        trial, search, result = run.trial, run.search, run.trial.result
-        weight_decay = self.param_groups[0]["weight_decay"]
-        penalty = float(weight_penalty(theta, weight_decay)) if weight_decay else 0.0
-        return StepInfo(
-            loss=loss0,
-            loss_after=search.loss if run.moved else loss0,
-            grad_norm=grad_norm,
-            iterations=result.iterations,
-            residual=trial.solution.residual_norm,
-            stop_reason=result.reason,
-            damping=run.damping,
-            next_damping=run.next_damping,
-            step_size=self.param_groups[0]["lr"] * run.step_factor,
-            tr_ratio=run.ratio,
-            predicted_change=trial.solution.predicted,
-            loss_evals=evals,
-            line_search_ok=search.success,
-            attempts=run.attempts,
-            solver="direct" if isinstance(result, DirectResult) else "cg",
-            accelerated=run.moved and trial.curve is not None,
-            taken=run.moved,
-            uphill_resolves=run.resolves,
-            penalty=penalty,
-        )
 
     # --- helpers -----------------------------------------------------------------------------
     def _step_engine(self, t: int):

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-__all__ = ["StepInfo"]
+from .solve.direct import DirectResult
+
+if TYPE_CHECKING:
+    from .solve.step import Outcome
+
+__all__ = ["StepInfo", "step_info"]
 
 
 @dataclass(frozen=True)
@@ -80,3 +85,33 @@ class StepInfo:
     taken: bool = True
     uphill_resolves: int = 0
     penalty: float = 0.0
+
+
+def step_info(
+    run: Outcome, loss0: float, grad_norm: float, evals: int, lr: float, penalty: float = 0.0
+) -> StepInfo:
+    """The :class:`StepInfo` of a step's outcome (:func:`~torch_sgn.solve.step.damped_step`):
+    ``loss0`` and ``grad_norm`` at its start, ``evals`` loss evaluations, step length ``lr``
+    and the weight decay's ``penalty`` in ``loss0``."""
+    trial, search, result = run.trial, run.search, run.trial.result
+    return StepInfo(
+        loss=loss0,
+        loss_after=search.loss if run.moved else loss0,
+        grad_norm=grad_norm,
+        iterations=result.iterations,
+        residual=trial.solution.residual_norm,
+        stop_reason=result.reason,
+        damping=run.damping,
+        next_damping=run.next_damping,
+        step_size=lr * run.step_factor,
+        tr_ratio=run.ratio,
+        predicted_change=trial.solution.predicted,
+        loss_evals=evals,
+        line_search_ok=search.success,
+        attempts=run.attempts,
+        solver="direct" if isinstance(result, DirectResult) else "cg",
+        accelerated=run.moved and trial.curve is not None,
+        taken=run.moved,
+        uphill_resolves=run.resolves,
+        penalty=penalty,
+    )

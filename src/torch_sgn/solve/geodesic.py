@@ -113,6 +113,7 @@ def accelerator(
     size: int,
     scale: float,
     mask: Optional[Tensor] = None,
+    centre: Optional[Tensor] = None,
 ) -> Callable[[DirectResult], Optional[Tensor]]:
     r"""``result -> scale * a``, the acceleration's term of one exact solve of the step at
     ``theta`` (``None`` where it is not used: no factorization to solve again, a breakdown, a
@@ -130,8 +131,9 @@ def accelerator(
         size: the length of the right-hand side (``P``, or the batch's outputs ``R``).
         scale: ``lr^2 / 2``: the term enters the step as ``s d + s^2 scale a``.
         mask: 1 at the parameters still trainable (``None``: all are).
+        centre: ``outputs_at(theta)`` where the caller has it (equal to it bit for bit), else
+            ``None``: computed at the first use, and shared by the step's attempts.
     """
-    centre = None  # the outputs at theta, shared by the step's attempts
 
     def curve(result: DirectResult) -> Optional[Tensor]:
         if result.again is None or result.breakdown:

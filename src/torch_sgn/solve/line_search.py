@@ -35,6 +35,7 @@ def backtracking(
     shrink: float = 0.5,
     max_evals: int = 10,
     first: Optional[float] = None,
+    floor: float = 0.0,
 ) -> LineSearchResult:
     r"""Shrinks ``a`` from 1 until the Armijo condition holds (Nocedal & Wright, Alg. 3.1).
 
@@ -52,6 +53,9 @@ def backtracking(
         max_evals: at most this many loss evaluations (``MAX_LS_ITERS``).
         first: ``L(theta + s)`` if already known (the trust-region test computes it), which
             saves one evaluation.
+        floor: the rounding of the loss: the search gives up (``success=False``) rather than
+            try an ``a`` whose predicted decrease :math:`|a\, \nabla L^\top s|` is at most
+            this, where a comparison of losses says nothing. 0: off.
 
     Returns:
         A :class:`LineSearchResult`. If no trial passes, the last (smallest) one is returned
@@ -63,7 +67,7 @@ def backtracking(
     while True:
         if math.isfinite(loss) and loss <= loss0 + c * a * slope:
             return LineSearchResult(a, loss, evaluations, True)
-        if evaluations >= max_evals:
+        if evaluations >= max_evals or -a * shrink * slope <= floor:
             return LineSearchResult(a, loss, evaluations, False)
         a *= shrink
         loss = loss_at(a)

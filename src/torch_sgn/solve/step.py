@@ -54,6 +54,7 @@ __all__ = [
     "UPHILL_RESOLVES",
     "damped_step",
     "damping_floor",
+    "rounding",
 ]
 
 logger = logging.getLogger("torch_sgn")
@@ -90,15 +91,23 @@ class Problem:
         return self.rhs is self.grad or float(torch.dot(self.grad, self.rhs)) > 0
 
 
+def rounding(loss0: float, dtype: torch.dtype) -> float:
+    """The loss's rounding: changes of ``loss0`` this small are noise (``100 eps |loss0|``)."""
+    return 100 * torch.finfo(dtype).eps * max(abs(loss0), torch.finfo(dtype).tiny)
+
+
 @dataclass(frozen=True)
 class LineSearch:
-    """The step length: ``lr`` times the backtracking factor (``line_search`` on) or 1."""
+    """The step length: ``lr`` times the backtracking factor (``line_search`` on) or 1.
+    ``above_rounding``: backtracking stops where the predicted decrease falls to the loss's
+    :func:`rounding` (the curve-fit driver's steps, :mod:`torch_sgn.curve_steps`)."""
 
     lr: float
     on: bool
     c: float
     shrink: float
     max_evals: int
+    above_rounding: bool = False
 
     @classmethod
     def of(cls, group: Mapping) -> LineSearch:
@@ -260,8 +269,7 @@ class Trial:
         moved = solution.moved
         loss = problem.loss_at(step if curve is None else step + curve) if moved else loss0
         predicted = solution.predicted
-        dtype = grad.dtype
-        noise = 100 * torch.finfo(dtype).eps * max(abs(loss0), torch.finfo(dtype).tiny)
+        noise = rounding(loss0, grad.dtype)
         within_noise = abs(predicted) <= noise and not result.breakdown and math.isfinite(loss)
         ratio = (loss - loss0) / predicted if predicted < 0 else math.nan
         # The line search's first test, at a = 1.
@@ -391,6 +399,7 @@ def _line_search(
             lambda a: problem.loss_at(trial.displacement(a), a), problem.loss0,
             trial.solution.slope, c=search.c, shrink=search.shrink, max_evals=search.max_evals,
             first=trial.loss,
+            floor=rounding(problem.loss0, problem.grad.dtype) if search.above_rounding else 0.0,
         )  # fmt: skip
         return found, evals + found.evaluations
     return found, evals + trial.evals

@@ -1,0 +1,268 @@
+r"""SGN's exact steps on a small curve fit, without the optimizer's per-step set-up.
+
+A curve fit (a few parameters, one fixed batch of residuals) spends most of an
+:meth:`SGN.step <torch_sgn.SGN.step>` on what a general model needs: the engine's
+linearization through :func:`torch.func.functional_call`, ``J`` by ``vmap`` of ``jacrev``, the
+checks of a new batch and the optimizer's state. :class:`CurveSteps` takes the same step (the
+damped Gauss-Newton solve, its Levenberg-Marquardt attempts, trust region, line search,
+geodesic acceleration and uphill rule: :func:`~torch_sgn.solve.step.damped_step` with
+SGN's options) from a lighter linearization:
+
+* the residuals at a trial point: the parameters written in place and the user's residual
+  function called as it is;
+* ``J``: the residual function evaluated once with each parameter entry *broadcast* to the
+  residuals' shape (a scalar ``b`` becomes a tensor of ``b`` of the residuals' shape, a vector
+  ``x`` of shape ``(k,)`` one of shape ``(k, *residuals)``), then one backward pass of their
+  sum: where residual ``i`` reads only entry ``i`` of each broadcast copy (an elementwise curve
+  model), the copy's gradient at ``i`` is :math:`\partial r_i / \partial b`, so the whole
+  ``J`` costs one forward and one backward pass. Whether a model is such is checked, not
+  assumed: at the first point the result must equal ``J`` by ``jacrev``; if it does not (a
+  parameter that enters a reduction over the residuals, or a model that cannot take the
+  broadcast copies) every step forms ``J`` by ``jacrev``.
+
+The loss is SGN's for a residual problem, :math:`L = \lVert r \rVert^2` (gradient
+:math:`2 J^\top r`, Gauss-Newton matrix :math:`2 J^\top J`), so a step here is an SGN step with
+the same options up to rounding (``tests/test_least_squares.py`` compares them).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Callable, List, Mapping, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .distributed import SingleProcess
+from .solve import geodesic
+from .solve.damping import GROWTH_START
+from .solve.descents import MatrixDescent
+from .solve.state import StepState
+from .solve.step import DampingRule, LineSearch, Problem, damped_step
+from .step_info import StepInfo, step_info
+
+__all__ = ["CurveSteps", "UNSUPPORTED"]
+
+#: SGN's options (with the values they must have) outside what :class:`CurveSteps` takes:
+#: a fit with another value of one of them runs through the optimizer.
+UNSUPPORTED = {
+    "gradient_averaging": 0.0,
+    "weight_decay": 0.0,
+    "curvature_fraction": 1.0,
+}
+
+
+class CurveSteps:
+    """Exact SGN steps on ``fn(module)``, the residuals of a module's parameters.
+
+    Args:
+        fn: ``module -> residuals`` (any shape), a function of the module's trainable
+            parameters.
+        module: the module; its trainable parameters ``params`` are written in place at each
+            evaluation (:meth:`write` the point to keep at the end).
+        params: the module's trainable parameters, in the order of the flat vector.
+        group: SGN's options (an :class:`~torch_sgn.SGN` param group, checked).
+
+    While it runs, the parameters are views of one flat tensor (a point is written by one
+    copy); :meth:`close` gives each its own storage again.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[[nn.Module], Tensor],
+        module: nn.Module,
+        params: List[nn.Parameter],
+        group: Mapping,
+    ):
+        self.fn, self.module, self.params = fn, module, params
+        self.sizes = [p.numel() for p in params]
+        names = {id(p): n for n, p in module.named_parameters()}
+        self.names = [names[id(p)] for p in params]
+        self.rule = DampingRule.of(group, exact=True)
+        # Backtracking stops at the loss's rounding: a fit to the last digits reaches it, and
+        # comparisons of losses there would pick a step by the noise.
+        self.search = replace(LineSearch.of(group), above_rounding=True)
+        self.lr = float(group["lr"])
+        on = group["geodesic_acceleration"]
+        dtype = params[0].dtype
+        self.accelerate = dtype == torch.float64 if on is None else bool(on)
+        growth = GROWTH_START if group["damping_update"] == "nielsen" else None
+        self.state = StepState(0, float(group["damping"]), growth)
+        self.broadcast: Optional[bool] = None  # J by broadcast copies: decided at the first J
+        self._shape: Tuple[int, ...] = ()  # the residuals' shape, where broadcast
+        self._same = False  # the broadcast residuals equal the plain call's bit for bit
+        self._call = _Call(fn, module)
+        self._keys = [f"inner.{n}" for n in self.names]
+        self.shares = SingleProcess().shares
+        self._flat: Optional[Tensor] = None
+        if len({(p.dtype, p.device) for p in params}) == 1:
+            self._flat = torch.cat([p.detach().reshape(-1) for p in params])
+            for p, chunk in zip(params, self._flat.split(self.sizes)):
+                p.data = chunk.view_as(p)
+
+    def close(self) -> None:
+        """Gives each parameter its own storage again (it holds the last point written)."""
+        if self._flat is not None:
+            for p in self.params:
+                p.data = p.data.clone()
+            self._flat = None
+
+    # --- evaluations ---------------------------------------------------------------------------
+    def write(self, flat: Tensor) -> None:
+        """Writes the flat point into the parameters."""
+        with torch.no_grad():
+            if self._flat is not None:
+                self._flat.copy_(flat)
+                return
+            for p, chunk in zip(self.params, flat.split(self.sizes)):
+                p.copy_(chunk.view_as(p))
+
+    def residuals_at(self, flat: Tensor) -> Tensor:
+        """The residuals at ``flat``, flat and detached."""
+        self.write(flat)
+        with torch.no_grad():
+            return self.fn(self.module).reshape(-1)
+
+    def loss_at(self, flat: Tensor) -> float:
+        return float(self.residuals_at(flat).square().sum())
+
+    def jacobian(self, flat: Tensor) -> Tuple[Tensor, Tensor]:
+        """``(r, J)`` at ``flat``: the residuals (flat) and their Jacobian (``R x P``). ``r``
+        equals :meth:`residuals_at`'s bit for bit, as every trial point's, so that the step
+        compares losses computed alike: the broadcast copies' residuals are used where they
+        were equal at the first point, else :meth:`residuals_at` runs too."""
+        self.write(flat)
+        if self.broadcast is None:
+            self.broadcast = self._broadcast_agrees()
+        if self.broadcast:
+            r, jac = self._by_broadcast(self._shape)
+            return (r if self._same else self.residuals_at(flat)), jac
+        return self.residuals_at(flat), self._by_jacrev(flat)[1]
+
+    def _by_jacrev(self, flat: Tensor) -> Tuple[Tensor, Tensor]:
+        base = {n: p.detach() for n, p in zip(self.names, self.params)}
+
+        def residuals(point: Tensor) -> Tuple[Tensor, Tensor]:
+            chunks = point.split(self.sizes)
+            values = {k: c.view_as(base[n]) for k, n, c in zip(self._keys, self.names, chunks)}
+            out = torch.func.functional_call(self._call, values, ())
+            out = out.reshape(-1)
+            return out, out.detach()
+
+        with torch.enable_grad():
+            jac, r = torch.func.jacrev(residuals, has_aux=True)(flat)
+        return r, jac
+
+    def _by_broadcast(self, r_shape: Tuple[int, ...]) -> Tuple[Tensor, Tensor]:
+        """``(r, J)`` by the broadcast copies, leaves of their own swapped in for the
+        parameters by :func:`torch.func.functional_call`."""
+        copies = {
+            key: p.detach()
+            .reshape(p.shape + (1,) * len(r_shape))
+            .expand(p.shape + r_shape)
+            .clone()
+            .requires_grad_()
+            for key, p in zip(self._keys, self.params)
+        }
+        with torch.enable_grad():
+            # Untied: a weight registered twice keeps its original under its second name, and
+            # the check of J (by the plain residuals) then refuses the copies.
+            out = torch.func.functional_call(self._call, copies, (), tie_weights=False)
+            if tuple(out.shape) != r_shape:
+                raise ValueError("the broadcast residuals changed shape")
+            grads = torch.autograd.grad(out.sum(), list(copies.values()), allow_unused=True)
+        m = out.numel()
+        cols = [
+            torch.zeros(p.numel(), m, dtype=out.dtype, device=out.device)
+            if g is None
+            else g.reshape(p.numel(), m)
+            for p, g in zip(self.params, grads)
+        ]
+        return out.detach().reshape(-1), torch.cat(cols).T
+
+    def _broadcast_agrees(self) -> bool:
+        """Whether the broadcast copies give the residuals and ``J`` at the point the
+        parameters hold, up to rounding; notes the residuals' shape and whether the copies'
+        residuals equal the plain call's bit for bit.
+
+        ``J`` is checked through one vector-Jacobian product of the plain residuals with a
+        random ``u``: ``J_b^T u = J^T u`` for every ``u`` exactly where ``J_b = J``, and where
+        they differ, for a random ``u`` almost surely not (drawn from a generator of its own, so
+        that the fit leaves the global random state alone)."""
+        with torch.enable_grad():
+            direct = self.fn(self.module)
+        self._shape = tuple(direct.shape)
+        try:
+            r_b, jac_b = self._by_broadcast(self._shape)
+        except Exception:  # a model that cannot take the copies: J by jacrev
+            return False
+        r = direct.detach().reshape(-1)
+        self._same = torch.equal(r_b, r)
+        if not _close(r_b, r, r.abs()) or direct.grad_fn is None:
+            return False
+        generator = torch.Generator(device=r.device).manual_seed(0)
+        u = torch.randn(r.shape, generator=generator, dtype=r.dtype, device=r.device)
+        grads = torch.autograd.grad(direct.reshape(-1) @ u, self.params, allow_unused=True)
+        jtu = torch.cat([
+            torch.zeros(p.numel(), dtype=r.dtype, device=r.device) if g is None else g.reshape(-1)
+            for p, g in zip(self.params, grads)
+        ])  # fmt: skip
+        return _close(jac_b.T @ u, jtu, jac_b.abs().T @ u.abs())
+
+    # --- one step ------------------------------------------------------------------------------
+    def step(self, theta: Tensor, r: Tensor, jac: Tensor) -> Tuple[Tensor, StepInfo]:
+        """One SGN step from ``theta``, where the residuals are ``r`` and their Jacobian
+        ``jac``: the next point (``theta`` itself where the step is not taken) and its
+        :class:`~torch_sgn.StepInfo`. The parameters hold an arbitrary trial point after it."""
+        grad = 2.0 * (jac.T @ r)
+        loss0 = float(r.square().sum())
+        matrix = None
+
+        def ggn() -> Tensor:
+            nonlocal matrix
+            if matrix is None:
+                matrix = 2.0 * (jac.T @ jac)
+            return matrix
+
+        def loss_at(displacement: Tensor, a: float = 1.0) -> float:
+            return self.loss_at(theta + displacement)
+
+        problem = Problem(grad, grad, loss0, loss_at)
+        accelerate = None
+        if self.accelerate:
+            accelerate = geodesic.accelerator(
+                theta, self.residuals_at, lambda centre: lambda t: 2.0 * t,
+                lambda u: jac.T @ u, self.shares, theta.numel(), 0.5 * self.lr**2,
+                centre=r,
+            )  # fmt: skip
+        run = damped_step(
+            MatrixDescent(ggn, grad), problem, self.state, self.rule, self.search, accelerate
+        )
+        after = replace(self.state, step=self.state.step + 1, damping=run.next_damping)
+        if self.state.damping_growth is not None:
+            after = replace(after, damping_growth=run.growth)
+        self.state = after
+        point = theta + run.trial.displacement(run.step_factor) if run.moved else theta
+        grad_norm = float(torch.linalg.vector_norm(grad))
+        return point, step_info(run, loss0, grad_norm, run.evals, self.lr)
+
+
+def _close(a: Tensor, b: Tensor, size: Tensor) -> bool:
+    """Equal shapes, and each entry of ``a`` within ``sqrt(eps)`` times ``size`` (the entry's
+    magnitude, or the bound on its rounding) of ``b``'s."""
+    if a.shape != b.shape:
+        return False
+    info = torch.finfo(b.dtype)
+    return bool(((a - b).abs() <= math.sqrt(info.eps) * size + info.tiny).all())
+
+
+class _Call(nn.Module):
+    """``fn(module)`` as a module's forward, for :func:`torch.func.functional_call`."""
+
+    def __init__(self, fn: Callable[[nn.Module], Tensor], module: nn.Module):
+        super().__init__()
+        self.fn, self.inner = fn, module
+
+    def forward(self) -> Tensor:
+        return self.fn(self.inner)
