@@ -82,7 +82,7 @@ def _case(device: torch.device, loss: str, n_out: int, momentum: float, geodesic
     model = model.to(device)
     opt = SGN(
         model, loss, damping=rho, solver="direct", momentum=momentum, line_search=False,
-        trust_region=False, geodesic_acceleration=geodesic,
+        trust_region=False, geodesic_acceleration=geodesic, reject_uphill=False,
     )  # fmt: skip
     info = opt.step(x.to(device), y.to(device))
     got = nn.utils.parameters_to_vector(model.parameters()).detach().cpu()
