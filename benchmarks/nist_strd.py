@@ -15,13 +15,16 @@ them in its ``NIST_STRD`` folder::
 Every problem runs from both starts with each method at the tolerances ``xtol = ftol = gtol =
 --tol`` (default 1e-8, the defaults of both; 1e-15 asks for all the digits float64 holds):
 ``sgn`` (:func:`torch_sgn.fitting.least_squares`, parameters an ``nn.Module`` of scalar
-``nn.Parameter`` s, options ``--sgn-options``), ``lm`` and ``trf``
+``nn.Parameter`` s, options ``--sgn-options``; its steps run through
+:mod:`torch_sgn.curve_steps`), ``sgn-optimizer`` (the same fit posed as a
+:class:`~torch_sgn.pinn.Residuals` problem, whose steps run through :class:`~torch_sgn.SGN`
+itself: what ``curve_steps`` saves per step), ``lm`` and ``trf``
 (``scipy.optimize.least_squares``, Jacobians by finite differences as a user calls it).
 Reported per fit: digits of agreement with the certified parameters (the log relative error
 ``-log10 |b - c| / |c|``, the minimum over parameters, capped at 11), the status, steps
 (scipy: Jacobian evaluations), residual evaluations and the CPU seconds of one fit (median of
 ``--repeats``, after one warm-up fit of the first problem). Result (shared 2-core CPU, one
-thread): see ``benchmarks/results/2026-11-27_cpu_nist_strd/README.md``.
+thread): see ``benchmarks/results/2026-11-28_cpu_nist_strd/README.md``.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import torch
 from torch import nn
 
 from torch_sgn.fitting import least_squares
+from torch_sgn.pinn import Residual, Residuals
 
 PI = math.pi
 
@@ -179,12 +183,22 @@ class Curve(nn.Module):
         return [getattr(self, f"b{i + 1}") for i in range(self.n)]
 
 
-def fit_sgn(problem: Problem, start, options: dict, tols: dict) -> dict:
+def fit_sgn(problem: Problem, start, options: dict, tols: dict, optimizer: bool = False) -> dict:
+    """SGN's fit; ``optimizer``: the same residuals as a :class:`~torch_sgn.pinn.Residuals`
+    problem, whose steps run through :class:`~torch_sgn.SGN` itself rather than
+    :mod:`torch_sgn.curve_steps` (the per-step overhead that module saves)."""
     model_fn = MODELS[problem.name]
     x = [torch.from_numpy(row) for row in problem.x]
     y = torch.from_numpy(problem.y)
     curve = Curve(start)
-    r = least_squares(lambda m: model_fn(m.b(), x, torch) - y, curve, **tols, **options)
+
+    def residuals(m):
+        return model_fn(m.b(), x, torch) - y
+
+    if optimizer:
+        r = least_squares(Residuals(curve, {"residuals": Residual(residuals)}), **tols, **options)
+    else:
+        r = least_squares(residuals, curve, **tols, **options)
     return dict(
         b=[float(v) for v in r.x],
         status=r.status,
@@ -215,8 +229,8 @@ def run(problem: Problem, start, method: str, options: dict, tols: dict, repeats
     for _ in range(repeats):
         t = time.process_time()
         try:
-            if method == "sgn":
-                out = fit_sgn(problem, start, options, tols)
+            if method in ("sgn", "sgn-optimizer"):
+                out = fit_sgn(problem, start, options, tols, optimizer=method == "sgn-optimizer")
             else:
                 out = fit_scipy(problem, start, method, tols)
         except Exception as e:  # a fit that raises is a miss, recorded with its error
@@ -259,7 +273,13 @@ def main() -> None:
         for s, start in enumerate(p.starts, 1):
             for m in methods:
                 out = run(p, start, m, options, tols, args.repeats)
-                label = args.label if m == "sgn" else m
+                label = (
+                    args.label
+                    if m == "sgn"
+                    else f"{args.label}-optimizer"
+                    if m == "sgn-optimizer"
+                    else m
+                )
                 rows.append(dict(problem=p.name, start=s, method=label, **out))
                 print(
                     f"{p.name:9s} {s} {label:14s} digits {out['digits']:5.1f} status "
