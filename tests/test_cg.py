@@ -152,6 +152,38 @@ def test_backtracking_rejects_non_finite_trials():
     assert res.success and res.step == 0.25
 
 
+def test_backtracking_gives_up_at_the_floor_before_trying_below_it():
+    # never an Armijo decrease; slope -1: the predicted decrease of a trial is a itself
+    tried = []
+
+    def loss_at(a):
+        tried.append(a)
+        return 1.0 + a
+
+    res = backtracking(loss_at, 0.5, -1.0, floor=0.1)
+    # 1, 1/2, 1/4, 1/8 tried; 1/16 would predict a decrease of 1/16 <= 0.1
+    assert tried == [1.0, 0.5, 0.25, 0.125]
+    assert not res.success and res.step == 0.125 and res.evaluations == 4
+    assert all(a * 1.0 > 0.1 for a in tried)
+    # at the floor itself: a = 1/8 predicts exactly 0.125, not tried
+    tried.clear()
+    res = backtracking(loss_at, 0.5, -1.0, floor=0.125, first=1.5)
+    assert tried == [0.5, 0.25] and res.evaluations == 3 and res.step == 0.25
+    # off (0), it runs to max_evals
+    tried.clear()
+    res = backtracking(loss_at, 0.5, -1.0, max_evals=6)
+    assert len(tried) == 6 and res.step == 1 / 32
+
+
+def test_backtracking_above_the_floor_still_finds_the_armijo_step():
+    # f(a) = (a - 0.2)^2: Armijo holds at a = 0.25, whose predicted decrease 0.1 > floor
+    res = backtracking(lambda a: (a - 0.2) ** 2, 0.04, -0.4, c=1e-4, floor=0.05)
+    assert res.success and res.step == 0.25 and res.evaluations == 3
+    # a floor at its predicted decrease (0.1) stops the search before it
+    res = backtracking(lambda a: (a - 0.2) ** 2, 0.04, -0.4, c=1e-4, floor=0.1)
+    assert not res.success and res.step == 0.5 and res.evaluations == 2
+
+
 def _phi(A: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> float:
     return float(0.5 * x @ A @ x - b @ x)
 

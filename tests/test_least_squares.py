@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from torch_sgn.fitting import LeastSquaresResult, least_squares
+from torch_sgn import StepInfo
+from torch_sgn.fitting import LeastSquaresResult, _test, least_squares
 from torch_sgn.pinn import Residual, Residuals
 
 TIGHT = dict(xtol=1e-15, ftol=1e-15, gtol=1e-15)
@@ -210,3 +211,29 @@ def test_frozen_parameter_kept():
     res = least_squares(lambda m: decay_residuals(m, t, y), model, **TIGHT)
     assert model.c.item() == 0.5 and res.x.numel() == 2
     assert math.isfinite(res.cost)
+
+
+def _info(**kw) -> StepInfo:
+    base = dict(
+        loss=1.0, loss_after=1.0, grad_norm=1e-8, iterations=0, residual=0.0,
+        stop_reason="cholesky", damping=1e-3, next_damping=1e-3, step_size=0.0,
+        tr_ratio=math.nan, predicted_change=-1e-14, loss_evals=1, line_search_ok=False,
+        solver="direct", taken=False,
+    )  # fmt: skip
+    base.update(kw)
+    return StepInfo(**base)
+
+
+def test_a_step_not_taken_at_a_prediction_within_rounding_meets_ftol():
+    # predicted 1e-14 (cost units 5e-15): within the loss's rounding (100 eps), above ftol F
+    x = torch.ones(3, dtype=torch.float64)
+    assert _test(_info(), x, x, 1.0, 0.0, 1e-15) == 2
+    # the same step taken (a reduction within rounding, ratio 0): it goes on
+    moved = x + 1e-9
+    taken = _info(taken=True, step_size=1.0, loss_after=1.0 - 1e-16, line_search_ok=True)
+    assert _test(taken, x, moved, 1.0, 0.0, 1e-15) is None
+    # a step not taken at a prediction above rounding (its ratio a number): it goes on
+    rejected = _info(tr_ratio=-3.0, predicted_change=-1e-6)
+    assert _test(rejected, x, x, 1.0, 0.0, 1e-15) is None
+    # ftol off: never
+    assert _test(_info(), x, x, 1.0, 0.0, 0.0) is None

@@ -22,7 +22,7 @@ SGN's options) from a lighter linearization:
 
 The loss is SGN's for a residual problem, :math:`L = \lVert r \rVert^2` (gradient
 :math:`2 J^\top r`, Gauss-Newton matrix :math:`2 J^\top J`), so a step here is an SGN step with
-the same options up to rounding (``tests/test_least_squares.py`` compares them).
+the same options up to rounding (``tests/test_curve_steps.py`` compares them).
 """
 
 from __future__ import annotations
