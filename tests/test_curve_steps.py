@@ -252,11 +252,6 @@ def test_jacobian_equals_dense_jacobian_of_the_flat_parameters(name, make, fn, f
         steps.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the check of the copies' J accepts a difference up to sqrt(eps) of its size, "
-    "far above rounding: a coupling of 1e-8 through a reduction passes it",
-)
 def test_a_small_coupling_through_a_reduction_is_not_taken_for_elementwise():
     def coupled(m):
         return m.b * T - 1e-8 * (m.b * T).mean() + m.c * torch.exp(-T) - Y_DECAY
@@ -592,3 +587,13 @@ def test_a_fit_leaves_the_global_random_state_alone(monkeypatch):
     assert len(made) == 1 and made[0].broadcast is True  # the check of the copies ran
     assert res.steps > 0
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_a_curvature_fraction_on_a_residuals_problem_is_refused_clearly():
+    module = Params(a=1.0, k=0.3, c=0.1)
+    problem = Residuals(module, {"residuals": Residual(decay)})
+    with pytest.raises(ValueError, match="curvature_fraction=0.5: a Residuals problem"):
+        SGN(problem, problem.loss, curvature_fraction=0.5)
+    with pytest.raises(ValueError, match="curvature_fraction=0.5: a Residuals problem"):
+        least_squares(decay, module, curvature_fraction=0.5, max_steps=3)
+    assert float(module.a) == 1.0

@@ -208,7 +208,11 @@ class CurveSteps:
             torch.zeros(p.numel(), dtype=r.dtype, device=r.device) if g is None else g.reshape(-1)
             for p, g in zip(self.params, grads)
         ])  # fmt: skip
-        return _close(jac_b.T @ u, jtu, jac_b.abs().T @ u.abs())
+        # J_b^T u and the product by autograd sum the same R products in another order: they
+        # differ by at most about R eps (|J_b|^T |u|) (Higham's bound of a sum's rounding); a
+        # J that is wrong by more than that is refused.
+        bound = 4 * r.numel() * torch.finfo(r.dtype).eps * (jac_b.abs().T @ u.abs())
+        return bool(((jac_b.T @ u - jtu).abs() <= bound + torch.finfo(r.dtype).tiny).all())
 
     # --- one step ------------------------------------------------------------------------------
     def step(self, theta: Tensor, r: Tensor, jac: Tensor) -> Tuple[Tensor, StepInfo]:
@@ -250,7 +254,7 @@ class CurveSteps:
 
 def _close(a: Tensor, b: Tensor, size: Tensor) -> bool:
     """Equal shapes, and each entry of ``a`` within ``sqrt(eps)`` times ``size`` (the entry's
-    magnitude, or the bound on its rounding) of ``b``'s."""
+    magnitude) of ``b``'s."""
     if a.shape != b.shape:
         return False
     info = torch.finfo(b.dtype)

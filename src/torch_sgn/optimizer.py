@@ -334,6 +334,12 @@ class SGN(torch.optim.Optimizer):
 
         if isinstance(model, nn.parallel.DistributedDataParallel) and process_group is None:
             process_group = model.process_group  # (FunctionalModel takes the module it wraps)
+        if curvature_fraction < 1 and hasattr(model, "jacobian_blocks"):
+            raise ValueError(
+                f"curvature_fraction={curvature_fraction}: a Residuals problem's points belong "
+                "to its blocks, not to one batch of samples to draw a subset from; use "
+                "curvature_fraction=1 (exact steps form G from every residual)"
+            )
         self._fmodel = FunctionalModel(model)
         self._solver = solver
         self._direct_max_params = direct_max_params
