@@ -16,9 +16,10 @@ SGN's options) from a lighter linearization:
   sum: where residual ``i`` reads only entry ``i`` of each broadcast copy (an elementwise curve
   model), the copy's gradient at ``i`` is :math:`\partial r_i / \partial b`, so the whole
   ``J`` costs one forward and one backward pass. Whether a model is such is checked, not
-  assumed: at the first point the result must equal ``J`` by ``jacrev``; if it does not (a
-  parameter that enters a reduction over the residuals, or a model that cannot take the
-  broadcast copies) every step forms ``J`` by ``jacrev``.
+  assumed: at the first point the copies' residuals must equal the plain call's, and their
+  ``J`` must give one vector-Jacobian product of the plain residuals to rounding; where it
+  does not (a parameter that enters a reduction over the residuals, a weight registered
+  twice, a model that cannot take the copies) every step forms ``J`` by ``jacrev``.
 
 The loss is SGN's for a residual problem, :math:`L = \lVert r \rVert^2` (gradient
 :math:`2 J^\top r`, Gauss-Newton matrix :math:`2 J^\top J`), so a step here is an SGN step with
@@ -97,6 +98,8 @@ class CurveSteps:
         self.shares = SingleProcess().shares
         self._flat: Optional[Tensor] = None
         if len({(p.dtype, p.device) for p in params}) == 1:
+            # Views of the same shapes, dtype and device: autograd's record of each parameter
+            # (its gradient's shape) is unchanged.
             self._flat = torch.cat([p.detach().reshape(-1) for p in params])
             for p, chunk in zip(params, self._flat.split(self.sizes)):
                 p.data = chunk.view_as(p)
