@@ -809,8 +809,30 @@ LSTMS = {
 }
 
 
-@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
-@pytest.mark.parametrize("variant", list(LSTMS))
+def _lstm_cases() -> list:
+    """(variant, train) for every variant and mode. Training mode changes the rule's work only
+    through dropout between layers: without it, the bidirectional variants' training-mode cases
+    (the same products as their evaluation mode's, several seconds each) run with the slow tests,
+    and so does the two-layer bidirectional variant with dropout in evaluation mode (the rule's
+    path of "bidirectional-two-layers-states" in evaluation mode, less the initial states)."""
+    slow = {
+        ("bidirectional-with-states", True),
+        ("bidirectional-two-layers-states", True),
+        ("bidirectional-two-layers-dropout", False),
+    }
+    return [
+        pytest.param(
+            variant,
+            train,
+            id=f"{variant}-{'train' if train else 'eval'}",
+            marks=pytest.mark.slow if (variant, train) in slow else (),
+        )
+        for variant in LSTMS
+        for train in (True, False)
+    ]
+
+
+@pytest.mark.parametrize("variant, train", _lstm_cases())
 def test_lstm_rule_matches_the_dense_reference(variant, train, monkeypatch):
     # In training mode, dropout between layers draws its masks as PyTorch's kernels do: the
     # reference, seeded as the engine's pass is, sees the same masks.
