@@ -23,7 +23,7 @@ SRC = Path(__file__).parents[1] / "src"
 
 pytestmark = [
     pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable"),
-    # one pytest-xdist worker (--dist loadgroup): the ranks of `equivalence` launch once
+    # one pytest-xdist worker (--dist loadgroup) where pytest-xdist can keep a group together
     pytest.mark.xdist_group("distributed"),
 ]
 
@@ -59,9 +59,27 @@ def _launch(scenario: str, out: Path, deadline: float, pg_timeout: float = 30.0)
     return results
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def equivalence(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dist")
+    """The ranks' results, launched once per test session. On pytest-xdist workers the first
+    worker to ask launches them and the others read its files: the xdist_group above does not
+    keep this module on one worker with every pytest (pytest-xdist's issue 1386), and a worker
+    that runs other modules' tests in between would otherwise launch them again."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return _launch_equivalence(tmp_path_factory.mktemp("dist"))
+    from filelock import FileLock  # a dependency of torch
+
+    out = tmp_path_factory.getbasetemp().parent / "dist"  # the session's, shared by its workers
+    out.mkdir(exist_ok=True)
+    with FileLock(str(out / "equivalence.lock")):
+        if not (out / "launched").is_file():  # (a failed launch leaves none: the next tries again)
+            results = _launch_equivalence(out)
+            (out / "launched").touch()
+            return results
+    return [torch.load(out / f"equivalence_{r}.pt", weights_only=False) for r in range(2)]
+
+
+def _launch_equivalence(out: Path) -> list:
     results = _launch("equivalence", out, deadline=90)
     for code, output in results:
         assert code == 0, output[-3000:]

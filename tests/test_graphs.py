@@ -291,8 +291,20 @@ def _any_batches(name, sizes, seed=1):
     return out
 
 
-@pytest.mark.parametrize("name", ["resnet_bn", "resnet_bn_eval", "transformer", "lstm"])
-@pytest.mark.parametrize("engine", ["traced", "auto"])
+#: (engine, model): the default run keeps one model per engine, the LSTM's integer inputs and
+#: the ResNet's batch-norm statistics read in evaluation mode (a training-mode pass writing
+#: them: test_traced_graphs_keep_the_buffers_a_training_mode_pass_updates; attention with
+#: graphs: test_traced_graphs_draw_dropouts_masks_as_eager_steps_do); the rest, a few seconds
+#: each, run with the slow tests
+FAST_REPLAYS = {("traced", "lstm"), ("auto", "resnet_bn_eval")}
+TRACED_REPLAYS = [
+    pytest.param(engine, name, marks=() if (engine, name) in FAST_REPLAYS else pytest.mark.slow)
+    for engine in ["traced", "auto"]
+    for name in ["resnet_bn", "resnet_bn_eval", "transformer", "lstm"]
+]
+
+
+@pytest.mark.parametrize("engine, name", TRACED_REPLAYS)
 def test_traced_replayed_steps_equal_eager_steps(name, engine, cpu_graph_captures):
     eval_mode = name.endswith("_eval")  # (in training mode its batch norm writes buffers)
     name = name.removesuffix("_eval")
@@ -644,8 +656,15 @@ def test_traced_products_of_a_replaced_point_raise(cpu_graph_captures):
 
 def test_a_failed_traced_capture_warns_once_and_steps_run_eagerly(failing_captures):
     calls = failing_captures
-    batches = _any_batches("transformer", [5, 5, 3])
-    graph_model, eager_model = _any_model("transformer")[0], _any_model("transformer")[0]
+
+    def build():  # the traced engine's graphs apply to any model it traces: a small one
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g))
+               for n in (5, 5, 3)]  # fmt: skip
+    graph_model, eager_model = build(), build()
     with pytest.warns(UserWarning, match="capturing the traced engine's work .* failed") as record:
         graph_infos, _ = _run(graph_model, "cross_entropy", batches, cuda_graphs=True,
                               engine="traced")  # fmt: skip

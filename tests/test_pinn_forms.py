@@ -101,16 +101,27 @@ class Poisson(nn.Module):
         return torch.cat([residual, self.net(edge).squeeze(-1)])
 
 
-# (form, whether the model has the boundary block too)
-#: the default run checks one autograd form and one torch.func form in two blocks; the other
-#: forms (each a few seconds on nested graphs) run with the slow tests
-CASES = [pytest.param(name, False, marks=pytest.mark.slow) for name in LAPLACIANS] + [
-    ("autograd_in_place", True),
-    ("hessian", True),
+ENGINES = ["auto", "traced", "functional"]
+# (form, whether the model has the boundary block too, engine)
+#: the default run checks one autograd form and one torch.func form in two blocks on every
+#: engine; the other forms (each a few seconds on nested graphs) run with the slow tests, and so
+#: does the torch.func form on "auto": the layer-wise engine declines these models and hands
+#: them to the traced engine, whose products of that form ("traced") and whose hand-over
+#: (the autograd form on "auto") the default run checks
+CASES = [
+    pytest.param(name, False, engine, marks=pytest.mark.slow)
+    for name in LAPLACIANS
+    for engine in ENGINES
+] + [
+    pytest.param("autograd_in_place", True, "auto"),
+    pytest.param("autograd_in_place", True, "traced"),
+    pytest.param("autograd_in_place", True, "functional"),
+    pytest.param("hessian", True, "auto", marks=pytest.mark.slow),
+    pytest.param("hessian", True, "traced"),
+    pytest.param("hessian", True, "functional"),
 ]
 #: the cases whose whole matrix is compared (a product per column: slow on nested graphs)
 DENSE = {("autograd_in_place", True, "auto"), ("hessian", False, "functional")}
-ENGINES = ["auto", "traced", "functional"]
 
 
 def _points(two_blocks: bool) -> Tensor:
@@ -161,8 +172,7 @@ def _reference(model: Poisson, x: Tensor):
     return jac.T @ jac * h, jac.T @ r * h, (r**2).mean()
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("form,two_blocks", CASES)
+@pytest.mark.parametrize("form,two_blocks,engine", CASES)
 def test_ggn_matches_dense_reference(form, two_blocks, engine):
     model = _model(form)
     x = _points(two_blocks)
@@ -182,8 +192,14 @@ def test_ggn_matches_dense_reference(form, two_blocks, engine):
     torch.testing.assert_close(G.loss, loss_ref, atol=1e-10, rtol=1e-12)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("form", ["autograd_in_place", "hessian"])
+@pytest.mark.parametrize(
+    "form,engine",
+    # the torch.func form's steps on the traced engine (several seconds each) run with the slow
+    # tests: the step is the same for every form, its products are checked above
+    [("autograd_in_place", engine) for engine in ENGINES]
+    + [pytest.param("hessian", e, marks=pytest.mark.slow) for e in ["auto", "traced"]]
+    + [("hessian", "functional")],
+)
 def test_sgn_step_lowers_the_loss(form, engine):
     model = _model(form)
     x = _points(True)

@@ -311,11 +311,11 @@ def test_direct_on_a_model_too_large_raises_at_construction_naming_count_and_byt
     assert "solver='cg'" in message
     assert torch.equal(_flat(model), before)
     # The layer-wise engine's chain may go through the outputs instead: built, and a batch of
-    # one sample (300 outputs) takes an exact step, where G would need 196 GB.
-    model = nn.Linear(300, 300)
+    # one sample (30 outputs) takes an exact step, where G would need 195 GB.
+    model = nn.Linear(3000, 30)
     before = _flat(model)
     opt = SGN(model, "mse", solver="direct")
-    x, y = torch.randn(1, 300), torch.randn(1, 300)
+    x, y = torch.randn(1, 3000), torch.randn(1, 30)
     assert opt.step(x, y).solver == "direct" and not torch.equal(_flat(model), before)
 
 
