@@ -14,5 +14,6 @@ bash scripts/setup.sh
 . .venv/bin/activate
 ruff check src tests benchmarks examples
 ruff format --check src tests benchmarks examples
-# loadgroup: the tests of one xdist_group (the distributed ranks' module) share a worker.
+# loadgroup keeps an xdist_group's tests on one worker where pytest-xdist can (not with pytest 9.2);
+# the distributed tests' ranks are launched once per session whichever worker asks first.
 python -m pytest -q -n auto --dist loadgroup ${select[@]+"${select[@]}"} "$@"
