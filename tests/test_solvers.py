@@ -10,9 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from cases import LOSS, LOSSES, MODELS, dense_ggn, make_batch
+from cases import LOSS, LOSSES, MODELS, ModelCase, dense_ggn, dense_parts, make_batch, normal
 from torch_sgn import SGN, linearization
 from torch_sgn.engines import jacobian
+from torch_sgn.engines.layerwise import engine as layerwise
 from torch_sgn.engines.selection import select_engine
 from torch_sgn.linearization import Batch, ggn_matrix
 from torch_sgn.losses import resolve_loss
@@ -413,16 +414,125 @@ def test_a_gradient_average_goes_through_G_not_through_the_outputs(monkeypatch):
     assert matrix and not samples
 
 
-def test_the_outputs_kernel_is_J_J_transposed_for_tied_weights_and_several_outputs():
-    model, x, y, lin = _tied(samples=5, outputs=3)
-    assert lin.sample_space is not None and lin.sample_space.size == 15
-    params = list(model.parameters())
-    out = model(x).reshape(-1)
-    J = torch.stack(
-        [torch.cat([g.reshape(-1) for g in torch.autograd.grad(o, params, retain_graph=True)])
-         for o in out]
-    )  # fmt: skip
-    torch.testing.assert_close(lin.sample_space.kernel_matrix(), J @ J.T, rtol=1e-10, atol=1e-12)
+def _kernel_both_ways(monkeypatch, model, x, y):
+    """The layer-wise outputs kernel as the engine forms it, the same factors' kernel pair by
+    pair, and for each parameter (slot) whether its pairs go at once."""
+    stack, kernel_of, add = (
+        layerwise._stacked_factors,
+        layerwise._kernel_of_factors,
+        layerwise._add_stacked_pairs,
+    )
+    by_pairs, stacked, added = [], {}, []
+
+    def both(factors, z):
+        by_pairs.append(kernel_of(factors, z, by_pairs=True))
+        stacked.update({slot: stack(e, z[0].numel()) is not None for slot, e in factors.items()})
+        return kernel_of(factors, z)
+
+    monkeypatch.setattr(layerwise, "_kernel_of_factors", both)
+    monkeypatch.setattr(layerwise, "_add_stacked_pairs", lambda *a: added.append(1) or add(*a))
+    fm = FunctionalModel(model)
+    lin = select_engine(fm, resolve_loss("mse"), "layerwise")(fm.flat(), Batch(x, y))
+    assert lin.sample_space is not None
+    K = lin.sample_space.kernel_matrix()
+    assert len(added) == sum(stacked.values())  # the engine's kernel took the stacked route
+    return K, by_pairs[0], stacked
+
+
+def _dense_kernel(model, x, y) -> torch.Tensor:
+    _, J, _, _, _ = dense_parts(model, "mse", x, y)
+    return J @ J.T
+
+
+def _mlp7() -> nn.Module:  # three layers: the blocks of two output units are not symmetric
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 7))
+
+
+def _frozen_cnn() -> nn.Module:  # the route goes through the trainable layers only
+    model = MODELS[1].build()
+    model[0].requires_grad_(False)
+    return model.extend([nn.Tanh(), nn.Linear(3, 4), nn.Sigmoid(), nn.Linear(4, 4)])
+
+
+def _sequence() -> nn.Module:  # a linear layer on (samples, steps, features): rows formed
+    return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Flatten(), nn.Linear(10, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        MODELS[0],
+        ModelCase("mlp-7", _mlp7, normal(5, 4)),
+        ModelCase("frozen-cnn", _frozen_cnn, MODELS[1].inputs),
+        ModelCase("sequence", _sequence, normal(4, 2, 3)),
+    ],
+    ids=lambda c: c.name,
+)
+def test_the_outputs_kernel_adds_all_pairs_of_output_units_at_once(monkeypatch, case, dtype):
+    # Every trainable parameter has one entry per output unit: its pairs go at once, and give
+    # the loop's kernel to rounding and J J^T built by autograd.
+    model, x, y = make_batch(case, LOSS["mse"], dtype=dtype)
+    K, K_pairs, stacked = _kernel_both_ways(monkeypatch, model, x, y)
+    n_params = sum(1 for p in model.parameters() if p.requires_grad)
+    assert list(stacked.values()) == [True] * n_params and y[0].numel() >= 3
+    rtol = 1e-12 if dtype == torch.float64 else 1e-5
+    scale = float(K.abs().max())
+    torch.testing.assert_close(K, K_pairs, rtol=rtol, atol=rtol * scale)
+    reference = _dense_kernel(copy.deepcopy(model).double(), x.double(), y.double())
+    rtol = 1e-10 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(K, reference, rtol=rtol, atol=rtol * scale)
+
+
+def test_the_outputs_kernel_is_J_J_transposed_for_tied_weights_and_several_outputs(monkeypatch):
+    # The layer used twice has two entries per output unit: its pairs go one by one, the last
+    # layer's at once.
+    torch.manual_seed(3)
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(shared, nn.Tanh(), shared, nn.Sigmoid(), nn.Linear(4, 3)).double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    K, K_pairs, stacked = _kernel_both_ways(monkeypatch, model, x, y)
+    assert K.shape == (15, 15) and stacked == {0: False, 1: False, 2: True, 3: True}
+    torch.testing.assert_close(K, _dense_kernel(model, x, y), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(K, K_pairs, rtol=1e-12, atol=1e-12 * float(K.abs().max()))
+
+
+def test_the_outputs_kernel_of_one_output_unit_goes_pair_by_pair(monkeypatch):
+    model, x, _ = make_batch(MODELS[0], LOSS["mse"])
+    model[-1] = nn.Linear(5, 1).double()
+    y = torch.randn(6, 1, dtype=torch.float64)
+    K, K_pairs, stacked = _kernel_both_ways(monkeypatch, model, x, y)
+    assert list(stacked.values()) == [False] * 4 and torch.equal(K, K_pairs)
+    torch.testing.assert_close(K, _dense_kernel(model, x, y), rtol=1e-10, atol=1e-12)
+
+
+def test_only_one_factor_per_output_unit_with_one_right_factor_goes_at_once():
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(4, 3, generator=g, dtype=torch.float64)
+    lefts = [torch.randn(4, 2, generator=g, dtype=torch.float64) for _ in range(3)]
+    z = torch.zeros(4, 3, dtype=torch.float64)  # 4 samples, 3 output units
+
+    def entries(rights, units=(0, 1, 2)):
+        return [(o, left, right) for o, left, right in zip(units, lefts, rights)]
+
+    shared = [a.reshape(4, -1) for _ in range(3)]  # a new tensor each, one memory
+    for factors in (entries(shared), entries([None] * 3)):
+        assert layerwise._stacked_factors(factors, 3) is not None
+        K = layerwise._kernel_of_factors({0: factors}, z)
+        torch.testing.assert_close(
+            K, layerwise._kernel_of_factors({0: factors}, z, by_pairs=True), rtol=1e-12, atol=0
+        )
+    declined = [
+        entries([a, a.clone(), a]),  # equal values, other memory
+        entries([a, a.as_strided((4, 3), (1, 4)), a]),  # the same memory read otherwise
+        entries(shared, units=(0, 1, 1)),  # a unit twice (tied weights)
+        entries(shared)[:2],  # a unit missing
+    ]
+    for factors in declined:
+        assert layerwise._stacked_factors(factors, 3) is None
+        K = layerwise._kernel_of_factors({0: factors}, z)
+        assert torch.equal(K, layerwise._kernel_of_factors({0: factors}, z, by_pairs=True))
+    assert layerwise._stacked_factors(entries(shared)[:1], 1) is None  # one output unit
 
 
 def test_the_outputs_kernel_of_a_sequence_model_forms_the_rows():

@@ -362,13 +362,24 @@ def _sample_kernel(chain, first: int, fmodel: FunctionalModel, z: Tensor) -> Ten
     ``K`` costs ``R^2`` times the layers' widths, never ``R P``. Rows of a parameter reached
     twice (tied weights) add up, so every pair of its factors contributes.
     """
-    n_samples, n_out = z.shape[0], z[0].numel()
+    n_samples = z.shape[0]
     factors: Dict[int, list] = {}
     for o, step, ctx, u in _output_cotangents(chain, first, fmodel, z):
         for slot, left, right in step.sample_factors(ctx, u):
             if isinstance(slot, int):  # frozen or absent parameters have no rows
                 right = None if right is None else right.reshape(n_samples, -1)
                 factors.setdefault(slot, []).append((o, left.reshape(n_samples, -1), right))
+    return _kernel_of_factors(factors, z)
+
+
+def _kernel_of_factors(factors: Dict[int, list], z: Tensor, by_pairs: bool = False) -> Tensor:
+    """``J J^T`` from each parameter's ``(o, left, right)`` factors (:func:`_sample_kernel`).
+
+    A parameter with one entry per output unit, in order, sharing one right factor (or none),
+    adds all its pairs of output units at once (:func:`_stacked_factors`); any other (tied
+    weights, a single output unit) pair by pair, as does every one with ``by_pairs``.
+    """
+    n_samples, n_out = z.shape[0], z[0].numel()
     kernel = z.new_zeros((n_samples, n_out, n_samples, n_out), dtype=torch.float64)
     grams: Dict[tuple, Tensor] = {}  # a layer's weight and bias share their left factor
 
@@ -379,6 +390,10 @@ def _sample_kernel(chain, first: int, fmodel: FunctionalModel, z: Tensor) -> Ten
         return grams[key]
 
     for entries in factors.values():
+        stacked = None if by_pairs else _stacked_factors(entries, n_out)
+        if stacked is not None:
+            _add_stacked_pairs(kernel, *stacked)
+            continue
         for i, (o1, left1, right1) in enumerate(entries):
             for j in range(i, len(entries)):
                 o2, left2, right2 = entries[j]
@@ -393,6 +408,42 @@ def _sample_kernel(chain, first: int, fmodel: FunctionalModel, z: Tensor) -> Ten
                     kernel[:, o2, :, o1] += block.T
     kernel = kernel.view(z.numel(), z.numel())
     return (kernel + kernel.T) * 0.5
+
+
+def _stacked_factors(entries: list, n_out: int) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+    """A parameter's left factors stacked ``(n_out, n, d)`` and the right factor they all share
+    (``None``: rows given whole), or ``None`` where it has not one entry per output unit in
+    order (tied weights), a single output unit, or right factors that differ.
+
+    A linear layer's right factor is its input, the same for every output unit but reshaped
+    into a new tensor for each: the same memory, shape and strides tell it.
+    """
+    if n_out < 2 or [o for o, _, _ in entries] != list(range(n_out)):
+        return None
+    right = entries[0][2]
+    for _, _, other in entries[1:]:
+        if (other is None) != (right is None):
+            return None
+        if right is not None and (
+            other.data_ptr() != right.data_ptr()
+            or other.shape != right.shape
+            or other.stride() != right.stride()
+            or other.dtype != right.dtype
+        ):
+            return None
+    return torch.stack([left for _, left, _ in entries]), right
+
+
+def _add_stacked_pairs(kernel: Tensor, lefts: Tensor, right: Optional[Tensor]) -> None:
+    """Adds to ``kernel[n, o, m, p]`` every pair of output units' blocks of one parameter,
+    ``(lefts[o, n] . lefts[p, m]) (right[n] . right[m])``: computed in the factors' dtype and
+    summed in float64, as pair by pair."""
+    n_out, n_samples = lefts.shape[:2]
+    flat = lefts.reshape(n_out * n_samples, -1)
+    block = (flat @ flat.T).view(n_out, n_samples, n_out, n_samples)  # (o, n, p, m)
+    if right is not None:
+        block *= (right @ right.T)[None, :, None, :]
+    kernel.permute(1, 0, 3, 2).add_(block)
 
 
 def _output_cotangents(chain, first: int, fmodel: FunctionalModel, z: Tensor) -> Iterator:
