@@ -497,6 +497,22 @@ def test_the_outputs_kernel_is_J_J_transposed_for_tied_weights_and_several_outpu
     torch.testing.assert_close(K, K_pairs, rtol=1e-12, atol=1e-12 * float(K.abs().max()))
 
 
+@pytest.mark.parametrize("outputs", [1, 3])
+def test_the_outputs_kernel_of_a_layer_on_samples_and_on_sequences(monkeypatch, outputs):
+    # One linear layer on (samples, features), its rows factored, and on (samples, 1,
+    # features), its rows formed: pairs of a factored row and a formed one.
+    torch.manual_seed(5)
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(
+        shared, nn.Tanh(), nn.Unflatten(1, (1, 4)), shared, nn.Flatten(), nn.Linear(4, outputs)
+    ).double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, outputs, dtype=torch.float64)
+    K, K_pairs, stacked = _kernel_both_ways(monkeypatch, model, x, y)
+    assert stacked == {0: False, 1: False, 2: outputs > 1, 3: outputs > 1}
+    torch.testing.assert_close(K, _dense_kernel(model, x, y), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(K, K_pairs, rtol=1e-12, atol=1e-12 * float(K.abs().max()))
+
+
 def test_the_outputs_kernel_of_one_output_unit_goes_pair_by_pair(monkeypatch):
     model, x, _ = make_batch(MODELS[0], LOSS["mse"])
     model[-1] = nn.Linear(5, 1).double()

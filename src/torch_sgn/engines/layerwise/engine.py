@@ -397,10 +397,11 @@ def _kernel_of_factors(factors: Dict[int, list], z: Tensor, by_pairs: bool = Fal
         for i, (o1, left1, right1) in enumerate(entries):
             for j in range(i, len(entries)):
                 o2, left2, right2 = entries[j]
-                block = gram(left1, left2)
-                if right1 is not None and right2 is not None:
-                    block = block * (right1 @ right2.T)
-                elif right1 is not None or right2 is not None:  # a row against a factored one
+                if right1 is None and right2 is None:
+                    block = gram(left1, left2)
+                elif right1 is not None and right2 is not None:
+                    block = gram(left1, left2) * (right1 @ right2.T)
+                else:  # a row against a factored one: the lefts' widths differ
                     block = _mixed_gram(left1, right1, left2, right2)
                 block = block.double()  # summed in float64; each block in the model's dtype
                 kernel[:, o1, :, o2] += block
