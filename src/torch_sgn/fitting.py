@@ -143,10 +143,9 @@ def least_squares(
         **sgn_options: any other argument of :class:`~torch_sgn.SGN` (``damping``,
             ``geodesic_acceleration``, ``attempts``, ...), except ``keep_grad``, which the
             driver sets (``.grad`` is restored after the fit). Two defaults differ from
-            SGN's: ``damping_update="nielsen"`` (over the NIST StRD suite it takes fewer steps
-            than the threshold rule, and reaches MGH17 from its first start), and ``engine=
-            "functional"``: exact steps need no ``G v`` products, and the other engines prepare
-            them at every fit.
+            SGN's: ``damping_update="nielsen"`` (on the NIST StRD suite it took fewer steps
+            than the paper's threshold rule), and ``engine="functional"``: exact steps need
+            no ``G v`` products, and the other engines prepare them at every fit.
 
     A residual function's fit (``residuals`` a callable) takes its steps through
     :class:`~torch_sgn.curve_steps.CurveSteps`: SGN's exact steps with these options, without
