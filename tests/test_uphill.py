@@ -122,6 +122,19 @@ def test_resolved_step_is_the_damped_gradient_step():
 
 
 @pytest.mark.parametrize("update", ["threshold", "nielsen"])
+def test_a_resolved_step_hands_on_the_first_solves_damping(update):
+    """The raised damping serves the re-solved step alone: the next step starts from the
+    damping the trust region set after the first (uphill) solve, the failed ratio's raise of the
+    starting damping (1.5x by the threshold rule; Nielsen's growth, 2x, by his)."""
+    model, x, y = _problem(torch.float64)
+    opt = SGN(model, _l1, solver="cg", cg_iters=2, damping=1e-4, damping_update=update)
+    info = opt.step(x, y)
+    assert info.taken and info.uphill_resolves >= 1
+    assert info.damping >= 512 * 1e-4  # the re-solve's
+    assert info.next_damping == pytest.approx(1e-4 * (1.5 if update == "threshold" else 2.0))
+
+
+@pytest.mark.parametrize("update", ["threshold", "nielsen"])
 def test_raised_damping_covers_the_line_search(update):
     """A re-solve raises the damping by the rule for a failed attempt, and at least by the
     inverse of the line search's last factor."""
