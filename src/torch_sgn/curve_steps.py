@@ -218,11 +218,14 @@ class CurveSteps:
         return bool(((jac_b.T @ u - jtu).abs() <= bound + torch.finfo(r.dtype).tiny).all())
 
     # --- one step ------------------------------------------------------------------------------
-    def step(self, theta: Tensor, r: Tensor, jac: Tensor) -> Tuple[Tensor, StepInfo]:
-        """One SGN step from ``theta``, where the residuals are ``r`` and their Jacobian
-        ``jac``: the next point (``theta`` itself where the step is not taken) and its
+    def step(
+        self, theta: Tensor, r: Tensor, jac: Tensor, cost_grad: Tensor
+    ) -> Tuple[Tensor, StepInfo]:
+        """One SGN step from ``theta``, where the residuals are ``r``, their Jacobian ``jac``
+        and the cost's gradient ``cost_grad = J^T r`` (the driver's, which tested it): the next
+        point (``theta`` itself where the step is not taken) and its
         :class:`~torch_sgn.StepInfo`. The parameters hold an arbitrary trial point after it."""
-        grad = 2.0 * (jac.T @ r)
+        grad = 2.0 * cost_grad  # SGN's loss is ||r||^2, twice the cost
         loss0 = float(r.square().sum())
         matrix = None
 

@@ -305,7 +305,7 @@ def _run_curve(
             elif steps > 0 and _sup(grad) < gtol:
                 status = 1
             else:
-                point, info = lean.step(theta, r, jac)
+                point, info = lean.step(theta, r, jac, grad)
                 evaluations += info.loss_evals
                 steps += 1
                 status = _test(info, theta, point, lr, xtol, ftol)
