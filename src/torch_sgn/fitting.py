@@ -149,8 +149,8 @@ def least_squares(
 
     A residual function's fit (``residuals`` a callable) takes its steps through
     :class:`~torch_sgn.curve_steps.CurveSteps`: SGN's exact steps with these options, without
-    the optimizer's per-step set-up (a quarter of the time on the NIST suite), and a line search
-    that gives up at the loss's rounding. Fits with ``solver="cg"``, ``weight_decay``,
+    the optimizer's per-step set-up (measured in docs/PINN.md), and a line search that gives up
+    at the loss's rounding. Fits with ``solver="cg"``, ``weight_decay``,
     ``gradient_averaging`` or ``curvature_fraction``, with more than ``direct_max_params``
     parameters, and :class:`~torch_sgn.pinn.Residuals` problems run through
     :class:`~torch_sgn.SGN` itself.
