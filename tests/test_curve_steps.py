@@ -14,6 +14,7 @@ from torch_sgn import SGN, fitting
 from torch_sgn.curve_steps import CurveSteps
 from torch_sgn.fitting import least_squares
 from torch_sgn.pinn import Residual, Residuals
+from torch_sgn.solve import geodesic
 from torch_sgn.solve import step as step_module
 from torch_sgn.solve.line_search import backtracking
 
@@ -277,12 +278,14 @@ STEP_CASES = {
     "peaks": (lambda: Params(amp=[1.0, 1.0], centre=[1.5, 4.5], width=[0.9, 0.9]), peaks),
     "reduction": (lambda: Params(b=0.5, a=0.5, k=2.0), reduction),
 }
+# The geodesic acceleration is off: CurveSteps takes its second difference one-sided (from the
+# J it holds), SGN central (test_the_first_accelerated_step_equals_a_dense_reference).
 OPTIONS = [
-    {},
     {"geodesic_acceleration": False},
-    {"line_search": False},
-    {"attempts": 3},
-    {"damping": 1.0},
+    {"geodesic_acceleration": False, "line_search": False},
+    {"geodesic_acceleration": False, "attempts": 3},
+    {"geodesic_acceleration": False, "damping": 1.0},
+    {"geodesic_acceleration": False, "reject_uphill": False},
 ]
 
 
@@ -303,7 +306,7 @@ def _sgn_points(make, fn, k: int, **options) -> tuple:
     return points, infos
 
 
-@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(o) or "defaults")
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(o))
 @pytest.mark.parametrize("case", list(STEP_CASES))
 def test_steps_equal_the_optimizers(case, options, monkeypatch):
     make, fn = STEP_CASES[case]
@@ -335,11 +338,32 @@ def test_steps_equal_the_optimizers(case, options, monkeypatch):
 def test_steps_of_a_vector_parameter_equal_the_optimizers(monkeypatch):
     start = torch.tensor([1.0, 1.5, 0.5, 0.0], dtype=D)
     made = _spy(monkeypatch)
-    points, _ = _sgn_points(lambda: Params(x=start.tolist()), vector, 5)
-    res = least_squares(vector_flat, start, max_steps=5, **OFF)
+    off = dict(geodesic_acceleration=False)
+    points, _ = _sgn_points(lambda: Params(x=start.tolist()), vector, 5, **off)
+    res = least_squares(vector_flat, start, max_steps=5, **OFF, **off)
     assert len(made) == 1 and made[0].broadcast is True
     assert (points[-1] - points[0]).norm() > 0.1
     torch.testing.assert_close(res.x, points[-1], rtol=1e-9, atol=1e-12)
+
+
+def test_the_first_accelerated_step_equals_a_dense_reference(monkeypatch):
+    # theta + v + a / 2: (G + rho I) v = -g, (G + rho I) a = -J^T H f_vv with f_vv by the
+    # one-sided difference 2 (r(theta + h v) - r - h J v) / h^2, from J by autograd
+    # (the loss sum r^2: g = 2 J^T r, G = 2 J^T J, H = 2).
+    made = _spy(monkeypatch)
+    res = least_squares(decay, Params(a=2.5, k=0.6, c=0.6), max_steps=1, **OFF)
+    assert len(made) == 1 and res.last_step.accelerated and res.last_step.step_size == 1.0
+    flat_fn, theta = decay_flat, torch.tensor([2.5, 0.6, 0.6], dtype=D)
+    r = flat_fn(theta)
+    J = torch.autograd.functional.jacobian(flat_fn, theta)
+    A = 2 * J.T @ J + res.last_step.damping * torch.eye(3, dtype=D)
+    v = -torch.linalg.solve(A, 2 * J.T @ r)
+    h = geodesic.STEP
+    fvv = 2 * (flat_fn(theta + h * v) - r - h * (J @ v)) / h**2
+    a = -torch.linalg.solve(A, J.T @ (2 * fvv))
+    assert 2 * a.norm() <= geodesic.RATIO * v.norm()
+    torch.testing.assert_close(res.x, theta + v + 0.5 * a, rtol=1e-10, atol=1e-12)
+    assert (a.norm() > 1e-3 * v.norm()) and not torch.allclose(res.x, theta + v)
 
 
 # --- which fits take CurveSteps --------------------------------------------------------------

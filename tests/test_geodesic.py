@@ -78,6 +78,32 @@ def test_second_difference_matches_the_exact_second_directional_derivative():
     assert errors[1] < 0.3 * errors[0]  # a central difference: second order in h
 
 
+def test_the_one_sided_difference_is_first_order_and_refused_within_rounding():
+    # 2 (f(theta + h v) - f(theta) - h J v) / h^2, with J v by autograd: its error falls
+    # linearly with h (the central difference's falls quadratically).
+    model, x, _ = _near_fit(8)
+    f, J, _, _, theta = dense_parts(model, "mse", x, torch.zeros(8, 2, dtype=torch.float64))
+    v = 0.3 * torch.randn(theta.shape, generator=torch.Generator().manual_seed(1)).double()
+    jvp = lambda u: (J @ u).reshape(f(theta).shape)  # noqa: E731
+    exact = torch.func.jvp(
+        lambda s: torch.func.jvp(lambda t: f(theta + t * v), (s,), (torch.ones_like(s),))[1],
+        (torch.zeros((), dtype=torch.float64),), (torch.ones((), dtype=torch.float64),),
+    )[1]  # fmt: skip
+    errors = []
+    for h in (geodesic.STEP, geodesic.STEP / 4):
+        fvv, norms = geodesic.second_difference(f, theta, v, f(theta), h, jvp=jvp)
+        assert geodesic.above_rounding(norms, torch.float64)
+        errors.append(float((fvv - exact).norm() / exact.norm()))
+    assert errors[0] < 0.2
+    assert 0.15 * errors[0] < errors[1] < 0.4 * errors[0]  # first order: about a quarter
+    # outputs linear in the parameters: a one-sided difference of rounding only
+    linear = nn.Linear(3, 2).double()
+    f, J, _, _, theta = dense_parts(linear, "mse", x, torch.zeros(8, 2, dtype=torch.float64))
+    jvp = lambda u: (J @ u).reshape(f(theta).shape)  # noqa: E731
+    _, norms = geodesic.second_difference(f, theta, v[: theta.numel()], f(theta), jvp=jvp)
+    assert not geodesic.above_rounding(norms, torch.float64)
+
+
 def test_second_difference_within_rounding_is_refused():
     # Outputs linear in the parameters: the difference is rounding only, and says nothing.
     model = nn.Linear(3, 2).double()

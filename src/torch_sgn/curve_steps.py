@@ -95,6 +95,11 @@ class CurveSteps:
         self._same = False  # the broadcast residuals equal the plain call's bit for bit
         self._call = _Call(fn, module)
         self._keys = [f"inner.{n}" for n in self.names]
+        # Where each parameter is registered (its first name): the broadcast copies take its
+        # place there for one call.
+        self._places = [
+            (module.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in self.names
+        ]
         self.shares = SingleProcess().shares
         self._flat: Optional[Tensor] = None
         if len({(p.dtype, p.device) for p in params}) == 1:
@@ -158,23 +163,25 @@ class CurveSteps:
         return r, jac
 
     def _by_broadcast(self, r_shape: Tuple[int, ...]) -> Tuple[Tensor, Tensor]:
-        """``(r, J)`` by the broadcast copies, leaves of their own swapped in for the
-        parameters by :func:`torch.func.functional_call`."""
-        copies = {
-            key: p.detach()
-            .reshape(p.shape + (1,) * len(r_shape))
-            .expand(p.shape + r_shape)
-            .clone()
-            .requires_grad_()
-            for key, p in zip(self._keys, self.params)
-        }
-        with torch.enable_grad():
-            # Untied: a weight registered twice keeps its original under its second name, and
-            # the check of J (by the plain residuals) then refuses the copies.
-            out = torch.func.functional_call(self._call, copies, (), tie_weights=False)
-            if tuple(out.shape) != r_shape:
-                raise ValueError("the broadcast residuals changed shape")
-            grads = torch.autograd.grad(out.sum(), list(copies.values()), allow_unused=True)
+        """``(r, J)`` by the broadcast copies: leaves of their own (views of one ``P x R``
+        tensor) set in the parameters' places in their modules for one call of ``fn``."""
+        flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+        copies = flat.reshape((-1,) + (1,) * len(r_shape)).expand((-1,) + r_shape).clone()
+        leaves = [
+            chunk.view(p.shape + r_shape).requires_grad_()
+            for p, chunk in zip(self.params, copies.detach().split(self.sizes))
+        ]
+        try:
+            for (owner, name), leaf in zip(self._places, leaves):
+                owner._parameters[name] = leaf
+            with torch.enable_grad():
+                out = self.fn(self.module)
+                if tuple(out.shape) != r_shape:
+                    raise ValueError("the broadcast residuals changed shape")
+                grads = torch.autograd.grad(out.sum(), leaves, allow_unused=True)
+        finally:
+            for (owner, name), p in zip(self._places, self.params):
+                owner._parameters[name] = p
         m = out.numel()
         cols = [
             torch.zeros(p.numel(), m, dtype=out.dtype, device=out.device)
@@ -244,7 +251,7 @@ class CurveSteps:
             accelerate = geodesic.accelerator(
                 theta, self.residuals_at, lambda centre: lambda t: 2.0 * t,
                 lambda u: jac.T @ u, self.shares, theta.numel(), 0.5 * self.lr**2,
-                centre=r,
+                centre=r, jvp=lambda v: jac @ v,
             )  # fmt: skip
         run = damped_step(
             MatrixDescent(ggn, grad), problem, self.state, self.rule, self.search, accelerate

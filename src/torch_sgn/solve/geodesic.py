@@ -10,8 +10,11 @@ keeps the outputs' velocity ``J v``: the step becomes
     \delta = v + \tfrac12 a, \qquad (G + \rho I)\, a = -J^\top H f_{vv},
 
 with :math:`f_{vv}` the second directional derivative of the outputs along ``v``, taken here by
-a central difference, :math:`(f(\theta + h v) - 2 f(\theta) + f(\theta - h v)) / h^2`, three
-forward passes. The system is the step's own, so its factorization serves again: one more
+a central difference, :math:`(f(\theta + h v) - 2 f(\theta) + f(\theta - h v)) / h^2`, two
+forward passes beside the step's own; where ``J v`` is at hand (a curve fit's ``J`` formed
+whole), by the one-sided difference :math:`2 (f(\theta + h v) - f(\theta) - h J v) / h^2`, one
+pass (Transtrum and Sethna's choice; its error is :math:`O(h)` against the central one's
+:math:`O(h^2)`). The system is the step's own, so its factorization serves again: one more
 solve. The term is kept only while it is small against the step,
 :math:`2\lVert a \rVert \le \alpha \lVert v \rVert` (their :math:`\alpha = 0.75`), and only
 where the difference stands above the rounding of the outputs (in float32 near a precise fit
@@ -62,8 +65,10 @@ def second_difference(
     v: Tensor,
     centre: Tensor,
     h: float = STEP,
+    jvp: Optional[Callable[[Tensor], Tensor]] = None,
 ) -> tuple[Tensor, Tensor]:
-    r""":math:`f_{vv} \approx (f(\theta + h v) - 2 f(\theta) + f(\theta - h v)) / h^2`, and what
+    r""":math:`f_{vv} \approx (f(\theta + h v) - 2 f(\theta) + f(\theta - h v)) / h^2`, or with
+    ``jvp`` :math:`2 (f(\theta + h v) - f(\theta) - h J v) / h^2`, and what
     :func:`above_rounding` judges it by.
 
     Args:
@@ -73,23 +78,32 @@ def second_difference(
         centre: ``outputs_at(theta)``, computed by the same function (so that the difference
             cancels exactly where ``f`` is linear along ``v``).
         h: the step of the difference.
+        jvp: ``v -> J v`` at ``theta`` (outputs-shaped), for the one-sided difference; ``None``:
+            the central one.
 
     Returns:
-        ``f_vv`` and the squared norms of the difference and of the three outputs (in float64;
-        a sum over the samples, so shards of a batch add theirs up).
+        ``f_vv`` and the squared norms of the difference and of the three terms it sums (in
+        float64; a sum over the samples, so shards of a batch add theirs up).
     """
-    plus, minus = outputs_at(theta + h * v), outputs_at(theta - h * v)
-    difference = plus - 2 * centre + minus
-    norms = torch.stack([t.double().square().sum() for t in (difference, plus, centre, minus)])
-    return difference / (h * h), norms
+    plus = outputs_at(theta + h * v)
+    if jvp is None:
+        other = outputs_at(theta - h * v)
+        difference = plus - 2 * centre + other
+        scale = 1.0
+    else:  # half the difference, whose terms' rounding above_rounding weighs alike
+        other = h * jvp(v)
+        difference = plus - centre - other
+        scale = 2.0
+    norms = torch.stack([t.double().square().sum() for t in (difference, plus, centre, other)])
+    return difference * (scale / (h * h)), norms
 
 
 def above_rounding(norms: Tensor, dtype: torch.dtype) -> bool:
     """Whether the second difference (squared norms from :func:`second_difference`) is finite
     and above :data:`NOISE` units of the outputs' rounding in ``dtype``: else it says nothing
     about the curvature (outputs linear along the step, or float32 near a precise fit)."""
-    size, plus, centre, minus = norms.sqrt().tolist()
-    scale = plus + 2 * centre + minus
+    size, plus, centre, other = norms.sqrt().tolist()
+    scale = plus + 2 * centre + other
     if not (size == size and scale < float("inf")):  # NaN or overflow
         return False
     return size > NOISE * torch.finfo(dtype).eps * scale
@@ -114,6 +128,7 @@ def accelerator(
     scale: float,
     mask: Optional[Tensor] = None,
     centre: Optional[Tensor] = None,
+    jvp: Optional[Callable[[Tensor], Tensor]] = None,
 ) -> Callable[[DirectResult], Optional[Tensor]]:
     r"""``result -> scale * a``, the acceleration's term of one exact solve of the step at
     ``theta`` (``None`` where it is not used: no factorization to solve again, a breakdown, a
@@ -133,6 +148,8 @@ def accelerator(
         mask: 1 at the parameters still trainable (``None``: all are).
         centre: ``outputs_at(theta)`` where the caller has it (equal to it bit for bit), else
             ``None``: computed at the first use, and shared by the step's attempts.
+        jvp: ``v -> J v`` at ``theta``, where the caller has ``J``: the one-sided difference
+            (one evaluation instead of two).
     """
 
     def curve(result: DirectResult) -> Optional[Tensor]:
@@ -144,7 +161,7 @@ def accelerator(
             nonlocal centre
             if centre is None:
                 centre = outputs_at(theta)
-            fvv, norms = second_difference(outputs_at, theta, v, centre)
+            fvv, norms = second_difference(outputs_at, theta, v, centre, jvp=jvp)
             hf = hessian_at(centre)(fvv)
             if vjp is None:
                 return hf, norms
