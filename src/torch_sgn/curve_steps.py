@@ -163,33 +163,30 @@ class CurveSteps:
         return r, jac
 
     def _by_broadcast(self, r_shape: Tuple[int, ...]) -> Tuple[Tensor, Tensor]:
-        """``(r, J)`` by the broadcast copies: leaves of their own (views of one ``P x R``
-        tensor) set in the parameters' places in their modules for one call of ``fn``."""
-        flat = torch.cat([p.detach().reshape(-1) for p in self.params])
-        copies = flat.reshape((-1,) + (1,) * len(r_shape)).expand((-1,) + r_shape).clone()
-        leaves = [
-            chunk.view(p.shape + r_shape).requires_grad_()
-            for p, chunk in zip(self.params, copies.detach().split(self.sizes))
-        ]
+        """``(r, J)`` by the broadcast copies: views of one ``P x R`` leaf set in the
+        parameters' places in their modules for one call of ``fn``; the leaf's gradient is
+        ``J^T``."""
+        flat = self._flat
+        if flat is None:
+            flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+        leaf = flat.reshape((-1,) + (1,) * len(r_shape)).expand((-1,) + r_shape).clone()
+        leaf.requires_grad_()
         try:
-            for (owner, name), leaf in zip(self._places, leaves):
-                owner._parameters[name] = leaf
             with torch.enable_grad():
+                for (owner, name), p, chunk in zip(
+                    self._places, self.params, leaf.split(self.sizes)
+                ):
+                    owner._parameters[name] = chunk.view(p.shape + r_shape)
                 out = self.fn(self.module)
                 if tuple(out.shape) != r_shape:
                     raise ValueError("the broadcast residuals changed shape")
-                grads = torch.autograd.grad(out.sum(), leaves, allow_unused=True)
+                (grad,) = torch.autograd.grad(out.sum(), leaf, allow_unused=True)
         finally:
             for (owner, name), p in zip(self._places, self.params):
                 owner._parameters[name] = p
-        m = out.numel()
-        cols = [
-            torch.zeros(p.numel(), m, dtype=out.dtype, device=out.device)
-            if g is None
-            else g.reshape(p.numel(), m)
-            for p, g in zip(self.params, grads)
-        ]
-        return out.detach().reshape(-1), torch.cat(cols).T
+        if grad is None:  # residuals of none of the parameters
+            grad = torch.zeros_like(leaf)
+        return out.detach().reshape(-1), grad.reshape(flat.numel(), -1).T
 
     def _broadcast_agrees(self) -> bool:
         """Whether the broadcast copies give the residuals and ``J`` at the point the
