@@ -141,10 +141,11 @@ class CurveSteps:
         compares losses computed alike: the broadcast copies' residuals are used where they
         were equal at the first point, else :meth:`residuals_at` runs too."""
         self.write(flat)
+        first = None
         if self.broadcast is None:
-            self.broadcast = self._broadcast_agrees()
+            self.broadcast, first = self._broadcast_agrees()
         if self.broadcast:
-            r, jac = self._by_broadcast(self._shape)
+            r, jac = first if first is not None else self._by_broadcast(self._shape)
             return (r if self._same else self.residuals_at(flat)), jac
         return self.residuals_at(flat), self._by_jacrev(flat)[1]
 
@@ -188,10 +189,11 @@ class CurveSteps:
             grad = torch.zeros_like(leaf)
         return out.detach().reshape(-1), grad.reshape(flat.numel(), -1).T
 
-    def _broadcast_agrees(self) -> bool:
+    def _broadcast_agrees(self) -> Tuple[bool, Optional[Tuple[Tensor, Tensor]]]:
         """Whether the broadcast copies give the residuals and ``J`` at the point the
-        parameters hold, up to rounding; notes the residuals' shape and whether the copies'
-        residuals equal the plain call's bit for bit.
+        parameters hold, up to rounding, with the copies' ``(r, J)`` there where they do; notes
+        the residuals' shape and whether the copies' residuals equal the plain call's bit for
+        bit.
 
         ``J`` is checked through one vector-Jacobian product of the plain residuals with a
         random ``u``: ``J_b^T u = J^T u`` for every ``u`` exactly where ``J_b = J``, and where
@@ -203,11 +205,11 @@ class CurveSteps:
         try:
             r_b, jac_b = self._by_broadcast(self._shape)
         except Exception:  # a model that cannot take the copies: J by jacrev
-            return False
+            return False, None
         r = direct.detach().reshape(-1)
         self._same = torch.equal(r_b, r)
         if not _close(r_b, r, r.abs()) or direct.grad_fn is None:
-            return False
+            return False, None
         generator = torch.Generator(device=r.device).manual_seed(0)
         u = torch.randn(r.shape, generator=generator, dtype=r.dtype, device=r.device)
         grads = torch.autograd.grad(direct.reshape(-1) @ u, self.params, allow_unused=True)
@@ -219,7 +221,8 @@ class CurveSteps:
         # differ by at most about R eps (|J_b|^T |u|) (Higham's bound of a sum's rounding); a
         # J that is wrong by more than that is refused.
         bound = 4 * r.numel() * torch.finfo(r.dtype).eps * (jac_b.abs().T @ u.abs())
-        return bool(((jac_b.T @ u - jtu).abs() <= bound + torch.finfo(r.dtype).tiny).all())
+        agrees = bool(((jac_b.T @ u - jtu).abs() <= bound + torch.finfo(r.dtype).tiny).all())
+        return agrees, ((r_b, jac_b) if agrees else None)
 
     # --- one step ------------------------------------------------------------------------------
     def step(

@@ -227,13 +227,14 @@ def _run(
     fun, grad = _residuals_and_gradient(problem, params, inputs, check=True)
     evaluations, steps, info = 1, 0, None
     status = 1 if _sup(grad) < gtol else None
+    end = None  # the residuals and gradient at the end, where the steps formed them
     if status is None and max_steps > 0:
         opt = SGN(problem, problem.loss, solver=solver, keep_grad=True, **sgn_options)
         group = opt.param_groups[0]
         lr = group["lr"]
         if curve is not None and _takes_curve_steps({**group, **sgn_options}, solver, params):
             lean = CurveSteps(curve[0], curve[1], params, group)
-            steps, evaluations, status, info = _run_curve(
+            steps, evaluations, status, info, end = _run_curve(
                 lean, params, xtol, ftol, gtol, max_steps, lr
             )
     while status is None and steps < max_steps:
@@ -254,7 +255,7 @@ def _run(
         status = _test(info, x, _flat(params), lr, xtol, ftol)
     if status is None:
         status = 0
-    fun, grad = _residuals_and_gradient(problem, params, inputs, check=False)
+    fun, grad = end or _residuals_and_gradient(problem, params, inputs, check=False)
     return LeastSquaresResult(
         x=_flat(params),
         cost=0.5 * float(fun.square().sum()),
@@ -290,16 +291,19 @@ def _run_curve(
     gtol: float,
     max_steps: int,
     lr: float,
-) -> Tuple[int, int, Optional[int], Optional[StepInfo]]:
-    """The fit's steps by ``lean``: ``(steps, evaluations, status, last step's info)``; the
+) -> Tuple[int, int, Optional[int], Optional[StepInfo], Tuple[Tensor, Tensor]]:
+    """The fit's steps by ``lean``: ``(steps, evaluations, status, last step's info, (r, g))``
+    with ``r`` and ``g = J^T r`` the residuals and the cost's gradient at the end; the
     parameters hold the last accepted point after it, whatever stops it."""
     theta = _flat(params)
     steps, evaluations, status, info = 0, 1, None, None
+    formed = None  # (point, r, J^T r) where J was formed last
     try:
         while status is None and steps < max_steps:
             r, jac = lean.jacobian(theta)
             evaluations += 1
             grad = jac.T @ r  # the cost's gradient
+            formed = (theta, r, grad)
             if not bool(torch.isfinite(grad).all()):
                 status = -1
             elif steps > 0 and _sup(grad) < gtol:
@@ -310,10 +314,13 @@ def _run_curve(
                 steps += 1
                 status = _test(info, theta, point, lr, xtol, ftol)
                 theta = point
+        if formed is None or formed[0] is not theta:  # the last step moved
+            r, jac = lean.jacobian(theta)
+            formed = (theta, r, jac.T @ r)
     finally:
         lean.write(theta)
         lean.close()
-    return steps, evaluations, status, info
+    return steps, evaluations, status, info, formed[1:]
 
 
 def _test(
