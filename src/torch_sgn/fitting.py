@@ -304,7 +304,7 @@ def _run_curve(
             evaluations += 1
             grad = jac.T @ r  # the cost's gradient
             formed = (theta, r, grad)
-            if not bool(torch.isfinite(grad).all()):
+            if not math.isfinite(float(grad.sum())) and not bool(torch.isfinite(grad).all()):
                 status = -1
             elif steps > 0 and _sup(grad) < gtol:
                 status = 1

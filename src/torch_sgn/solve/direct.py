@@ -29,6 +29,7 @@ Levenberg-Marquardt steps. Elsewhere CG is the method.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
@@ -154,7 +155,7 @@ def _in_dtype(result: DirectResult, dtype: torch.dtype) -> DirectResult:
 def _all_finite(*tensors: Tensor) -> bool:
     # One sum per tensor is finite exactly when no entry is NaN or infinite, unless finite
     # entries overflow it; the exact test settles that case.
-    return all(bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all()) for t in tensors)
+    return all(math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all()) for t in tensors)
 
 
 # --- the sample space ---------------------------------------------------------------------------

@@ -94,7 +94,8 @@ def second_difference(
         other = h * jvp(v)
         difference = plus - centre - other
         scale = 2.0
-    norms = torch.stack([t.double().square().sum() for t in (difference, plus, centre, other)])
+    terms = torch.stack([difference, plus, centre, other]).double()
+    norms = terms.square().reshape(4, -1).sum(dim=1)
     return difference * (scale / (h * h)), norms
 
 
