@@ -304,9 +304,10 @@ def _run_curve(
             evaluations += 1
             grad = jac.T @ r  # the cost's gradient
             formed = (theta, r, grad)
-            if not math.isfinite(float(grad.sum())) and not bool(torch.isfinite(grad).all()):
+            sup = _sup(grad)  # NaN or infinite where an entry is
+            if not math.isfinite(sup):
                 status = -1
-            elif steps > 0 and _sup(grad) < gtol:
+            elif steps > 0 and sup < gtol:
                 status = 1
             else:
                 point, info = lean.step(theta, r, jac, grad)
