@@ -119,10 +119,10 @@ class CurveSteps:
     # --- evaluations ---------------------------------------------------------------------------
     def write(self, flat: Tensor) -> None:
         """Writes the flat point into the parameters."""
+        if self._flat is not None:  # a plain tensor: no autograd to keep out
+            self._flat.copy_(flat)
+            return
         with torch.no_grad():
-            if self._flat is not None:
-                self._flat.copy_(flat)
-                return
             for p, chunk in zip(self.params, flat.split(self.sizes)):
                 p.copy_(chunk.view_as(p))
 

@@ -110,8 +110,7 @@ def solve_damped(matrix: Tensor, rhs: Tensor, damping: float) -> DirectResult:
     if not _all_finite(matrix, rhs):
         zero = torch.zeros_like(rhs)
         return DirectResult(zero, rhs.clone(), 0, "non_finite")
-    sym = (matrix + matrix.mT) * 0.5
-    damped = sym.clone()
+    damped = torch.add(matrix, matrix.mT).mul_(0.5)  # G's symmetric part
     damped.diagonal().add_(damping)
     factor, info = torch.linalg.cholesky_ex(damped)
     if int(info) == 0:
@@ -123,6 +122,7 @@ def solve_damped(matrix: Tensor, rhs: Tensor, damping: float) -> DirectResult:
         if _all_finite(x):
             return DirectResult(x, torch.addmv(rhs, damped, x), 0, "cholesky", by_cholesky)
     factor = damped = None  # freed before the fallback's own matrices
+    sym = (matrix + matrix.mT) * 0.5
     try:
         values, vectors = torch.linalg.eigh(sym)
     except RuntimeError:  # torch.linalg.LinAlgError: the iteration did not converge
