@@ -224,23 +224,38 @@ def fit_scipy(problem: Problem, start, method: str, tols: dict) -> dict:
     )
 
 
-def run(problem: Problem, start, method: str, options: dict, tols: dict, repeats: int) -> dict:
-    times = []
-    for _ in range(repeats):
-        t = time.process_time()
-        try:
-            if method in ("sgn", "sgn-optimizer"):
-                out = fit_sgn(problem, start, options, tols, optimizer=method == "sgn-optimizer")
-            else:
-                out = fit_scipy(problem, start, method, tols)
-        except Exception as e:  # a fit that raises is a miss, recorded with its error
-            out = dict(b=[math.nan] * len(start), status=None, steps=None, evaluations=None)
-            out["error"] = f"{type(e).__name__}: {e}"
-        times.append(time.process_time() - t)
-    out["digits"] = digits(out["b"], problem.certified)
-    out["seconds"] = statistics.median(times)
-    out["seconds_all"] = times
+def fit_once(problem: Problem, start, method: str, options: dict, tols: dict) -> dict:
+    """One fit by ``method``, with its CPU seconds (``time.process_time``)."""
+    t = time.process_time()
+    try:
+        if method in ("sgn", "sgn-optimizer"):
+            out = fit_sgn(problem, start, options, tols, optimizer=method == "sgn-optimizer")
+        else:
+            out = fit_scipy(problem, start, method, tols)
+    except Exception as e:  # a fit that raises is a miss, recorded with its error
+        out = dict(b=[math.nan] * len(start), status=None, steps=None, evaluations=None)
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["seconds"] = time.process_time() - t
     return out
+
+
+def run(
+    problem: Problem, start, methods: List[str], options: dict, tols: dict, repeats: int
+) -> Dict[str, dict]:
+    """Each method's fit from ``start``, ``repeats`` times, the methods taking turns within
+    each round (so that a slow spell of a shared machine falls on all of them): the last
+    fit's result with the median of its CPU seconds."""
+    times: Dict[str, List[float]] = {m: [] for m in methods}
+    outs: Dict[str, dict] = {}
+    for _ in range(repeats):
+        for m in methods:
+            outs[m] = fit_once(problem, start, m, options, tols)
+            times[m].append(outs[m]["seconds"])
+    for m, out in outs.items():
+        out["digits"] = digits(out["b"], problem.certified)
+        out["seconds"] = statistics.median(times[m])
+        out["seconds_all"] = times[m]
+    return outs
 
 
 def main() -> None:
@@ -266,13 +281,13 @@ def main() -> None:
     problems = [read_problem(data / f"{n}.dat") for n in names]
     methods = args.methods.split(",")
 
-    for m in methods:  # warm-up: imports, first calls
-        run(problems[0], problems[0].starts[0], m, options, tols, 1)
+    run(problems[0], problems[0].starts[0], methods, options, tols, 1)  # warm-up: first calls
     rows = []
     for p in problems:
         for s, start in enumerate(p.starts, 1):
+            outs = run(p, start, methods, options, tols, args.repeats)
             for m in methods:
-                out = run(p, start, m, options, tols, args.repeats)
+                out = outs[m]
                 label = (
                     args.label
                     if m == "sgn"
@@ -313,6 +328,10 @@ def summarize(rows: List[dict]) -> None:
         total = sum(r["seconds"] for r in rs)
         med = statistics.median(r["digits"] for r in rs)
         print(f"{m:14s} {hits6:>6d}/{len(rs):<3d} {hits4:>4d} {med:7.1f} {total:8.3f}")
+    if "lm" in by_method:
+        lm = sum(r["seconds"] for r in by_method["lm"])
+        ratios = [f"{m} {sum(r['seconds'] for r in rs) / lm:.2f}x" for m, rs in by_method.items()]
+        print("total CPU time against scipy lm's: " + ", ".join(ratios))
     for m, rs in by_method.items():
         misses = [f"{r['problem']}/{r['start']} ({r['digits']:.1f})" for r in rs if r["digits"] < 6]
         print(f"{m} below 6 digits: {', '.join(misses) or 'none'}")
