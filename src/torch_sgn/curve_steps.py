@@ -175,7 +175,7 @@ class CurveSteps:
         try:
             with torch.enable_grad():
                 for (owner, name), p, chunk in zip(
-                    self._places, self.params, leaf.split(self.sizes)
+                    self._places, self.params, leaf.split_with_sizes(self.sizes)
                 ):
                     owner._parameters[name] = chunk.view(p.shape + r_shape)
                 out = self.fn(self.module)
@@ -256,10 +256,8 @@ class CurveSteps:
         run = damped_step(
             MatrixDescent(ggn, grad), problem, self.state, self.rule, self.search, accelerate
         )
-        after = replace(self.state, step=self.state.step + 1, damping=run.next_damping)
-        if self.state.damping_growth is not None:
-            after = replace(after, damping_growth=run.growth)
-        self.state = after
+        growth = None if self.state.damping_growth is None else run.growth
+        self.state = StepState(self.state.step + 1, run.next_damping, growth)
         point = theta + run.trial.displacement(run.step_factor) if run.moved else theta
         grad_norm = float(torch.linalg.vector_norm(grad))
         return point, step_info(run, loss0, grad_norm, run.evals, self.lr)

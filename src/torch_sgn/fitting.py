@@ -341,12 +341,12 @@ def _test(
         ratio > 0.25 or (noise and (predicted_full < ftol * cost or not info.taken))
     )
     if a > 0:
-        dx = float((after - before).norm())
+        dx = float(torch.linalg.vector_norm(after - before))
     elif info.damping > 0:  # no move: the bound on the rejected direction's length
         dx = math.sqrt(2 * predicted_full / info.damping)
     else:
         dx = math.inf
-    xtol_met = dx < xtol * (xtol + float(before.norm()))
+    xtol_met = dx < xtol * (xtol + float(torch.linalg.vector_norm(before)))
     if ftol_met and xtol_met:
         return 4
     if ftol_met:
