@@ -3,7 +3,7 @@
 Command (from the repository root; one thread, float64)::
 
     PYTHONPATH=src python benchmarks/nist_strd.py --repeats 3 --tol 1e-8 \\
-        --out benchmarks/results/2026-11-27_cpu_nist_strd
+        --out benchmarks/results/2026-11-28_cpu_nist_strd_onesided
 
 The 27 problems' ``.dat`` files (certified values, two starts, data) come from ``--data DIR``,
 else from the lmfit source distribution unpacked under ``~/.cache/torch_sgn/``, which holds
@@ -23,8 +23,9 @@ itself: what ``curve_steps`` saves per step), ``lm`` and ``trf``
 Reported per fit: digits of agreement with the certified parameters (the log relative error
 ``-log10 |b - c| / |c|``, the minimum over parameters, capped at 11), the status, steps
 (scipy: Jacobian evaluations), residual evaluations and the CPU seconds of one fit (median of
-``--repeats``, after one warm-up fit of the first problem). Result (shared 2-core CPU, one
-thread): see ``benchmarks/results/2026-11-28_cpu_nist_strd/README.md``.
+``--repeats``, the methods taking turns within each round; after one warm-up fit of the first
+problem); the summary gives each method's total CPU time against scipy lm's. Result (shared 2-core CPU, one
+thread): see ``benchmarks/results/2026-11-28_cpu_nist_strd_onesided/README.md``.
 """
 
 from __future__ import annotations
