@@ -24,8 +24,8 @@ Reported per fit: digits of agreement with the certified parameters (the log rel
 ``-log10 |b - c| / |c|``, the minimum over parameters, capped at 11), the status, steps
 (scipy: Jacobian evaluations), residual evaluations and the CPU seconds of one fit (median of
 ``--repeats``, the methods taking turns within each round; after one warm-up fit of the first
-problem); the summary gives each method's total CPU time against scipy lm's. Result (shared 2-core CPU, one
-thread): see ``benchmarks/results/2026-11-28_cpu_nist_strd_onesided/README.md``.
+problem); the summary gives each method's total CPU time against scipy lm's. Result (shared
+2-core CPU, one thread): see ``benchmarks/results/2026-11-28_cpu_nist_strd_onesided/README.md``.
 """
 
 from __future__ import annotations

@@ -23,7 +23,10 @@ SGN's options) from a lighter linearization:
 
 The loss is SGN's for a residual problem, :math:`L = \lVert r \rVert^2` (gradient
 :math:`2 J^\top r`, Gauss-Newton matrix :math:`2 J^\top J`), so a step here is an SGN step with
-the same options up to rounding (``tests/test_curve_steps.py`` compares them).
+the same options up to rounding (``tests/test_curve_steps.py`` compares them), but for the
+geodesic acceleration's second difference: with ``J`` at hand it is one-sided,
+:math:`2 (r(\theta + h v) - r - h J v) / h^2`, one evaluation where SGN's central one takes two
+(:func:`~torch_sgn.solve.geodesic.second_difference`).
 """
 
 from __future__ import annotations
