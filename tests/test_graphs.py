@@ -426,7 +426,9 @@ class _Transposed(nn.Module):
         return self.out(torch.tanh(self.drop(h)).flatten(1))
 
 
-@pytest.mark.parametrize("name", ["mlp", "encoder", "transposed"])
+@pytest.mark.parametrize(
+    "name", ["mlp", pytest.param("encoder", marks=pytest.mark.slow), "transposed"]
+)
 def test_traced_graphs_draw_dropouts_masks_as_eager_steps_do(name, cpu_graph_captures):
     # the masks are drawn eagerly before each set-up, from the step's random state, and the
     # set-up and trial-point graphs read them: the same steps, and the same random state after

@@ -102,7 +102,7 @@ def test_batch_norm_running_statistics_are_updated_once_per_step():
     assert int(out["bn.num_batches_tracked"]) == 1
 
 
-@pytest.mark.parametrize("fraction", [1.0, 0.5])
+@pytest.mark.parametrize("fraction", [1.0, pytest.param(0.5, marks=pytest.mark.slow)])
 def test_training_mode_dropout_is_consistent_and_matches_the_functional_engine(fraction):
     # With a curvature subset the engine runs twice per step: both replay the step's numbers.
     model, x, y, loss = make_model("mha-mask")

@@ -119,6 +119,7 @@ def test_sgn_steps_train_the_direction_and_the_norm(form, engine):
     assert "WeightNorm" in model.hidden.weight.grad_fn.name()
 
 
+@pytest.mark.slow  # a subprocess of its own
 def test_warnings_as_errors_do_not_turn_pytorchs_own_warnings_into_a_fallback():
     """PyTorch loads its forward-mode decompositions at the first forward-mode pass, and that
     module warns (DeprecationWarning) about its own use of ``torch.jit.script``. In a process
