@@ -366,6 +366,29 @@ def test_the_first_accelerated_step_equals_a_dense_reference(monkeypatch):
     assert (a.norm() > 1e-3 * v.norm()) and not torch.allclose(res.x, theta + v)
 
 
+def test_strict_acceleration_solves_again_where_the_bend_is_too_large(monkeypatch):
+    # From this start the first step's acceleration is too large against it (2 |a| / |v|
+    # about 4.8): by default the step goes without it; with "strict" the attempt is rejected
+    # and the step taken is the dense reference's at the raised damping, accelerated.
+    start = dict(a=2.0, k=0.4, c=1.0)
+    res = least_squares(decay, Params(**start), max_steps=1, **OFF)
+    assert res.last_step.attempts == 1 and not res.last_step.accelerated
+    made = _spy(monkeypatch)
+    strict = dict(geodesic_acceleration="strict", attempts=10)
+    res = least_squares(decay, Params(**start), max_steps=1, **OFF, **strict)
+    last = res.last_step
+    assert len(made) == 1 and last.attempts > 1 and last.accelerated and last.step_size == 1.0
+    theta = torch.tensor(list(start.values()), dtype=D)
+    r = decay_flat(theta)
+    J = torch.autograd.functional.jacobian(decay_flat, theta)
+    A = 2 * J.T @ J + last.damping * torch.eye(3, dtype=D)
+    v = -torch.linalg.solve(A, 2 * J.T @ r)
+    h = geodesic.STEP
+    a = -torch.linalg.solve(A, J.T @ (4 * (decay_flat(theta + h * v) - r - h * (J @ v)) / h**2))
+    assert 2 * a.norm() <= geodesic.RATIO * v.norm()
+    torch.testing.assert_close(res.x, theta + v + 0.5 * a, rtol=1e-10, atol=1e-12)
+
+
 # --- which fits take CurveSteps --------------------------------------------------------------
 class Refused(Exception):
     pass

@@ -244,8 +244,30 @@ def test_cg_steps_and_the_paper_take_no_acceleration(monkeypatch):
 
 def test_geodesic_option_is_checked():
     model, x, y = _near_fit(40)
-    with pytest.raises(ValueError, match="geodesic_acceleration"):
+    with pytest.raises(ValueError, match="geodesic_acceleration.*'strict'"):
         SGN(model, "mse", geodesic_acceleration="yes")
+
+
+def test_strict_rejects_an_attempt_whose_acceleration_is_too_large(monkeypatch):
+    # RATIO set between the acceleration's 2 |a| / |d| at rho and at 1.5 rho (the threshold
+    # rule's raise after a failed attempt): "strict" rejects the first attempt and takes the
+    # second, accelerated; True takes the first without its acceleration.
+    model, x, y = _near_fit(40)
+    plain = copy.deepcopy(model)
+    rho = 1e-3
+    monkeypatch.setattr(geodesic, "RATIO", float("inf"))  # the references keep every a
+    theta, d0, a0 = _reference_step(model, "mse", x, y, rho)
+    _, d1, a1 = _reference_step(model, "mse", x, y, 1.5 * rho)
+    r0, r1 = (2 * float(a.norm() / d.norm()) for a, d in ((a0, d0), (a1, d1)))
+    assert r1 < 0.9 * r0  # more damping, a shorter step, a smaller bend
+    monkeypatch.setattr(geodesic, "RATIO", 0.5 * (r0 + r1))
+    options = dict(damping=rho, attempts=2, **EXACT)
+    info = SGN(model, "mse", geodesic_acceleration="strict", **options).step(x, y)
+    assert info.attempts == 2 and info.accelerated and info.damping == pytest.approx(1.5 * rho)
+    torch.testing.assert_close(_flat(model), theta + d1 + 0.5 * a1, rtol=1e-8, atol=1e-10)
+    info = SGN(plain, "mse", geodesic_acceleration=True, **options).step(x, y)
+    assert info.attempts == 1 and not info.accelerated
+    torch.testing.assert_close(_flat(plain), theta + d0, rtol=1e-9, atol=1e-11)
 
 
 def test_the_default_accelerates_float64_models_only():

@@ -156,9 +156,9 @@ def check_options(group: Mapping, in_step: bool = False) -> None:
     need(lambda v: 0 < v < 1, "ls_shrink", "must be in (0, 1)")
     need(lambda v: _is_int(v) and v >= 1, "ls_max_evals", "must be an int >= 1")
     need(
-        lambda v: v is None or isinstance(v, bool),
+        lambda v: v is None or isinstance(v, bool) or v == "strict",
         "geodesic_acceleration",
-        "must be None (on for float64 models), True or False",
+        "must be None (on for float64 models), True, False or 'strict'",
     )
     need(lambda v: isinstance(v, bool), "reject_uphill", "must be True or False")
     need(lambda v: _finite(v) and v >= 0, "weight_decay", "must be >= 0 and finite (0: off)")

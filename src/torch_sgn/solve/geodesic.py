@@ -30,7 +30,7 @@ Reference:
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -41,6 +41,8 @@ __all__ = [
     "NOISE",
     "RATIO",
     "STEP",
+    "TOO_LARGE",
+    "TooLarge",
     "above_rounding",
     "accelerator",
     "accepted",
@@ -50,6 +52,18 @@ __all__ = [
 #: The largest ``2 |a| / |v|`` for which the acceleration is used (Transtrum and Sethna's
 #: :math:`\alpha`).
 RATIO = 0.75
+
+
+class TooLarge:
+    """What :func:`accelerator` gives for an ``a`` above :data:`RATIO` against the step (where
+    the caller may reject the attempt, Transtrum and Sethna's rule) rather than ``None``."""
+
+    def __repr__(self) -> str:
+        return "TOO_LARGE"
+
+
+#: The one :class:`TooLarge`.
+TOO_LARGE = TooLarge()
 
 #: The central difference's step along ``v`` (theirs: 0.1).
 STEP = 0.1
@@ -130,10 +144,10 @@ def accelerator(
     mask: Optional[Tensor] = None,
     centre: Optional[Tensor] = None,
     jvp: Optional[Callable[[Tensor], Tensor]] = None,
-) -> Callable[[DirectResult], Optional[Tensor]]:
+) -> Callable[[DirectResult], Union[Tensor, TooLarge, None]]:
     r"""``result -> scale * a``, the acceleration's term of one exact solve of the step at
-    ``theta`` (``None`` where it is not used: no factorization to solve again, a breakdown, a
-    difference within rounding, or an ``a`` too large).
+    ``theta`` (``None`` where it is not used: no factorization to solve again, a breakdown or a
+    difference within rounding; :data:`TOO_LARGE` where ``a`` fails :func:`accepted`).
 
     Args:
         theta: the point.
@@ -153,7 +167,7 @@ def accelerator(
             (one evaluation instead of two).
     """
 
-    def curve(result: DirectResult) -> Optional[Tensor]:
+    def curve(result: DirectResult) -> Union[Tensor, TooLarge, None]:
         if result.again is None or result.breakdown:
             return None
         v = result.x
@@ -173,6 +187,6 @@ def accelerator(
         if not above_rounding(norms, theta.dtype):
             return None
         a = accepted(v, result.again(b))
-        return None if a is None else a.mul_(scale)
+        return TOO_LARGE if a is None else a.mul_(scale)
 
     return curve

@@ -6,7 +6,9 @@ problem (gradient, right-hand side, loss at the point and at trial points),
 
 1. the attempts: solve at the damping :math:`\rho`, evaluate the loss at the full step
    :math:`s = \alpha d` and test the Armijo condition there; a failed attempt is solved again
-   with a larger damping (:meth:`DampingRule.rejected`), up to ``attempts`` solves;
+   with a larger damping (:meth:`DampingRule.rejected`), up to ``attempts`` solves (with
+   :attr:`DampingRule.strict_acceleration`, so is one whose geodesic acceleration is too large
+   against its step);
 2. the trust region: the ratio of the actual to the predicted change at the last attempt's
    full step sets the next step's damping (:meth:`DampingRule.after`);
 3. the line search: Armijo backtracking along the last attempt's step, its first trial the
@@ -25,11 +27,12 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional, Union
 
 import torch
 from torch import Tensor
 
+from . import geodesic
 from .damping import (
     CG_DAMPING_MIN,
     DAMPING_MAX,
@@ -140,6 +143,9 @@ class DampingRule:
         uphill_resolves: re-solves of a step that ends above its starting loss before it is
             rejected (``reject_uphill=True``: :data:`UPHILL_RESOLVES`); ``None``: such a step
             is taken, as in the paper.
+        strict_acceleration: an attempt whose geodesic acceleration is too large against its
+            step is rejected, within ``attempts`` (``geodesic_acceleration="strict"``), rather
+            than taken without the acceleration.
     """
 
     trust_region: bool
@@ -150,6 +156,7 @@ class DampingRule:
     initial: float
     decay_steps: int
     uphill_resolves: Optional[int] = None
+    strict_acceleration: bool = False
 
     @classmethod
     def of(cls, group: Mapping, exact: bool) -> DampingRule:
@@ -159,6 +166,7 @@ class DampingRule:
             damping_floor(group["damping_min"], exact), group["attempts"],
             group["damping_schedule"], group["damping"], group["damping_decay_steps"],
             UPHILL_RESOLVES if group["reject_uphill"] else None,
+            group["geodesic_acceleration"] == "strict",
         )  # fmt: skip
 
     def start(self, state: StepState) -> tuple[float, float]:
@@ -313,7 +321,7 @@ def damped_step(
     state: StepState,
     rule: DampingRule,
     search: LineSearch,
-    accelerate: Optional[Callable[[Result], Optional[Tensor]]] = None,
+    accelerate: Optional[Callable[[Result], Union[Tensor, geodesic.TooLarge, None]]] = None,
 ) -> Outcome:
     """One step's solution by one descent: its damping attempts and its line search, and with
     ``rule.uphill_resolves`` its re-solves while it ends uphill; nothing is written.
@@ -325,7 +333,10 @@ def damped_step(
         rule: the damping rule.
         search: the step length and line search.
         accelerate: ``result -> lr^2 a / 2``, the geodesic acceleration's term of an exact
-            step (``None`` where it does not apply to that result), or ``None``.
+            step (``None`` where it does not apply to that result,
+            :data:`~torch_sgn.solve.geodesic.TOO_LARGE` where it is too large against the step:
+            the step goes without it, or with ``rule.strict_acceleration`` the attempt is
+            rejected), or ``None``.
     """
     damping, growth = rule.start(state)
     evals = solves = 0
@@ -374,7 +385,7 @@ def _attempts(
     problem: Problem,
     rule: DampingRule,
     search: LineSearch,
-    accelerate: Optional[Callable[[Result], Optional[Tensor]]],
+    accelerate: Optional[Callable[[Result], Union[Tensor, geodesic.TooLarge, None]]],
     damping: float,
     growth: float,
 ) -> tuple[Trial, float, float, int, int]:
@@ -386,6 +397,16 @@ def _attempts(
     for attempts in range(1, rule.attempts + 1):
         result = descent(damping)
         curve = None if accelerate is None else accelerate(result)
+        if curve is geodesic.TOO_LARGE:
+            if rule.strict_acceleration and attempts < rule.attempts:
+                # Transtrum and Sethna's rule: a step whose path bends this much leaves the
+                # region where the linear model holds; solved again with more damping.
+                logger.debug("  attempt %d rejected: damping %.3g, acceleration too large",
+                             attempts, damping)  # fmt: skip
+                damping, growth = rule.rejected(damping, growth, math.nan)
+                result = curve = None
+                continue
+            curve = None
         trial = Trial.of(result, curve, problem, search)
         if trial.settled or attempts == rule.attempts:
             break
