@@ -170,7 +170,8 @@ class SGN(torch.optim.Optimizer):
             ``2 |a| <= 0.75 |d|`` is rejected as a failed one (solved again with more damping,
             within ``attempts``; Transtrum and Sethna's own rule) rather than taken without it:
             fewer steps off the model's valid region at the price of more solves (on the NIST
-            StRD suite it fits all 54 starts with ``attempts=10``, in about twice the steps).
+            StRD suite ``least_squares`` with ``attempts=10, max_steps=1000`` fits all 54
+            starts where the default fits 53, in 1.8 times the steps).
         step_rule: ``"lr"``: the step is ``lr`` times CG's solution ``d`` (the paper's).
             ``"quadratic"``: the step is ``lr`` times :math:`\alpha d + \beta \delta`, with
             :math:`\delta` the previous step's update and :math:`(\alpha, \beta)` the minimiser
