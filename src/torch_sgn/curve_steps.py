@@ -99,7 +99,8 @@ class CurveSteps:
         self._call = _Call(fn, module)
         self._keys = [f"inner.{n}" for n in self.names]
         # Where each parameter is registered (its first name): the broadcast copies take its
-        # place there for one call.
+        # place there for one call. A weight registered twice keeps its original under its
+        # second name, and the check of J (by the plain residuals) then refuses the copies.
         self._places = [
             (module.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in self.names
         ]

@@ -18,7 +18,9 @@ pass (Transtrum and Sethna's choice; its error is :math:`O(h)` against the centr
 solve. The term is kept only while it is small against the step,
 :math:`2\lVert a \rVert \le \alpha \lVert v \rVert` (their :math:`\alpha = 0.75`), and only
 where the difference stands above the rounding of the outputs (in float32 near a precise fit
-it would be noise). Then ``v`` alone is the step.
+it would be noise). Then ``v`` alone is the step, or with ``geodesic_acceleration="strict"``
+(:attr:`~torch_sgn.solve.step.DampingRule.strict_acceleration`) an ``a`` too large rejects the
+attempt, as in Transtrum and Sethna's algorithm: it is solved again with more damping.
 
 The trust-region ratio and the line search's slope are those of ``v``; the line search
 backtracks along the parabola :math:`s v + \tfrac{s^2}{2} a`, whose slope at 0 is ``v``'s.

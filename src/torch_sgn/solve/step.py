@@ -166,7 +166,7 @@ class DampingRule:
             damping_floor(group["damping_min"], exact), group["attempts"],
             group["damping_schedule"], group["damping"], group["damping_decay_steps"],
             UPHILL_RESOLVES if group["reject_uphill"] else None,
-            group["geodesic_acceleration"] == "strict",
+            group.get("geodesic_acceleration") == "strict",
         )  # fmt: skip
 
     def start(self, state: StepState) -> tuple[float, float]:
