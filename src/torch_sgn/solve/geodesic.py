@@ -105,14 +105,14 @@ def second_difference(
     if jvp is None:
         other = outputs_at(theta - h * v)
         difference = plus - 2 * centre + other
-        scale = 1.0
     else:  # half the difference, whose terms' rounding above_rounding weighs alike
         other = h * jvp(v)
         difference = plus - centre - other
-        scale = 2.0
     terms = torch.stack([difference, plus, centre, other]).double()
     norms = terms.square().reshape(4, -1).sum(dim=1)
-    return difference * (scale / (h * h)), norms
+    if jvp is None:
+        return difference / (h * h), norms
+    return difference * (2.0 / (h * h)), norms
 
 
 def above_rounding(norms: Tensor, dtype: torch.dtype) -> bool:
