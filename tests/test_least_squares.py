@@ -237,3 +237,12 @@ def test_a_step_not_taken_at_a_prediction_within_rounding_meets_ftol():
     assert _test(rejected, x, x, 1.0, 0.0, 1e-15) is None
     # ftol off: never
     assert _test(_info(), x, x, 1.0, 0.0, 0.0) is None
+
+
+def test_flat_gradient_puts_zeros_where_a_parameter_is_not_reached():
+    from torch_sgn.model.flat_model import flat_gradient
+
+    a, b = torch.ones(2, 2, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+    g = torch.arange(4.0, dtype=torch.float64).reshape(2, 2)
+    out = flat_gradient([a, b], [g, None])
+    assert torch.equal(out, torch.tensor([0.0, 1.0, 2.0, 3.0, 0.0, 0.0, 0.0], dtype=torch.float64))

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from .distributed import SingleProcess
+from .model.flat_model import flat_gradient
 from .solve import geodesic
 from .solve.damping import GROWTH_START
 from .solve.descents import MatrixDescent
@@ -217,10 +218,7 @@ class CurveSteps:
         generator = torch.Generator(device=r.device).manual_seed(0)
         u = torch.randn(r.shape, generator=generator, dtype=r.dtype, device=r.device)
         grads = torch.autograd.grad(direct.reshape(-1) @ u, self.params, allow_unused=True)
-        jtu = torch.cat([
-            torch.zeros(p.numel(), dtype=r.dtype, device=r.device) if g is None else g.reshape(-1)
-            for p, g in zip(self.params, grads)
-        ])  # fmt: skip
+        jtu = flat_gradient(self.params, grads)
         # J_b^T u and the product by autograd sum the same R products in another order: they
         # differ by at most about R eps (|J_b|^T |u|) (Higham's bound of a sum's rounding); a
         # J that is wrong by more than that is refused.

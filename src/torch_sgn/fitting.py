@@ -48,6 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from .curve_steps import UNSUPPORTED, CurveSteps
+from .model.flat_model import flat_gradient
 from .optimizer import SGN, StepInfo
 from .pinn.residuals import Residual, Residuals
 from .solve.direct import DEFAULT_DIRECT_MAX_PARAMS
@@ -426,10 +427,7 @@ def _residuals_and_gradient(
         if r.grad_fn is None:
             return r.detach(), torch.zeros_like(_flat(params))
         grads = torch.autograd.grad(0.5 * r.square().sum(), params, allow_unused=True)
-    flat = torch.cat([
-        (torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads)
-    ])  # fmt: skip
-    return r.detach(), flat
+    return r.detach(), flat_gradient(params, grads)
 
 
 def _check_start(problem: Residuals, params: List[nn.Parameter], r: Tensor) -> None:
@@ -463,9 +461,7 @@ def _flat(params: Sequence[Tensor]) -> Tensor:
 
 
 def _grads(params: Sequence[Tensor]) -> Tensor:
-    return torch.cat([
-        (torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in params
-    ])  # fmt: skip
+    return flat_gradient(params, [p.grad for p in params])
 
 
 def _write(params: Sequence[nn.Parameter], flat: Tensor) -> None:

@@ -8,7 +8,7 @@ every engine of :mod:`torch_sgn.engines.selection` evaluates the model through i
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager, nullcontext
-from typing import Callable, ContextManager, FrozenSet, Iterator, Optional, Tuple
+from typing import Callable, ContextManager, FrozenSet, Iterator, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -20,7 +20,7 @@ from .attributes import changed_attributes, model_attributes
 from .composites import Composites, composite_modules, scripted_stop
 from .forward_mode import backward_hooks, inspect_pass, kernels, load_decompositions
 
-__all__ = ["ConstantOutputError", "FunctionalModel", "check_depends"]
+__all__ = ["ConstantOutputError", "FunctionalModel", "check_depends", "flat_gradient"]
 
 
 class FunctionalModel:
@@ -357,6 +357,14 @@ class FunctionalModel:
 
 class ConstantOutputError(ValueError):
     """The model's output does not depend on its trainable parameters."""
+
+
+def flat_gradient(params: Sequence[Tensor], grads: Sequence[Optional[Tensor]]) -> Tensor:
+    """``grads``, the gradients of ``params`` (``torch.autograd.grad(..., allow_unused=True)``'s),
+    as one flat vector: zeros for a parameter the output does not reach."""
+    return torch.cat([
+        (torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads)
+    ])  # fmt: skip
 
 
 def check_depends(outputs: Tensor, *grads: Optional[Tensor]) -> None:
