@@ -41,7 +41,6 @@ from torch import Tensor, nn
 from .distributed import SingleProcess
 from .model.flat_model import flat_gradient
 from .solve import geodesic
-from .solve.damping import GROWTH_START
 from .solve.descents import MatrixDescent
 from .solve.state import StepState
 from .solve.step import DampingRule, LineSearch, Problem, damped_step
@@ -89,11 +88,8 @@ class CurveSteps:
         # comparisons of losses there would pick a step by the noise.
         self.search = replace(LineSearch.of(group), above_rounding=True)
         self.lr = float(group["lr"])
-        on = group["geodesic_acceleration"]
-        dtype = params[0].dtype
-        self.accelerate = dtype == torch.float64 if on is None else bool(on)
-        growth = GROWTH_START if group["damping_update"] == "nielsen" else None
-        self.state = StepState(0, float(group["damping"]), growth)
+        self.accelerate = geodesic.wanted(group["geodesic_acceleration"], params[0].dtype)
+        self.state = StepState.first(group)
         self.broadcast: Optional[bool] = None  # J by broadcast copies: decided at the first J
         self._shape: Tuple[int, ...] = ()  # the residuals' shape, where broadcast
         self._same = False  # the broadcast residuals equal the plain call's bit for bit

@@ -19,7 +19,6 @@ from .losses import LossSpec, resolve_loss
 from .model.flat_model import FunctionalModel
 from .options import KEYS, PAPER_OPTIONS, check_arguments, check_loaded_state, check_options
 from .solve import auto, direct, geodesic
-from .solve.damping import GROWTH_START
 from .solve.descents import (
     CG,
     MATRIX,
@@ -442,9 +441,7 @@ class SGN(torch.optim.Optimizer):
         parameter so that load_state_dict casts it."""
         stored = self.state[self._fmodel.params[0]]
         if not stored:
-            group = self.param_groups[0]
-            growth = GROWTH_START if group["damping_update"] == "nielsen" else None
-            StepState(0, float(group["damping"]), growth).write(stored)
+            StepState.first(self.param_groups[0]).write(stored)
         return stored
 
     # --- one step ----------------------------------------------------------------------------
@@ -629,10 +626,7 @@ class SGN(torch.optim.Optimizer):
         In a data-parallel group each rank differences its shard's outputs and the shards'
         ``J^T H f_vv`` are reduced as the gradient is, so every rank takes the same step."""
         group = self.param_groups[0]
-        on = group["geodesic_acceleration"]
-        if on is None:
-            on = theta.dtype == torch.float64
-        if route == CG or not on:
+        if route == CG or not geodesic.wanted(group["geodesic_acceleration"], theta.dtype):
             return None
         outputs_at = lin.outputs_at
         if outputs_at is None:

@@ -49,6 +49,7 @@ __all__ = [
     "accelerator",
     "accepted",
     "second_difference",
+    "wanted",
 ]
 
 #: The largest ``2 |a| / |v|`` for which the acceleration is used (Transtrum and Sethna's
@@ -73,6 +74,12 @@ STEP = 0.1
 #: The second difference is used only where it exceeds this many units of rounding of the
 #: outputs (``eps`` times their size).
 NOISE = 100.0
+
+
+def wanted(option: Union[None, bool, str], dtype: torch.dtype) -> bool:
+    """Whether exact steps take the acceleration under SGN's ``geodesic_acceleration`` option:
+    ``None`` (the default) for float64 parameters only, otherwise as set (``"strict"``: on)."""
+    return dtype == torch.float64 if option is None else bool(option)
 
 
 def second_difference(

@@ -10,9 +10,11 @@ dataclass, and writes it back with :meth:`StepState.write` only when it commits.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import List, MutableMapping, Optional
+from typing import List, Mapping, MutableMapping, Optional
 
 from torch import Tensor
+
+from .damping import GROWTH_START
 
 __all__ = ["KEYS", "StepState"]
 
@@ -47,6 +49,13 @@ class StepState:
     next_probe: Optional[int] = None
     candidate: Optional[Tensor] = None
     recent: Optional[List[float]] = None
+
+    @classmethod
+    def first(cls, group: Mapping) -> StepState:
+        """The state before the first step, from SGN's options: the initial damping, and
+        Nielsen's growth factor where ``damping_update="nielsen"``."""
+        growth = GROWTH_START if group["damping_update"] == "nielsen" else None
+        return cls(0, float(group["damping"]), growth)
 
     @classmethod
     def of(cls, stored: MutableMapping) -> StepState:
