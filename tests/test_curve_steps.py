@@ -389,6 +389,18 @@ def test_strict_acceleration_solves_again_where_the_bend_is_too_large(monkeypatc
     torch.testing.assert_close(res.x, theta + v + 0.5 * a, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("max_steps", [3, 200])  # stopped by max_steps after a move; by tests
+def test_the_results_residuals_and_gradient_are_those_at_its_solution(max_steps, monkeypatch):
+    made = _spy(monkeypatch)
+    res = least_squares(rational, Params(b1=0.2, b2=0.5, b3=1.5), max_steps=max_steps, **TIGHT)
+    assert len(made) == 1 and res.steps > 0
+    r = rational_flat(res.x)
+    J = torch.autograd.functional.jacobian(rational_flat, res.x)
+    torch.testing.assert_close(res.fun, r, rtol=1e-13, atol=1e-14)
+    assert res.cost == pytest.approx(0.5 * float(r @ r), rel=1e-12)
+    assert res.grad_norm == pytest.approx(float((J.T @ r).abs().max()), rel=1e-8, abs=1e-14)
+
+
 # --- which fits take CurveSteps --------------------------------------------------------------
 class Refused(Exception):
     pass
