@@ -6,7 +6,7 @@
 #
 # Writes into $OUT: env.txt, pytest_graphs.txt, ggn_cost_cuda*.txt/.json,
 # time_to_accuracy_cuda.txt/.json, solver.txt/.json, any_model*.txt/.json,
-# traced_graphs*.txt/.json, pytest_cuda.txt and pytest.txt. Each part has its own time limit,
+# traced_graphs*.txt/.json, autocast.txt, autocast_step.txt/.json, pytest_cuda.txt and pytest.txt. Each part has its own time limit,
 # so one that fails or hangs leaves the others' results. PARTS="solver any_model pytest_cuda"
 # runs only the parts named.
 set -u
@@ -80,6 +80,13 @@ want traced_graphs_2 && part traced_graphs_2 90 $PY benchmarks/ggn_cost.py --dev
 want any_model_more && part any_model_more 120 $PY benchmarks/ggn_cost.py --devices cuda \
   --models bilstm tcn --engines traced traced_graphs --ks 2 5 \
   --repeats 5 --warmup 2 --no-curvlinops --out "$OUT/any_model_more.json"
+# 7d. Mixed precision on CUDA: the autocast tests (bf16 and fp16 steps and products against the
+# float64 reference, the GradScaler refusal, Lightning's "bf16-mixed"), then a step's time and
+# loss under autocast beside float32.
+want autocast && part autocast 120 $PY -m pytest -q -rA -p no:cacheprovider tests/test_autocast.py \
+  tests/test_lightning.py -k "cuda or gpu or scaler"
+want autocast_step && part autocast_step 120 $PY benchmarks/autocast_step.py --device cuda \
+  --out "$OUT/autocast_step.json"
 # 8. The tests that need CUDA (skipped on a CPU machine).
 want pytest_cuda && part pytest_cuda 90 $PY -m pytest -q -rs -p no:cacheprovider tests -k cuda
-want pytest && OMP_NUM_THREADS=2 part pytest 240 $PY -m pytest -q -rf -p no:cacheprovider $XDIST tests
+want pytest && OMP_NUM_THREADS=2 part pytest 240 $PY -m pytest -q -rf -p no:cacheprovider $XDIST -m "not slow" tests

@@ -131,3 +131,30 @@ def test_automatic_optimization_is_refused_with_how_to_switch(example, tmp_path)
     assert model.trainer.global_step == 0
     for p, q in zip(model.parameters(), before):  # no step was taken
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize(
+    "accelerator",
+    [
+        "cpu",
+        pytest.param(
+            "gpu", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+        ),
+    ],
+)
+def test_bf16_mixed_precision_trains(example, tmp_path, accelerator):
+    """``precision="bf16-mixed"``: SGN's passes run under Lightning's bfloat16 autocast, the
+    parameters stay float32 and the loss falls as in float32."""
+    config = example.Config(points=200, batch_size=50, hidden=8)
+    model = example.Regression(config.hidden, config.seed)
+    trainer = L.Trainer(
+        max_steps=8, accelerator=accelerator, devices=1, precision="bf16-mixed", logger=False,
+        enable_checkpointing=False, default_root_dir=tmp_path, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(model, example.make_loader(config))
+    assert trainer.global_step == 8
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    losses = torch.tensor([[i.loss, i.loss_after] for i in model.steps])
+    assert torch.isfinite(losses).all()
+    assert model.steps[-1].loss_after < 0.5 * model.steps[0].loss

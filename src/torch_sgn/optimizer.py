@@ -34,7 +34,7 @@ from .solve.quadratic import QuadraticDescent
 from .solve.routes import choose_route
 from .solve.state import StepState
 from .solve.step import DampingRule, LineSearch, Outcome, Problem, damped_step
-from .step_call import batch_of_call
+from .step_call import batch_of_call, refuse_grad_scaler
 from .step_info import StepInfo, step_info
 
 __all__ = ["SGN", "StepInfo"]
@@ -350,6 +350,9 @@ class SGN(torch.optim.Optimizer):
         self._loss = resolve_loss(loss)
         self._comm = communicator(self._fmodel, self._loss, process_group)
         super().__init__(self._fmodel.params, defaults)
+        # A GradScaler then calls step directly, which refuses it with the reason
+        # (step_call.refuse_grad_scaler) rather than fail inside the scaler.
+        self._step_supports_amp_scaling = True
         if len(self.param_groups) != 1:  # pragma: no cover - guarded by add_param_group
             raise ValueError("SGN doesn't support per-parameter options (parameter groups)")
         if cuda_graphs and not isinstance(self._comm, SingleProcess):
@@ -471,7 +474,9 @@ class SGN(torch.optim.Optimizer):
             FloatingPointError: the loss or its gradient is not finite at the current point
                 on a finite batch.
             TypeError: a closure instead of a batch (see below; under PyTorch Lightning's
-                automatic optimization the message says how to switch to manual).
+                automatic optimization the message says how to switch to manual); a call by a
+                :class:`torch.amp.GradScaler` (SGN needs none: step under ``torch.autocast``
+                alone).
 
         .. note::
             Unlike :class:`torch.optim.LBFGS`, SGN takes no closure: a closure returns the
@@ -481,6 +486,7 @@ class SGN(torch.optim.Optimizer):
             built keeps its value: steps are taken in the other parameters alone. One made
             trainable after SGN was built is not trained (SGN warns once): build a new SGN.
         """
+        refuse_grad_scaler(self)
         inputs, targets = batch_of_call(inputs, targets, closure)
         check_options(self.param_groups[0], in_step=True)  # a scheduler may have changed them
         check_batch(inputs, targets)

@@ -12,6 +12,12 @@ plugin's wrapper around the user's closure, or around a no-op when the user give
 wrapper runs the ``on_before_optimizer_step`` hooks; calling it once keeps them, and the
 trainer's step count, as with any optimizer. Lightning's automatic optimization calls
 ``step(closure=...)`` with no batch, which SGN cannot serve: the error says what to do instead.
+
+A :class:`torch.amp.GradScaler` (Lightning's ``precision="16-mixed"`` on CUDA) is refused with
+the alternatives (:func:`refuse_grad_scaler`): it scales a loss the user backpropagated and
+unscales its gradients, while SGN computes its own loss, gradient and curvature at every step,
+so there is nothing for it to scale, and its bookkeeping (``GradScaler.update``) fails without
+gradients to check.
 """
 
 from __future__ import annotations
@@ -35,6 +41,30 @@ _LIGHTNING = (
     "training_step (keywords: LightningOptimizer.step takes no positional batch)"
 )
 _LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric")
+_GRAD_SCALER = (
+    "SGN.step was called by a torch.amp.GradScaler (with PyTorch Lightning: "
+    "precision='16-mixed'). SGN computes its own loss, gradient and Gauss-Newton products at "
+    "every step, so there is no scaled loss to unscale: drop the scaler and step under "
+    "torch.autocast alone, with dtype=torch.bfloat16 (float32's range; Lightning: "
+    "precision='bf16-mixed') or torch.float16 (its products are then not loss-scaled)"
+)
+
+
+def refuse_grad_scaler(optimizer: object) -> None:
+    """Raises ``TypeError`` where a :class:`torch.amp.GradScaler` calls the step.
+
+    An optimizer with ``_step_supports_amp_scaling`` (SGN has it) is stepped by
+    ``GradScaler.step`` directly, with its scale and inf flag set as the attributes
+    ``grad_scale`` and ``found_inf`` for the call: their presence says who called. Without the
+    flag the scaler would first fail on its own, with an assertion that names no cause. The
+    attributes are removed before the error (the scaler removes them only after a step that
+    returns), so that the optimizer steps as before once the scaler is gone.
+    """
+    if hasattr(optimizer, "found_inf") or hasattr(optimizer, "grad_scale"):
+        for name in ("found_inf", "grad_scale"):
+            if hasattr(optimizer, name):
+                delattr(optimizer, name)
+        raise TypeError(_GRAD_SCALER)
 
 
 def batch_of_call(
