@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 from torch_sgn import StepInfo
-from torch_sgn.fitting import LeastSquaresResult, _test, least_squares
+from torch_sgn.fitting import MESSAGES, LeastSquaresResult, _test, least_squares
 from torch_sgn.pinn import Residual, Residuals
 
 TIGHT = dict(xtol=1e-15, ftol=1e-15, gtol=1e-15)
@@ -246,3 +247,45 @@ def test_flat_gradient_puts_zeros_where_a_parameter_is_not_reached():
     g = torch.arange(4.0, dtype=torch.float64).reshape(2, 2)
     out = flat_gradient([a, b], [g, None])
     assert torch.equal(out, torch.tensor([0.0, 1.0, 2.0, 3.0, 0.0, 0.0, 0.0], dtype=torch.float64))
+
+
+# NIST StRD's MGH10 (Meyer): y = b1 exp(b2 / (x + b3)), x = 50, 55, ..., 125 (public domain).
+MGH10_Y = [
+    34780.0, 28610.0, 23650.0, 19630.0, 16370.0, 13720.0, 11540.0, 9744.0,
+    8261.0, 7030.0, 6005.0, 5147.0, 4427.0, 3820.0, 3307.0, 2872.0,
+]  # fmt: skip
+MGH10_CERTIFIED = [5.6096364710e-03, 6.1813463463e03, 3.4522363462e02]
+
+
+def _mgh10(b):
+    x = torch.arange(50.0, 126.0, 5.0, dtype=torch.float64)
+    return b[0] * torch.exp(b[1] / (x + b[2])) - torch.tensor(MGH10_Y, dtype=torch.float64)
+
+
+def test_a_fit_that_ends_where_the_jacobian_vanished_says_so():
+    """MGH10 from NIST's first start: the defaults' second step lands where the exponential is
+    ~1e-13 of its size, the residuals no longer depend on the parameters, and the cost's change
+    meets ftol. The result says it is no minimum, with what to try, which then fits."""
+    start = torch.tensor([2.0, 4e5, 2.5e4], dtype=torch.float64)
+    with pytest.warns(UserWarning, match=r"Jacobian vanished.*not at a minimum.*'strict'"):
+        plateau = least_squares(_mgh10, start.clone(), **TIGHT)
+    assert "Jacobian vanished" in plateau.message
+    assert plateau.grad_norm < 1e-6 and plateau.cost > 1e9  # a plateau, far from the fit
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no note where J keeps its size
+        fit = least_squares(
+            _mgh10, start.clone(), geodesic_acceleration="strict", attempts=10, max_steps=1000,
+            **TIGHT,
+        )  # fmt: skip
+    assert fit.success and "vanished" not in fit.message
+    certified = torch.tensor(MGH10_CERTIFIED, dtype=torch.float64)
+    assert ((fit.x - certified).abs() / certified).max() < 1e-6
+
+
+def test_no_note_where_the_jacobian_keeps_its_size():
+    t, y = decay_data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = least_squares(lambda m: decay_residuals(m, t, y), Decay(), **TIGHT)
+    assert result.success and result.message == MESSAGES[result.status]

@@ -41,6 +41,7 @@ References:
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
@@ -229,15 +230,17 @@ def _run(
     evaluations, steps, info = 1, 0, None
     status = 1 if _sup(grad) < gtol else None
     end = None  # the residuals and gradient at the end, where the steps formed them
+    vanished = None  # a note where the curve fit's Jacobian vanished on the way
     if status is None and max_steps > 0:
         opt = SGN(problem, problem.loss, solver=solver, keep_grad=True, **sgn_options)
         group = opt.param_groups[0]
         lr = group["lr"]
         if curve is not None and _takes_curve_steps({**group, **sgn_options}, solver, params):
             lean = CurveSteps(curve[0], curve[1], params, group)
-            steps, evaluations, status, info, end = _run_curve(
+            steps, evaluations, status, info, end, norms = _run_curve(
                 lean, params, xtol, ftol, gtol, max_steps, lr
             )
+            vanished = _vanished(*norms, params[0].dtype)
     while status is None and steps < max_steps:
         x = _flat(params)
         try:
@@ -257,13 +260,17 @@ def _run(
     if status is None:
         status = 0
     fun, grad = end or _residuals_and_gradient(problem, params, inputs, check=False)
+    message = MESSAGES[status]
+    if vanished is not None:
+        warnings.warn(f"least_squares: {vanished}", stacklevel=3)
+        message += f"; but {vanished}"
     return LeastSquaresResult(
         x=_flat(params),
         cost=0.5 * float(fun.square().sum()),
         fun=fun,
         grad_norm=_sup(grad),
         status=status,
-        message=MESSAGES[status],
+        message=message,
         success=status > 0,
         steps=steps,
         evaluations=evaluations,
@@ -292,19 +299,22 @@ def _run_curve(
     gtol: float,
     max_steps: int,
     lr: float,
-) -> Tuple[int, int, Optional[int], Optional[StepInfo], Tuple[Tensor, Tensor]]:
-    """The fit's steps by ``lean``: ``(steps, evaluations, status, last step's info, (r, g))``
-    with ``r`` and ``g = J^T r`` the residuals and the cost's gradient at the end; the
-    parameters hold the last accepted point after it, whatever stops it."""
+) -> Tuple[int, int, Optional[int], Optional[StepInfo], Tuple[Tensor, Tensor], Tuple[float, float]]:
+    """The fit's steps by ``lean``: ``(steps, evaluations, status, last step's info, (r, g),
+    (|J_0|, |J|))`` with ``r`` and ``g = J^T r`` the residuals and the cost's gradient at the
+    end, and the Frobenius norms of ``J`` at the start and at the end; the parameters hold the
+    last accepted point after it, whatever stops it."""
     theta = _flat(params)
     steps, evaluations, status, info = 0, 1, None, None
     formed = None  # (point, r, J^T r) where J was formed last
+    first = last = None  # J at the start, and where it was formed last
     try:
         while status is None and steps < max_steps:
             r, jac = lean.jacobian(theta)
             evaluations += 1
             grad = jac.T @ r  # the cost's gradient
-            formed = (theta, r, grad)
+            formed, last = (theta, r, grad), jac
+            first = jac if first is None else first
             sup = _sup(grad)  # NaN or infinite where an entry is
             if not math.isfinite(sup):
                 status = -1
@@ -317,12 +327,35 @@ def _run_curve(
                 status = _test(info, theta, point, lr, xtol, ftol)
                 theta = point
         if formed is None or formed[0] is not theta:  # the last step moved
-            r, jac = lean.jacobian(theta)
-            formed = (theta, r, jac.T @ r)
+            r, last = lean.jacobian(theta)
+            formed = (theta, r, last.T @ r)
+            first = last if first is None else first
     finally:
         lean.write(theta)
         lean.close()
-    return steps, evaluations, status, info, formed[1:]
+    norms = torch.stack([torch.linalg.matrix_norm(first), torch.linalg.matrix_norm(last)])
+    return steps, evaluations, status, info, formed[1:], tuple(norms.tolist())
+
+
+def _vanished(start: float, end: float, dtype: torch.dtype) -> Optional[str]:
+    """What to tell where ``J`` vanished on the way (its norm at the end below ``sqrt(eps)``
+    times that at the start), else ``None``.
+
+    Such an end is no fit: the residuals no longer depend on the parameters there (an
+    exponential that underflowed, a sigmoid saturated), so the gradient vanishes, and the
+    tests that stop a fit (a tiny gradient, a tiny change of the cost) are met by the plateau.
+    A minimum of a well-posed fit keeps ``J`` of full size.
+    """
+    if not end <= math.sqrt(torch.finfo(dtype).eps) * start:  # NaN: no note
+        return None
+    return (
+        f"the residuals' Jacobian vanished on the way (its norm fell from {start:.3g} at the "
+        f"start to {end:.3g}): the fit ended on a plateau where the residuals no longer "
+        "depend on the parameters (an exponential that underflowed, a saturated unit), not "
+        "at a minimum. Try another start, or geodesic_acceleration='strict' with attempts=10 "
+        "(and a max_steps above the default where it stops there), which rejects steps that "
+        "leave the region where the model's linearization holds"
+    )
 
 
 def _test(
