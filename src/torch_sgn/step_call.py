@@ -13,11 +13,12 @@ wrapper runs the ``on_before_optimizer_step`` hooks; calling it once keeps them,
 trainer's step count, as with any optimizer. Lightning's automatic optimization calls
 ``step(closure=...)`` with no batch, which SGN cannot serve: the error says what to do instead.
 
-A :class:`torch.amp.GradScaler` (Lightning's ``precision="16-mixed"`` on CUDA) is refused with
-the alternatives (:func:`refuse_grad_scaler`): it scales a loss the user backpropagated and
-unscales its gradients, while SGN computes its own loss, gradient and curvature at every step,
-so there is nothing for it to scale, and its bookkeeping (``GradScaler.update``) fails without
-gradients to check.
+A :class:`torch.amp.GradScaler` that steps SGN (``scaler.step(opt, x, y)`` after
+``scaler.scale(loss).backward()``, as a ``torch.amp`` training loop has it) is refused with the
+alternatives (:func:`refuse_grad_scaler`): it scales a loss the user backpropagated and unscales
+its gradients, while SGN computes its own loss, gradient and curvature at every step, so there
+is nothing for it to scale. (Lightning's ``precision="16-mixed"`` on CUDA never reaches SGN: its
+scaler fails first, having scaled no loss.)
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ _LIGHTNING = (
 )
 _LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric")
 _GRAD_SCALER = (
-    "SGN.step was called by a torch.amp.GradScaler (with PyTorch Lightning: "
-    "precision='16-mixed'). SGN computes its own loss, gradient and Gauss-Newton products at "
-    "every step, so there is no scaled loss to unscale: drop the scaler and step under "
+    "SGN.step was called by a torch.amp.GradScaler (PyTorch Lightning: precision='16-mixed'). "
+    "SGN computes its own loss, gradient and Gauss-Newton products at every step, so there is "
+    "no scaled loss to unscale: drop the scaler and step under "
     "torch.autocast alone, with dtype=torch.bfloat16 (float32's range; Lightning: "
     "precision='bf16-mixed') or torch.float16 (its products are then not loss-scaled)"
 )
@@ -60,10 +61,10 @@ def refuse_grad_scaler(optimizer: object) -> None:
     attributes are removed before the error (the scaler removes them only after a step that
     returns), so that the optimizer steps as before once the scaler is gone.
     """
-    if hasattr(optimizer, "found_inf") or hasattr(optimizer, "grad_scale"):
-        for name in ("found_inf", "grad_scale"):
-            if hasattr(optimizer, name):
-                delattr(optimizer, name)
+    present = [name for name in ("found_inf", "grad_scale") if hasattr(optimizer, name)]
+    for name in present:
+        delattr(optimizer, name)
+    if present:
         raise TypeError(_GRAD_SCALER)
 
 
