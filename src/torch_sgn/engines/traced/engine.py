@@ -155,7 +155,10 @@ class TracedEngine:
                 restore_module_state(state)
             if isinstance(traced, Untraceable) and self.strict:
                 self._explain(flat, args, targets)  # the model's or the targets' own error first
-                raise ValueError(f"engine='traced' cannot trace this model: {traced}") from None
+                raise ValueError(
+                    f"engine='traced' cannot trace this model: {traced}. engine='auto' (the "
+                    "default) hands such a model to the torch.func engine, which takes any model"
+                ) from None
             if after != attributes:  # written by the forward pass itself: not a setting
                 fmodel.written.update(changed_attributes(attributes, after))
                 self._attributes = attributes = self._attributes_now()

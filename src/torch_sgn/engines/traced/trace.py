@@ -360,4 +360,11 @@ def reason(error: BaseException) -> str:
     first = text[0] if text else ""
     if len(first) > 300:
         first = first[:300] + "..."
-    return f"{type(error).__name__}: {first}"
+    why = f"{type(error).__name__}: {first}"
+    if "DataDependent" in type(error).__name__:
+        # an `if` on a tensor's values: torch.fx's guard, or its fake tensors' exception
+        return (
+            "the model or the loss branches on a tensor's values (a check such as "
+            f"F.gaussian_nll_loss's `var < 0`), which a trace at fixed shapes cannot follow ({why})"
+        )
+    return why
