@@ -7,6 +7,7 @@ callable w.r.t. the outputs, ``G = J^T H J`` (:func:`cases.dense_ggn`).
 
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 
@@ -18,6 +19,7 @@ from torch import nn
 from cases import dense_ggn
 from torch_sgn import GGN, SGN
 from torch_sgn.engines.selection import select_engine
+from torch_sgn.engines.traced.opaque_loss import calls_opaque_loss
 from torch_sgn.linearization import Batch
 from torch_sgn.losses import resolve_loss
 from torch_sgn.model.flat_model import FunctionalModel
@@ -98,16 +100,10 @@ def _reference(name: str):
     return G_ref, g_ref
 
 
-#: (loss, engine) pairs the engine refuses: F.gaussian_nll_loss checks torch.any(var < 0), a
-#: branch on values that a trace cannot follow (test_a_loss_that_branches_on_values_...).
-REFUSED = {("gaussian_nll_loss", "traced")}
-
-
 def _cases():
     for name in LOSSES:
         for engine in ENGINES:
-            if (name, engine) not in REFUSED:
-                yield pytest.param(name, engine, id=f"{name}-{engine}")
+            yield pytest.param(name, engine, id=f"{name}-{engine}")
 
 
 @pytest.mark.parametrize("name,engine", list(_cases()))
@@ -121,23 +117,52 @@ def test_ggn_of_a_loss_callable_is_exactly_jt_h_j(name, engine):
     torch.testing.assert_close(G.to_dense(), G_ref, rtol=1e-10, atol=1e-12)
 
 
-def test_a_loss_that_branches_on_values_is_refused_by_the_traced_engine_with_the_fix():
+def test_a_loss_that_branches_on_values_runs_as_it_is_inside_the_traced_graphs():
+    """F.gaussian_nll_loss checks torch.any(var < 0), which a trace cannot follow: the traced
+    engine calls the loss from its graphs (the model's part stays traced), exactly, and the
+    loss's own check still runs at every step."""
     loss, kind = LOSSES["gaussian_nll_loss"]
     model, x, y = _batch(kind)
-    expected = r"branches on a tensor's values.*gaussian_nll_loss.*engine='auto' \(the default\)"
+    opt = SGN(model, loss, engine="traced", solver="cg")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no hand-over to another engine
+        info = opt.step(x, y)
+    assert info.loss_after < info.loss
+    (traced,) = opt._engine.engines[0]._cache.values()
+    assert calls_opaque_loss(traced.setup) and calls_opaque_loss(traced.product)
+
+    def negative_variance(o, t):
+        return F.gaussian_nll_loss(o, t, torch.full_like(t, -0.5 if t.sum() > 0 else 0.5))
+
+    model, x, y = _batch(kind)
+    opt = SGN(model, negative_variance, engine="traced")
+    opt.step(x, -y.abs())  # a variance of 0.5: traced, and a step taken
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="var has negative entry"):  # the loss's own check
+        opt.step(x, y.abs())  # same shapes: the same graphs, the loss's check inside them
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+class _BranchesOnValues(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+
+    def forward(self, x):
+        out = self.linear(x)
+        return out if out.sum() > 0 else -out
+
+
+def test_a_model_that_branches_on_values_is_refused_by_the_traced_engine_with_the_fix():
+    model, x, y = _batch("real")
+    model = _BranchesOnValues().to(D)
+    expected = r"branches on a tensor's values.*engine='auto' \(the default\)"
     with pytest.raises(ValueError, match=expected):
-        GGN(model, loss, x, y, engine="traced")
-    opt = SGN(model, loss, engine="traced")
+        GGN(model, "mse", x, y, engine="traced")
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match=expected):
-        opt.step(x, y)
+        SGN(model, "mse", engine="traced").step(x, y)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
-    torch.testing.assert_close(
-        GGN(model, loss, x, y, engine="auto").to_dense(),
-        _reference("gaussian_nll_loss")[0],
-        rtol=1e-10,
-        atol=1e-12,
-    )
 
 
 def test_the_reference_hessians_have_curvature_where_the_losses_do():
@@ -255,3 +280,17 @@ def test_the_parameter_check_runs_once_per_loss(monkeypatch):
     for _ in range(3):
         opt.step(x, y)
     assert len(calls) == 1
+
+
+def test_cuda_graphs_do_not_apply_where_the_loss_runs_as_it_is(cpu_graph_captures):
+    loss, kind = LOSSES["gaussian_nll_loss"]
+    model, x, y = _batch(kind)
+    eager = copy.deepcopy(model)
+    opt = SGN(model, loss, engine="traced", cuda_graphs=True)
+    with pytest.warns(UserWarning, match="cuda_graphs=True does not apply.*loss is called"):
+        info = opt.step(x, y)
+    assert cpu_graph_captures == []  # nothing captured
+    expected = SGN(eager, loss, engine="traced").step(x, y)
+    assert info.loss_after == expected.loss_after
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert torch.equal(p, q)

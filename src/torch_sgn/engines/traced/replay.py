@@ -15,6 +15,7 @@ from torch import Tensor, fx
 from ...model.flat_model import FunctionalModel
 from .. import cuda_graphs as graphs
 from .nodes import draws_random, memory_of, statistics_written, written_memory
+from .opaque_loss import calls_opaque_loss
 from .trace import Traced, Untraceable, reason
 
 __all__ = ["Replayed", "capture_obstacle", "compiled_graph"]
@@ -27,6 +28,8 @@ def capture_obstacle(traced: Traced, inputs: tuple, training: bool) -> Optional[
     flat, buffers, frozen, args, targets = inputs
     if not all(isinstance(a, Tensor) for a in args):
         return "the model takes inputs that are not tensors"
+    if calls_opaque_loss(traced.setup):
+        return "the loss is called as it is from the graphs, its Python at every call"
     written = _written_inputs(traced.setup)
     if any(not 1 <= i <= len(buffers) for i in written):
         return (

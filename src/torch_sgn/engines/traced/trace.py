@@ -23,6 +23,7 @@ from ...losses import OutputLoss
 from ...model.flat_model import ConstantOutputError, FunctionalModel, check_depends
 from ...model.forward_mode import NESTED_FORWARD, missing_rule
 from .jvp_rules import TangentRules
+from .opaque_loss import OpaqueLoss, value_and_grad
 from .passes import views_as_reshapes
 
 if TYPE_CHECKING:
@@ -222,8 +223,7 @@ def _whole(fmodel: FunctionalModel, loss: OutputLoss, route: str, rules: bool = 
                     )
             check_depends(out)
             z = out.detach().requires_grad_(True)
-            value = loss.value(z, targets)
-            (dz,) = torch.autograd.grad(value, z)
+            value, dz = value_and_grad(loss, z, targets)
             hjv = loss.hessian(out.detach(), targets)(jv)
             (grad,) = torch.autograd.grad(out, theta, dz, retain_graph=True, allow_unused=True)
             check_depends(out, grad)
@@ -244,8 +244,7 @@ def _whole_by_transforms(forward, loss, theta, v, buffers, frozen, inputs, targe
     out, pullback = torch.func.vjp(f, theta)
     _, jv = torch.func.jvp(f, (theta,), (v,))  # (its primal pass is the set-up's: no v)
     z = out.detach().requires_grad_(True)
-    value = loss.value(z, targets)
-    (dz,) = torch.autograd.grad(value, z)
+    value, dz = value_and_grad(loss, z, targets)
     hjv = loss.hessian(out.detach(), targets)(jv)
     (grad,) = pullback(dz)
     (gv,) = pullback(hjv)
@@ -289,7 +288,28 @@ def trace_product(
     fmodel: FunctionalModel, loss: OutputLoss, flat: Tensor, args: Sequence, targets: Tensor
 ) -> Recording:
     """Traces the product at these shapes, by the first of :data:`ROUTES` that works; raises
-    :class:`Untraceable`."""
+    :class:`Untraceable`. Where the trace fails on a branch on a tensor's values, it is tried
+    again with the loss called as it is from the graph (:class:`~.opaque_loss.OpaqueLoss`):
+    the branch may be the loss's (a callable's checks)."""
+    try:
+        return _trace_product(fmodel, loss, flat, args, targets)
+    except Untraceable as why:
+        if not _data_dependent(why):
+            raise
+        try:
+            return _trace_product(fmodel, OpaqueLoss(loss), flat, args, targets)
+        except Untraceable:
+            raise why from None  # the model's own branch: the first reason stands
+
+
+def _data_dependent(why: Untraceable) -> bool:
+    """Whether the trace failed on a branch on a tensor's values."""
+    return "DataDependent" in type(why.__cause__).__name__
+
+
+def _trace_product(
+    fmodel: FunctionalModel, loss: OutputLoss, flat: Tensor, args: Sequence, targets: Tensor
+) -> Recording:
     buffers, frozen = inputs_of(fmodel)
     example = (flat.detach(), torch.zeros_like(flat), buffers, frozen, list(args), targets)
     errors: List[BaseException] = []
