@@ -294,3 +294,13 @@ def test_cuda_graphs_do_not_apply_where_the_loss_runs_as_it_is(cpu_graph_capture
     assert info.loss_after == expected.loss_after
     for p, q in zip(model.parameters(), eager.parameters()):
         assert torch.equal(p, q)
+
+
+def test_compile_does_not_apply_where_the_loss_runs_as_it_is():
+    loss, kind = LOSSES["gaussian_nll_loss"]
+    model, x, y = _batch(kind)
+    eager = copy.deepcopy(model)
+    opt = SGN(model, loss, engine="traced", compile=True)
+    with pytest.warns(UserWarning, match="compile=True does not apply.*loss is called"):
+        info = opt.step(x, y)
+    assert info.loss_after == SGN(eager, loss, engine="traced").step(x, y).loss_after

@@ -64,6 +64,7 @@ from ...model.flat_model import FunctionalModel
 from ...model.forward_mode import backward_hook_handles, gradient_stop_notice
 from .. import cuda_graphs as graphs
 from ..not_applicable import NotApplicable
+from .opaque_loss import calls_opaque_loss
 from .passes import rewrite_whole
 from .replay import Replayed, capture_obstacle, compiled_graph
 from .split import split
@@ -218,6 +219,12 @@ class TracedEngine:
     def _compile(self, traced: Traced) -> None:
         """Sets ``traced.compiled`` where ``compile=True`` applies to the trace."""
         if not self.compile:
+            return
+        if calls_opaque_loss(traced.setup):  # torch.compile fails on its operators
+            self._warn(
+                "compile=True does not apply (the loss is called as it is from the graphs: "
+                "torch_sgn.engines.traced.opaque_loss); they run uncompiled"
+            )
             return
 
         def failed(reason: str) -> None:
