@@ -382,9 +382,10 @@ def reason(error: BaseException) -> str:
         first = first[:300] + "..."
     why = f"{type(error).__name__}: {first}"
     if "DataDependent" in type(error).__name__:
-        # an `if` on a tensor's values: torch.fx's guard, or its fake tensors' exception
+        # an `if` on a tensor's values: torch.fx's guard, or its fake tensors' exception (a
+        # loss's own branch is traced around: trace_product)
         return (
-            "the model or the loss branches on a tensor's values (a check such as "
-            f"F.gaussian_nll_loss's `var < 0`), which a trace at fixed shapes cannot follow ({why})"
+            "the model branches on a tensor's values (an `if` on a tensor, `.item()`), which a "
+            f"trace at fixed shapes cannot follow ({why})"
         )
     return why
