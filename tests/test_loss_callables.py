@@ -64,6 +64,11 @@ LOSSES = {
     "cross_entropy": (lambda o, t: F.cross_entropy(o, t), "index"),
     "cross_entropy-smoothed": (lambda o, t: F.cross_entropy(o, t, label_smoothing=0.1), "index"),
     "bce_with_logits": (lambda o, t: F.binary_cross_entropy_with_logits(o, t), "unit"),
+    "binary_cross_entropy-of-sigmoid": (
+        lambda o, t: F.binary_cross_entropy(torch.sigmoid(o), t), "unit"),
+    "cross_entropy-probabilities": (lambda o, t: F.cross_entropy(o, t), "probs"),
+    "multilabel_soft_margin_loss": (lambda o, t: F.multilabel_soft_margin_loss(o, t), "unit"),
+    "log_cosh": (lambda o, t: torch.log(torch.cosh(o - t)).mean(), "real"),
     "gaussian_nll_loss": (lambda o, t: F.gaussian_nll_loss(o, t, _half_var(t)), "real"),
     "poisson_nll_loss": (lambda o, t: F.poisson_nll_loss(o, t), "unit"),
     "kl_div-log_softmax": (
