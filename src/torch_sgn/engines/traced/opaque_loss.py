@@ -15,8 +15,6 @@ of weak references, so a loss is not kept alive by it. Their namespace is the pa
 (``torch_sgn``; another copy of the package imported under another name registers its own).
 """
 
-from __future__ import annotations
-
 import itertools
 import weakref
 from typing import Callable, Tuple
@@ -28,6 +26,8 @@ from ...losses import OutputLoss
 
 __all__ = ["OPERATORS", "OpaqueLoss", "calls_opaque_loss", "value_and_grad"]
 
+# (No `from __future__ import annotations` here: torch.library.custom_op reads the operators'
+# schemas from their annotations, kept as types rather than strings.)
 _NAMESPACE = __name__.split(".")[0]
 _LOSSES: weakref.WeakValueDictionary[int, OutputLoss] = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
