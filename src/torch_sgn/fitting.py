@@ -160,6 +160,13 @@ def least_squares(
     Returns:
         A :class:`LeastSquaresResult`.
 
+    Warns:
+        UserWarning: a residual function's fit whose Jacobian vanished on the way (its norm at
+            the end below :math:`\sqrt{\epsilon}` times that at the start): it ended on a
+            plateau where the residuals no longer depend on the parameters (an exponential
+            that underflowed), not at a minimum, whatever its status says. The result's
+            ``message`` says so too, with what to try.
+
     Raises:
         ValueError: the residuals are not finite at the start; they do not depend on (some
             of) the trainable parameters; every tolerance is 0 and ``max_steps`` is ``None``;
