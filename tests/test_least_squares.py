@@ -262,15 +262,38 @@ def _mgh10(b):
     return b[0] * torch.exp(b[1] / (x + b[2])) - torch.tensor(MGH10_Y, dtype=torch.float64)
 
 
+MGH10_START = [2.0, 4e5, 2.5e4]  # NIST's first start
+
+
+def _digits_of_mgh10(x: torch.Tensor) -> float:
+    certified = torch.tensor(MGH10_CERTIFIED, dtype=torch.float64)
+    return float(-torch.log10(((x - certified).abs() / certified).max()))
+
+
+def test_a_fit_that_ends_on_a_plateau_starts_again_with_the_scaled_trust_region():
+    """MGH10 from NIST's first start: SGN's second step lands where the exponential is ~1e-13
+    of its size, the residuals no longer depend on the parameters, and the cost's change meets
+    ftol after 3 steps. The fit starts again from the start with MINPACK's scaled trust region,
+    which reaches the certified values, and says so."""
+    start = torch.tensor(MGH10_START, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no plateau at the end: no warning
+        fit = least_squares(_mgh10, start.clone(), **TIGHT)
+    assert fit.success and "started again with MINPACK's scaled trust region" in fit.message
+    assert "after 3 steps" in fit.message and fit.steps <= 300  # within the default max_steps
+    assert fit.last_step.stop_reason == "scaled_trust_region"
+    assert _digits_of_mgh10(fit.x) > 6
+
+
 def test_a_fit_that_ends_where_the_jacobian_vanished_says_so():
-    """MGH10 from NIST's first start: the defaults' second step lands where the exponential is
-    ~1e-13 of its size, the residuals no longer depend on the parameters, and the cost's change
-    meets ftol. The result says it is no minimum, with what to try, which then fits."""
-    start = torch.tensor([2.0, 4e5, 2.5e4], dtype=torch.float64)
-    with pytest.warns(UserWarning, match=r"Jacobian vanished.*not at a minimum.*'strict'"):
-        plateau = least_squares(_mgh10, start.clone(), **TIGHT)
-    assert "Jacobian vanished" in plateau.message
+    """With no steps left for the scaled trust region, the plateau is the result: it warns,
+    and its message says it is no minimum, with what to try."""
+    start = torch.tensor(MGH10_START, dtype=torch.float64)
+    with pytest.warns(UserWarning, match=r"Jacobian vanished.*not at a minimum.*max_steps"):
+        plateau = least_squares(_mgh10, start.clone(), max_steps=3, **TIGHT)
+    assert "Jacobian vanished" in plateau.message and "started again" not in plateau.message
     assert plateau.grad_norm < 1e-6 and plateau.cost > 1e9  # a plateau, far from the fit
+    assert plateau.last_step.stop_reason != "scaled_trust_region"
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no note where J keeps its size
@@ -278,9 +301,8 @@ def test_a_fit_that_ends_where_the_jacobian_vanished_says_so():
             _mgh10, start.clone(), geodesic_acceleration="strict", attempts=10, max_steps=1000,
             **TIGHT,
         )  # fmt: skip
-    assert fit.success and "vanished" not in fit.message
-    certified = torch.tensor(MGH10_CERTIFIED, dtype=torch.float64)
-    assert ((fit.x - certified).abs() / certified).max() < 1e-6
+    assert fit.success and "vanished" not in fit.message and "started again" not in fit.message
+    assert _digits_of_mgh10(fit.x) > 6
 
 
 def test_no_note_where_the_jacobian_keeps_its_size():

@@ -42,11 +42,15 @@ from .distributed import SingleProcess
 from .model.flat_model import flat_gradient
 from .solve import geodesic
 from .solve.descents import MatrixDescent
+from .solve.scaled_trust_region import ACCEPT, Radius, scaled_step, update
 from .solve.state import StepState
 from .solve.step import DampingRule, LineSearch, Problem, damped_step
 from .step_info import StepInfo, step_info
 
-__all__ = ["CurveSteps", "UNSUPPORTED"]
+__all__ = ["CurveSteps", "SCALED_TRIALS", "UNSUPPORTED"]
+
+#: The most trial points of one step of the scaled trust region (:meth:`CurveSteps.scaled_step`).
+SCALED_TRIALS = 10
 
 #: SGN's options (with the values they must have) outside what :class:`CurveSteps` takes:
 #: a fit with another value of one of them runs through the optimizer.
@@ -90,6 +94,7 @@ class CurveSteps:
         self.lr = float(group["lr"])
         self.accelerate = geodesic.wanted(group["geodesic_acceleration"], params[0].dtype)
         self.state = StepState.first(group)
+        self.region: Optional[Radius] = None  # the scaled trust region's, once it runs
         self.broadcast: Optional[bool] = None  # J by broadcast copies: decided at the first J
         self._shape: Tuple[int, ...] = ()  # the residuals' shape, where broadcast
         self._same = False  # the broadcast residuals equal the plain call's bit for bit
@@ -259,6 +264,38 @@ class CurveSteps:
         point = theta + run.trial.displacement(run.step_factor) if run.moved else theta
         grad_norm = float(torch.linalg.vector_norm(grad))
         return point, step_info(run, loss0, grad_norm, run.evals, self.lr)
+
+    def scaled_step(
+        self, theta: Tensor, r: Tensor, jac: Tensor, cost_grad: Tensor
+    ) -> Tuple[Tensor, StepInfo]:
+        r"""One step of MINPACK's scaled trust region from ``theta``
+        (:mod:`~torch_sgn.solve.scaled_trust_region`; the driver's fallback where SGN's steps
+        ended on a plateau): trial points within a radius shrunk after each failed one, up to
+        :data:`SCALED_TRIALS`; the next point and the step's :class:`~torch_sgn.StepInfo`
+        (``stop_reason="scaled_trust_region"``, ``damping`` its :math:`\lambda`)."""
+        if self.region is None:
+            self.region = Radius.start(theta, jac)
+        else:
+            self.region.rescaled(jac)
+        loss0 = float(r.square().sum())
+        trials, taken = 0, False
+        while not taken and trials < SCALED_TRIALS:
+            trials += 1
+            step, damping = scaled_step(jac, cost_grad, self.region)
+            loss = self.loss_at(theta + step)
+            ratio = update(self.region, step, damping, jac, loss0 / 2, loss / 2)
+            taken = ratio >= ACCEPT
+        # SGN's loss is ||r||^2: its predicted change is twice the cost's, g^T p + |J p|^2 / 2
+        predicted = 2 * float(cost_grad @ step) + float((jac @ step).square().sum())
+        info = StepInfo(
+            loss=loss0, loss_after=loss if taken else loss0,
+            grad_norm=2 * float(torch.linalg.vector_norm(cost_grad)), iterations=0,
+            residual=0.0, stop_reason="scaled_trust_region", damping=damping,
+            next_damping=damping, step_size=self.lr if taken else 0.0, tr_ratio=ratio,
+            predicted_change=predicted, loss_evals=trials, line_search_ok=taken,
+            attempts=trials, solver="direct", taken=taken,
+        )  # fmt: skip
+        return (theta + step if taken else theta), info
 
 
 def _close(a: Tensor, b: Tensor, size: Tensor) -> bool:

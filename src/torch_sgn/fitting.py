@@ -238,16 +238,23 @@ def _run(
     status = 1 if _sup(grad) < gtol else None
     end = None  # the residuals and gradient at the end, where the steps formed them
     vanished = None  # a note where the curve fit's Jacobian vanished on the way
+    restarted = None  # the steps after which its scaled trust region took over
     if status is None and max_steps > 0:
         opt = SGN(problem, problem.loss, solver=solver, keep_grad=True, **sgn_options)
         group = opt.param_groups[0]
         lr = group["lr"]
         if curve is not None and _takes_curve_steps({**group, **sgn_options}, solver, params):
             lean = CurveSteps(curve[0], curve[1], params, group)
-            steps, evaluations, status, info, end, norms = _run_curve(
-                lean, params, xtol, ftol, gtol, max_steps, lr
+            run = _run_curve(lean, params, xtol, ftol, gtol, max_steps, lr)
+            steps, evaluations, status, info, end = (
+                run.steps,
+                run.evaluations,
+                run.status,
+                run.info,
+                run.end,
             )
-            vanished = _vanished(*norms, params[0].dtype)
+            vanished = _vanished(*run.norms, params[0].dtype)
+            restarted = run.restarted
     while status is None and steps < max_steps:
         x = _flat(params)
         try:
@@ -268,6 +275,11 @@ def _run(
         status = 0
     fun, grad = end or _residuals_and_gradient(problem, params, inputs, check=False)
     message = MESSAGES[status]
+    if restarted is not None:
+        message += (
+            f" (SGN's steps ended on a plateau after {restarted} steps, where the residuals' "
+            "Jacobian vanished: the fit started again with MINPACK's scaled trust region)"
+        )
     if vanished is not None:
         warnings.warn(f"least_squares: {vanished}", stacklevel=3)
         message += f"; but {vanished}"
@@ -306,42 +318,73 @@ def _run_curve(
     gtol: float,
     max_steps: int,
     lr: float,
-) -> Tuple[int, int, Optional[int], Optional[StepInfo], Tuple[Tensor, Tensor], Tuple[float, float]]:
-    """The fit's steps by ``lean``: ``(steps, evaluations, status, last step's info, (r, g),
-    (|J_0|, |J|))`` with ``r`` and ``g = J^T r`` the residuals and the cost's gradient at the
-    end, and the Frobenius norms of ``J`` at the start and at the end; the parameters hold the
-    last accepted point after it, whatever stops it."""
-    theta = _flat(params)
+) -> _CurveRun:
+    """The fit's steps by ``lean``; the parameters hold the last accepted point after it,
+    whatever stops it.
+
+    SGN's steps first; where they stop on a plateau (``J``'s norm below ``sqrt(eps)`` times
+    its norm at the start, :func:`_plateau`) with steps left, the fit starts again from its
+    start with MINPACK's scaled trust region (:meth:`CurveSteps.scaled_step`), the steps
+    counted on."""
+    start = theta = _flat(params)
     steps, evaluations, status, info = 0, 1, None, None
     formed = None  # (point, r, J^T r) where J was formed last
     first = last = None  # J at the start, and where it was formed last
+    restarted = None  # the steps taken when the scaled trust region took over
     try:
-        while status is None and steps < max_steps:
-            r, jac = lean.jacobian(theta)
-            evaluations += 1
-            grad = jac.T @ r  # the cost's gradient
-            formed, last = (theta, r, grad), jac
-            first = jac if first is None else first
-            sup = _sup(grad)  # NaN or infinite where an entry is
-            if not math.isfinite(sup):
-                status = -1
-            elif steps > 0 and sup < gtol:
-                status = 1
-            else:
-                point, info = lean.step(theta, r, jac, grad)
-                evaluations += info.loss_evals
-                steps += 1
-                status = _test(info, theta, point, lr, xtol, ftol)
-                theta = point
-        if formed is None or formed[0] is not theta:  # the last step moved
-            r, last = lean.jacobian(theta)
-            formed = (theta, r, last.T @ r)
-            first = last if first is None else first
+        for step in (lean.step, lean.scaled_step):
+            while status is None and steps < max_steps:
+                r, jac = lean.jacobian(theta)
+                evaluations += 1
+                grad = jac.T @ r  # the cost's gradient
+                formed, last = (theta, r, grad), jac
+                first = jac if first is None else first
+                sup = _sup(grad)  # NaN or infinite where an entry is
+                if not math.isfinite(sup):
+                    status = -1
+                elif steps > 0 and sup < gtol:
+                    status = 1
+                else:
+                    point, info = step(theta, r, jac, grad)
+                    evaluations += info.loss_evals
+                    steps += 1
+                    status = _test(info, theta, point, lr, xtol, ftol)
+                    theta = point
+            if formed is None or formed[0] is not theta:  # the last step moved
+                r, last = lean.jacobian(theta)
+                formed = (theta, r, last.T @ r)
+                first = last if first is None else first
+            if status == -1 or steps >= max_steps or not _plateau(first, last):
+                break
+            restarted, status, theta = steps, None, start
     finally:
         lean.write(theta)
         lean.close()
     norms = torch.stack([torch.linalg.matrix_norm(first), torch.linalg.matrix_norm(last)])
-    return steps, evaluations, status, info, formed[1:], tuple(norms.tolist())
+    return _CurveRun(steps, evaluations, status, info, formed[1:], tuple(norms.tolist()), restarted)
+
+
+@dataclass(frozen=True)
+class _CurveRun:
+    """What :func:`_run_curve` ran: steps, residual evaluations, status, the last step's
+    info, the residuals and the cost's gradient at the end, the Frobenius norms of ``J`` at the
+    start and at the end, and the steps taken when the scaled trust region took over (``None``:
+    it did not)."""
+
+    steps: int
+    evaluations: int
+    status: Optional[int]
+    info: Optional[StepInfo]
+    end: Tuple[Tensor, Tensor]
+    norms: Tuple[float, float]
+    restarted: Optional[int]
+
+
+def _plateau(first: Tensor, last: Tensor) -> bool:
+    """Whether ``J`` (``last``) vanished against ``J`` at the start (``first``): its norm below
+    ``sqrt(eps)`` times the start's."""
+    start, end = torch.stack([torch.linalg.matrix_norm(first), torch.linalg.matrix_norm(last)])
+    return bool(end <= math.sqrt(torch.finfo(last.dtype).eps) * start)
 
 
 def _vanished(start: float, end: float, dtype: torch.dtype) -> Optional[str]:
@@ -359,9 +402,10 @@ def _vanished(start: float, end: float, dtype: torch.dtype) -> Optional[str]:
         f"the residuals' Jacobian vanished on the way (its norm fell from {start:.3g} at the "
         f"start to {end:.3g}): the fit ended on a plateau where the residuals no longer "
         "depend on the parameters (an exponential that underflowed, a saturated unit), not "
-        "at a minimum. Try another start, or geodesic_acceleration='strict' with attempts=10 "
-        "(and a max_steps above the default where it stops there), which rejects steps that "
-        "leave the region where the model's linearization holds"
+        "at a minimum. Try another start, or more steps (max_steps: with steps left, a fit "
+        "that ends on a plateau starts again with MINPACK's scaled trust region), or "
+        "geodesic_acceleration='strict' with attempts=10, which rejects steps that leave the "
+        "region where the model's linearization holds"
     )
 
 
