@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from torch_sgn.solve.scaled_trust_region import FACTOR, Radius, scaled_step, update
+from torch_sgn.solve.scaled_trust_region import FACTOR, Radius, Scaled, update
 
 D = torch.float64
 
@@ -38,7 +38,7 @@ def test_a_short_radius_gives_the_damped_step_of_that_scaled_length(seed, radius
     jac, r = _problem(seed)
     scale = jac.norm(dim=0)
     state = Radius(scale, radius)
-    step, damping = scaled_step(jac, jac.T @ r, state)
+    step, damping = Scaled.of(jac, jac.T @ r, state.scale).step(state.radius)
     assert damping > 0
     # (J^T J + lambda D^2) p = -J^T r, by a dense solve
     matrix = jac.T @ jac + damping * torch.diag(scale**2)
@@ -49,7 +49,7 @@ def test_a_short_radius_gives_the_damped_step_of_that_scaled_length(seed, radius
 def test_a_long_radius_gives_the_gauss_newton_step():
     jac, r = _problem(1)
     state = Radius(jac.norm(dim=0), 1e12)
-    step, damping = scaled_step(jac, jac.T @ r, state)
+    step, damping = Scaled.of(jac, jac.T @ r, state.scale).step(state.radius)
     assert damping == 0.0
     expected = torch.linalg.lstsq(jac, -r.unsqueeze(1)).solution.squeeze(1)
     torch.testing.assert_close(step, expected, rtol=1e-8, atol=0)
@@ -61,7 +61,7 @@ def test_the_radius_grows_where_the_model_is_exact_and_shrinks_where_it_fails():
     cost = 0.5 * float(r.square().sum())
     # linear residuals r + J p: the model is exact, the ratio 1
     state = Radius(scale, 0.05, first=False)
-    step, damping = scaled_step(jac, jac.T @ r, state)
+    step, damping = Scaled.of(jac, jac.T @ r, state.scale).step(state.radius)
     exact = 0.5 * float((r + jac @ step).square().sum())
     ratio = update(state, step, damping, jac, cost, exact)
     assert ratio == pytest.approx(1.0, rel=1e-9)
@@ -80,7 +80,7 @@ def test_the_radius_grows_where_the_model_is_exact_and_shrinks_where_it_fails():
 def test_the_first_radius_is_at_most_the_first_step():
     jac, r = _problem(3)
     state = Radius.start(torch.ones(4, dtype=D), jac)
-    step, damping = scaled_step(jac, jac.T @ r, state)
+    step, damping = Scaled.of(jac, jac.T @ r, state.scale).step(state.radius)
     length = float((state.scale * step).norm())
     cost = 0.5 * float(r.square().sum())
     update(state, step, damping, jac, cost, 0.5 * float((r + jac @ step).square().sum()))

@@ -42,7 +42,7 @@ from .distributed import SingleProcess
 from .model.flat_model import flat_gradient
 from .solve import geodesic
 from .solve.descents import MatrixDescent
-from .solve.scaled_trust_region import ACCEPT, Radius, scaled_step, update
+from .solve.scaled_trust_region import ACCEPT, Radius, Scaled, update
 from .solve.state import StepState
 from .solve.step import DampingRule, LineSearch, Problem, damped_step
 from .step_info import StepInfo, step_info
@@ -278,10 +278,11 @@ class CurveSteps:
         else:
             self.region.rescaled(jac)
         loss0 = float(r.square().sum())
+        scaled = Scaled.of(jac, cost_grad, self.region.scale)
         trials, taken = 0, False
         while not taken and trials < SCALED_TRIALS:
             trials += 1
-            step, damping = scaled_step(jac, cost_grad, self.region)
+            step, damping = scaled.step(self.region.radius)
             loss = self.loss_at(theta + step)
             ratio = update(self.region, step, damping, jac, loss0 / 2, loss / 2)
             taken = ratio >= ACCEPT

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["ACCEPT", "Radius", "scaled_step", "update"]
+__all__ = ["ACCEPT", "FACTOR", "Radius", "Scaled", "update"]
 
 #: A trial point is taken where the ratio of actual to predicted reduction is at least this.
 ACCEPT = 1e-4
@@ -66,44 +66,46 @@ class Radius:
 
 @dataclass(frozen=True)
 class Scaled:
-    """``J^T J`` and ``J^T r`` in the scaled parameters, by their eigendecomposition."""
+    r"""One step's ``J^T J`` and ``J^T r`` in the parameters scaled by ``D``, by the
+    eigendecomposition of :math:`D^{-1} J^\top J D^{-1}`: the step at any radius (the trials
+    of one step share it)."""
 
-    values: Tensor  # eigenvalues of D^-1 J^T J D^-1, clipped at 0
+    values: Tensor  # eigenvalues, clipped at 0
     vectors: Tensor
     coefficients: Tensor  # V^T D^-1 J^T r
+    scale: Tensor  # D
 
     @staticmethod
     def of(jac: Tensor, cost_grad: Tensor, scale: Tensor) -> Scaled:
         matrix = (jac / scale).T @ (jac / scale)
         values, vectors = torch.linalg.eigh(0.5 * (matrix + matrix.T))
-        return Scaled(values.clamp_min(0.0), vectors, vectors.T @ (cost_grad / scale))
+        return Scaled(values.clamp_min(0.0), vectors, vectors.T @ (cost_grad / scale), scale)
 
-    def length(self, damping: float) -> float:
-        """:math:`\\lVert D p(\\lambda) \\rVert`."""
-        return float(torch.linalg.vector_norm(self.coefficients / (self.values + damping)))
+    def step(self, radius: float) -> tuple[Tensor, float]:
+        r"""The step ``p`` within the radius and its damping :math:`\lambda`: the
+        Gauss-Newton step where it is no longer than :math:`1.1\,\Delta`, else the damped
+        step of scaled length within 10% of :math:`\Delta` (bisection on
+        :math:`\log\lambda`; the lengths in Python floats, a few parameters)."""
+        values, coefficients = self.values.tolist(), self.coefficients.tolist()
 
+        def length(damping: float) -> float:  # ||D p(damping)||
+            return math.sqrt(sum((c / (v + damping)) ** 2 for v, c in zip(values, coefficients)))
 
-def scaled_step(jac: Tensor, cost_grad: Tensor, state: Radius) -> tuple[Tensor, float]:
-    """The step ``p`` within the trust region and its damping :math:`\\lambda`: the
-    Gauss-Newton step where it is no longer than :math:`1.1\\,\\Delta`, else the damped step
-    of scaled length within 10% of :math:`\\Delta` (bisection on :math:`\\log\\lambda`)."""
-    scaled = Scaled.of(jac, cost_grad, state.scale)
-    radius = state.radius
-    damping = 0.0
-    if not (float(scaled.values.min()) > 0 and scaled.length(0.0) <= 1.1 * radius):
-        low, high = 0.0, 1.0
-        while scaled.length(high) > radius:
-            high *= 10.0
-        for _ in range(200):  # the length falls monotonically in the damping
-            damping = math.sqrt(max(low, high * 1e-12) * high)
-            length = scaled.length(damping)
-            if abs(length - radius) <= 0.1 * radius:
-                break
-            low, high = (damping, high) if length > radius else (low, damping)
-        else:
-            damping = high
-    u = -(scaled.vectors @ (scaled.coefficients / (scaled.values + damping)))
-    return u / state.scale, damping
+        damping = 0.0
+        if not (min(values) > 0 and length(0.0) <= 1.1 * radius):
+            low, high = 0.0, 1.0
+            while length(high) > radius:
+                high *= 10.0
+            for _ in range(200):  # the length falls monotonically in the damping
+                damping = math.sqrt(max(low, high * 1e-12) * high)
+                size = length(damping)
+                if abs(size - radius) <= 0.1 * radius:
+                    break
+                low, high = (damping, high) if size > radius else (low, damping)
+            else:
+                damping = high
+        u = -(self.vectors @ (self.coefficients / (self.values + damping)))
+        return u / self.scale, damping
 
 
 def update(
