@@ -85,3 +85,14 @@ def test_the_first_radius_is_at_most_the_first_step():
     cost = 0.5 * float(r.square().sum())
     update(state, step, damping, jac, cost, 0.5 * float((r + jac @ step).square().sum()))
     assert not state.first and state.radius == pytest.approx(2 * length, rel=1e-12)
+
+
+def test_the_acceleration_solves_the_damped_system_for_its_right_hand_side():
+    jac, r = _problem(4)
+    scale = jac.norm(dim=0)
+    scaled = Scaled.of(jac, jac.T @ r, scale)
+    step, damping = scaled.step(0.01)
+    b = torch.randn(4, generator=torch.Generator().manual_seed(5), dtype=D)
+    matrix = jac.T @ jac + damping * torch.diag(scale**2)
+    expected = torch.linalg.solve(matrix, -b)
+    torch.testing.assert_close(scaled.acceleration(b, damping), expected, rtol=1e-9, atol=0)

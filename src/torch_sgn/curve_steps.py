@@ -271,7 +271,9 @@ class CurveSteps:
         r"""One step of MINPACK's scaled trust region from ``theta``
         (:mod:`~torch_sgn.solve.scaled_trust_region`; the driver's fallback where SGN's steps
         ended on a plateau): trial points within a radius shrunk after each failed one, up to
-        :data:`SCALED_TRIALS`; the next point and the step's :class:`~torch_sgn.StepInfo`
+        :data:`SCALED_TRIALS`, each with the geodesic acceleration where SGN's steps take it
+        (``p + a / 2`` where :math:`2 \lVert D a \rVert \le 0.75 \lVert D p \rVert`, the
+        radius judged by ``p``); the next point and the step's :class:`~torch_sgn.StepInfo`
         (``stop_reason="scaled_trust_region"``, ``damping`` its :math:`\lambda`)."""
         if self.region is None:
             self.region = Radius.start(theta, jac)
@@ -279,11 +281,23 @@ class CurveSteps:
             self.region.rescaled(jac)
         loss0 = float(r.square().sum())
         scaled = Scaled.of(jac, cost_grad, self.region.scale)
-        trials, taken = 0, False
+        trials, taken, evals = 0, False, 0
         while not taken and trials < SCALED_TRIALS:
             trials += 1
             step, damping = scaled.step(self.region.radius)
-            loss = self.loss_at(theta + step)
+            trial = step
+            if self.accelerate:  # as SGN's steps: p + a / 2 where a is small against p
+                curve, norms = geodesic.second_difference(
+                    self.residuals_at, theta, step, r, jvp=lambda v: jac @ v
+                )
+                evals += 1
+                if geodesic.above_rounding(norms, theta.dtype):
+                    a = scaled.acceleration(jac.T @ curve, damping)
+                    scale = self.region.scale
+                    if geodesic.accepted(scale * step, scale * a) is not None:
+                        trial = step + 0.5 * a
+            loss = self.loss_at(theta + trial)
+            evals += 1
             ratio = update(self.region, step, damping, jac, loss0 / 2, loss / 2)
             taken = ratio >= ACCEPT
         # SGN's loss is ||r||^2: its predicted change is twice the cost's, g^T p + |J p|^2 / 2
@@ -293,10 +307,11 @@ class CurveSteps:
             grad_norm=2 * float(torch.linalg.vector_norm(cost_grad)), iterations=0,
             residual=0.0, stop_reason="scaled_trust_region", damping=damping,
             next_damping=damping, step_size=self.lr if taken else 0.0, tr_ratio=ratio,
-            predicted_change=predicted, loss_evals=trials, line_search_ok=taken,
-            attempts=trials, solver="direct", taken=taken,
+            predicted_change=predicted, loss_evals=evals, line_search_ok=taken,
+            attempts=trials, solver="direct", accelerated=taken and trial is not step,
+            taken=taken,
         )  # fmt: skip
-        return (theta + step if taken else theta), info
+        return (theta + trial if taken else theta), info
 
 
 def _close(a: Tensor, b: Tensor, size: Tensor) -> bool:

@@ -104,8 +104,17 @@ class Scaled:
                 low, high = (damping, high) if size > radius else (low, damping)
             else:
                 damping = high
-        u = -(self.vectors @ (self.coefficients / (self.values + damping)))
-        return u / self.scale, damping
+        return self.solve(self.coefficients, damping), damping
+
+    def solve(self, coefficients: Tensor, damping: float) -> Tensor:
+        r""":math:`-(J^\top J + \lambda D^2)^{-1} b` for ``coefficients`` :math:`= V^\top
+        D^{-1} b`."""
+        return -(self.vectors @ (coefficients / (self.values + damping))) / self.scale
+
+    def acceleration(self, b: Tensor, damping: float) -> Tensor:
+        r"""The geodesic acceleration :math:`a = -(J^\top J + \lambda D^2)^{-1} b` of the step
+        at ``damping``, for :math:`b = J^\top r_{vv}` (Transtrum and Sethna, 2012)."""
+        return self.solve(self.vectors.T @ (b / self.scale), damping)
 
 
 def update(
