@@ -187,7 +187,9 @@ class CurveSteps:
                 out = self.fn(self.module)
                 if tuple(out.shape) != r_shape:
                     raise ValueError("the broadcast residuals changed shape")
-                (grad,) = torch.autograd.grad(out.sum(), leaf, allow_unused=True)
+                # the gradient of out.sum(), with the sum's backward (ones) handed in
+                ones = torch.ones_like(out)
+                (grad,) = torch.autograd.grad(out, leaf, ones, allow_unused=True)
         finally:
             for (owner, name), p in zip(self._places, self.params):
                 owner._parameters[name] = p

@@ -425,13 +425,16 @@ def _test(
     ftol_met = reduction < ftol * cost and (
         ratio > 0.25 or (noise and (predicted_full < ftol * cost or not info.taken))
     )
-    if a > 0:
-        dx = float(torch.linalg.vector_norm(after - before))
-    elif info.damping > 0:  # no move: the bound on the rejected direction's length
-        dx = math.sqrt(2 * predicted_full / info.damping)
+    if a > 0:  # (one copy to the host for both norms)
+        norms = torch.stack(
+            [torch.linalg.vector_norm(after - before), torch.linalg.vector_norm(before)]
+        )
+        dx, size = norms.tolist()
     else:
-        dx = math.inf
-    xtol_met = dx < xtol * (xtol + float(torch.linalg.vector_norm(before)))
+        size = float(torch.linalg.vector_norm(before))
+        # no move: the bound on the rejected direction's length
+        dx = math.sqrt(2 * predicted_full / info.damping) if info.damping > 0 else math.inf
+    xtol_met = dx < xtol * (xtol + size)
     if ftol_met and xtol_met:
         return 4
     if ftol_met:

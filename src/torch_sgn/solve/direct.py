@@ -116,7 +116,10 @@ def solve_damped(matrix: Tensor, rhs: Tensor, damping: float) -> DirectResult:
     if int(info) == 0:
 
         def by_cholesky(b: Tensor) -> Tensor:
-            return torch.cholesky_solve(b.unsqueeze(1), factor).squeeze(1).neg_()
+            # L^-T L^-1 b by two triangular solves: torch.cholesky_solve's result to the bit
+            # (LAPACK's potrs is these two solves), at less overhead for a small matrix
+            y = torch.linalg.solve_triangular(factor, b.unsqueeze(1), upper=False)
+            return torch.linalg.solve_triangular(factor.mT, y, upper=True).squeeze(1).neg_()
 
         x = by_cholesky(rhs)
         if _all_finite(x):
