@@ -655,4 +655,4 @@ def test_a_curvature_fraction_on_a_residuals_problem_is_refused_clearly():
         SGN(problem, problem.loss, curvature_fraction=0.5)
     with pytest.raises(ValueError, match="curvature_fraction=0.5: a Residuals problem"):
         least_squares(decay, module, curvature_fraction=0.5, max_steps=3)
-    assert float(module.a) == 1.0
+    assert float(module.a.detach()) == 1.0
