@@ -11,10 +11,17 @@ import torch
 from torch import nn
 
 from torch_sgn import StepInfo
-from torch_sgn.fitting import MESSAGES, LeastSquaresResult, _test, least_squares
+from torch_sgn.fitting import (
+    MESSAGES,
+    STEPS_PER_PARAMETER,
+    LeastSquaresResult,
+    _test,
+    least_squares,
+)
 from torch_sgn.pinn import Residual, Residuals
 
 TIGHT = dict(xtol=1e-15, ftol=1e-15, gtol=1e-15)
+D64 = torch.float64
 
 
 class Decay(nn.Module):
@@ -303,6 +310,18 @@ def test_a_fit_that_ends_where_the_jacobian_vanished_says_so():
         )  # fmt: skip
     assert fit.success and "vanished" not in fit.message and "started again" not in fit.message
     assert _digits_of_mgh10(fit.x) > 6
+
+
+def test_a_restart_that_ends_on_a_plateau_too_is_the_result_and_says_so():
+    """tanh(x) = 2 has no solution: the cost falls as x grows, where J = 1 - tanh(x)^2 vanishes.
+    SGN's steps and then the scaled trust region each end on that plateau; the second end is
+    the fit's (not a third start), and the warning no longer suggests the restart."""
+    with pytest.warns(UserWarning, match="Jacobian vanished") as record:
+        fit = least_squares(lambda x: torch.tanh(x) - 2, torch.tensor([0.5], dtype=D64), **TIGHT)
+    assert "started again with MINPACK's scaled trust region" in fit.message
+    assert fit.last_step.stop_reason == "scaled_trust_region"
+    assert fit.steps < STEPS_PER_PARAMETER and fit.x.item() > 5  # the restart's end, not 0.5
+    assert "max_steps" not in str(record[0].message)
 
 
 def test_no_note_where_the_jacobian_keeps_its_size():

@@ -287,25 +287,16 @@ def test_the_parameter_check_runs_once_per_loss(monkeypatch):
     assert len(calls) == 1
 
 
-def test_cuda_graphs_do_not_apply_where_the_loss_runs_as_it_is(cpu_graph_captures):
+@pytest.mark.parametrize("option", ["cuda_graphs", "compile"])
+def test_graphs_and_compile_do_not_apply_where_the_loss_runs_as_it_is(option, cpu_graph_captures):
     loss, kind = LOSSES["gaussian_nll_loss"]
     model, x, y = _batch(kind)
     eager = copy.deepcopy(model)
-    opt = SGN(model, loss, engine="traced", cuda_graphs=True)
-    with pytest.warns(UserWarning, match="cuda_graphs=True does not apply.*loss is called"):
+    opt = SGN(model, loss, engine="traced", **{option: True})
+    with pytest.warns(UserWarning, match=f"{option}=True does not apply.*loss is called"):
         info = opt.step(x, y)
     assert cpu_graph_captures == []  # nothing captured
     expected = SGN(eager, loss, engine="traced").step(x, y)
     assert info.loss_after == expected.loss_after
     for p, q in zip(model.parameters(), eager.parameters()):
         assert torch.equal(p, q)
-
-
-def test_compile_does_not_apply_where_the_loss_runs_as_it_is():
-    loss, kind = LOSSES["gaussian_nll_loss"]
-    model, x, y = _batch(kind)
-    eager = copy.deepcopy(model)
-    opt = SGN(model, loss, engine="traced", compile=True)
-    with pytest.warns(UserWarning, match="compile=True does not apply.*loss is called"):
-        info = opt.step(x, y)
-    assert info.loss_after == SGN(eager, loss, engine="traced").step(x, y).loss_after

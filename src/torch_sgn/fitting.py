@@ -246,15 +246,9 @@ def _run(
         if curve is not None and _takes_curve_steps({**group, **sgn_options}, solver, params):
             lean = CurveSteps(curve[0], curve[1], params, group)
             run = _run_curve(lean, params, xtol, ftol, gtol, max_steps, lr)
-            steps, evaluations, status, info, end = (
-                run.steps,
-                run.evaluations,
-                run.status,
-                run.info,
-                run.end,
-            )
-            vanished = _vanished(*run.norms, params[0].dtype)
-            restarted = run.restarted
+            steps, evaluations, status, info = run.steps, run.evaluations, run.status, run.info
+            end, restarted = run.end, run.restarted
+            vanished = _vanished(run.norms, params[0].dtype, restarted is not None)
     while status is None and steps < max_steps:
         x = _flat(params)
         try:
@@ -331,6 +325,7 @@ def _run_curve(
     formed = None  # (point, r, J^T r) where J was formed last
     first = last = None  # J at the start, and where it was formed last
     restarted = None  # the steps taken when the scaled trust region took over
+    norms = (math.nan, math.nan)
     try:
         for step in (lean.step, lean.scaled_step):
             while status is None and steps < max_steps:
@@ -354,14 +349,15 @@ def _run_curve(
                 r, last = lean.jacobian(theta)
                 formed = (theta, r, last.T @ r)
                 first = last if first is None else first
-            if status == -1 or steps >= max_steps or not _plateau(first, last):
-                break
+            norms = _norms(first, last)
+            again = step == lean.step and status != -1 and steps < max_steps
+            if not (again and _plateau(norms, last.dtype)):
+                break  # (the scaled trust region's end is the fit's, plateau or not)
             restarted, status, theta = steps, None, start
     finally:
         lean.write(theta)
         lean.close()
-    norms = torch.stack([torch.linalg.matrix_norm(first), torch.linalg.matrix_norm(last)])
-    return _CurveRun(steps, evaluations, status, info, formed[1:], tuple(norms.tolist()), restarted)
+    return _CurveRun(steps, evaluations, status, info, formed[1:], norms, restarted)
 
 
 @dataclass(frozen=True)
@@ -380,32 +376,43 @@ class _CurveRun:
     restarted: Optional[int]
 
 
-def _plateau(first: Tensor, last: Tensor) -> bool:
-    """Whether ``J`` (``last``) vanished against ``J`` at the start (``first``): its norm below
-    ``sqrt(eps)`` times the start's."""
+def _norms(first: Tensor, last: Tensor) -> Tuple[float, float]:
+    """The Frobenius norms of ``J`` at the start (``first``) and at the end (``last``)."""
     start, end = torch.stack([torch.linalg.matrix_norm(first), torch.linalg.matrix_norm(last)])
-    return bool(end <= math.sqrt(torch.finfo(last.dtype).eps) * start)
+    return float(start), float(end)
 
 
-def _vanished(start: float, end: float, dtype: torch.dtype) -> Optional[str]:
-    """What to tell where ``J`` vanished on the way (its norm at the end below ``sqrt(eps)``
-    times that at the start), else ``None``.
+def _plateau(norms: Tuple[float, float], dtype: torch.dtype) -> bool:
+    """Whether ``J`` vanished on the way: its norm at the end (``norms[1]``) below ``sqrt(eps)``
+    times its norm at the start (``norms[0]``; NaN: no)."""
+    start, end = norms
+    return end <= math.sqrt(torch.finfo(dtype).eps) * start
+
+
+def _vanished(norms: Tuple[float, float], dtype: torch.dtype, restarted: bool) -> Optional[str]:
+    """What to tell where ``J`` vanished on the way (:func:`_plateau`), else ``None``; after
+    the scaled trust region's restart (``restarted``), without suggesting it.
 
     Such an end is no fit: the residuals no longer depend on the parameters there (an
     exponential that underflowed, a sigmoid saturated), so the gradient vanishes, and the
     tests that stop a fit (a tiny gradient, a tiny change of the cost) are met by the plateau.
     A minimum of a well-posed fit keeps ``J`` of full size.
     """
-    if not end <= math.sqrt(torch.finfo(dtype).eps) * start:  # NaN: no note
+    if not _plateau(norms, dtype):
         return None
+    restart = (
+        ""
+        if restarted
+        else " more steps (max_steps: with steps left, a fit that ends on a "
+        "plateau starts again with MINPACK's scaled trust region), or"
+    )
     return (
-        f"the residuals' Jacobian vanished on the way (its norm fell from {start:.3g} at the "
-        f"start to {end:.3g}): the fit ended on a plateau where the residuals no longer "
-        "depend on the parameters (an exponential that underflowed, a saturated unit), not "
-        "at a minimum. Try another start, or more steps (max_steps: with steps left, a fit "
-        "that ends on a plateau starts again with MINPACK's scaled trust region), or "
-        "geodesic_acceleration='strict' with attempts=10, which rejects steps that leave the "
-        "region where the model's linearization holds"
+        f"the residuals' Jacobian vanished on the way (its norm fell from {norms[0]:.3g} at "
+        f"the start to {norms[1]:.3g}): the fit ended on a plateau where the residuals no "
+        "longer depend on the parameters (an exponential that underflowed, a saturated unit), "
+        f"not at a minimum. Try another start, or{restart} geodesic_acceleration='strict' "
+        "with attempts=10, which rejects steps that leave the region where the model's "
+        "linearization holds"
     )
 
 
