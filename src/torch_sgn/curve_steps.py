@@ -47,10 +47,15 @@ from .solve.state import StepState
 from .solve.step import DampingRule, LineSearch, Problem, damped_step
 from .step_info import StepInfo, step_info
 
-__all__ = ["CurveSteps", "SCALED_TRIALS", "UNSUPPORTED"]
+__all__ = ["CurveSteps", "SCALED_TRIALS", "SHARED_FORWARD_SIZE", "UNSUPPORTED"]
 
 #: The most trial points of one step of the scaled trust region (:meth:`CurveSteps.scaled_step`).
 SCALED_TRIALS = 10
+
+#: The most entries (parameters times residuals) of the broadcast copies for which trial points
+#: are evaluated by them (:meth:`CurveSteps.loss_at`): below it the copies' forward pass costs
+#: about a plain one (the cost of a call of small tensor operations is their dispatch).
+SHARED_FORWARD_SIZE = 1 << 14
 
 #: SGN's options (with the values they must have) outside what :class:`CurveSteps` takes:
 #: a fit with another value of one of them runs through the optimizer.
@@ -98,6 +103,9 @@ class CurveSteps:
         self.broadcast: Optional[bool] = None  # J by broadcast copies: decided at the first J
         self._shape: Tuple[int, ...] = ()  # the residuals' shape, where broadcast
         self._same = False  # the broadcast residuals equal the plain call's bit for bit
+        self._shares_forward = False  # loss_at evaluates by the copies (see jacobian)
+        # (point, residuals with their graph, leaf) of loss_at's last evaluation
+        self._pending: Optional[Tuple[Tensor, Tensor, Tensor]] = None
         self._call = _Call(fn, module)
         self._keys = [f"inner.{n}" for n in self.names]
         # Where each parameter is registered (its first name): the broadcast copies take its
@@ -107,6 +115,7 @@ class CurveSteps:
             (module.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in self.names
         ]
         self.shares = SingleProcess().shares
+        self._scalars = all(p.dim() == 0 for p in params)  # (a curve's coefficients)
         self._flat: Optional[Tensor] = None
         if len({(p.dtype, p.device) for p in params}) == 1:
             # Views of the same shapes, dtype and device: autograd's record of each parameter
@@ -117,6 +126,7 @@ class CurveSteps:
 
     def close(self) -> None:
         """Gives each parameter its own storage again (it holds the last point written)."""
+        self._pending = None
         if self._flat is not None:
             for p in self.params:
                 p.data = p.data.clone()
@@ -139,17 +149,40 @@ class CurveSteps:
             return self.fn(self.module).reshape(-1)
 
     def loss_at(self, flat: Tensor) -> float:
-        return float(self.residuals_at(flat).square().sum())
+        r""":math:`\lVert r \rVert^2` at ``flat``; where ``J`` is formed by the broadcast copies
+        and they are small, evaluated by them, their graph kept: if the step ends at ``flat``,
+        the next :meth:`jacobian` is one backward pass (an accepted trial's evaluation is the
+        next linearization's forward pass)."""
+        if not self._shares_forward:
+            return float(self.residuals_at(flat).square().sum())
+        self.write(flat)
+        self._pending = None  # the graph of the last point evaluated, freed first
+        out, leaf = self._broadcast_forward(self._shape)
+        r = out.detach().reshape(-1)
+        self._pending = (flat, out, leaf)
+        return float(r.square().sum())
 
     def jacobian(self, flat: Tensor) -> Tuple[Tensor, Tensor]:
         """``(r, J)`` at ``flat``: the residuals (flat) and their Jacobian (``R x P``). ``r``
         equals :meth:`residuals_at`'s bit for bit, as every trial point's, so that the step
         compares losses computed alike: the broadcast copies' residuals are used where they
         were equal at the first point, else :meth:`residuals_at` runs too."""
+        pending, self._pending = self._pending, None
+        if pending is not None and torch.equal(pending[0], flat):
+            self.write(flat)
+            return self._broadcast_backward(*pending[1:])
+        pending = None
         self.write(flat)
         first = None
         if self.broadcast is None:
             self.broadcast, first = self._broadcast_agrees()
+            # the forward shared with the trial points (loss_at) where its residuals are the
+            # plain call's and the copies are few (where the copies' forward costs about the
+            # plain one's: a rejected trial's wasted work)
+            self._shares_forward = (
+                self.broadcast and self._same and len(self.params) * math.prod(self._shape)
+                <= SHARED_FORWARD_SIZE
+            )
         if self.broadcast:
             r, jac = first if first is not None else self._by_broadcast(self._shape)
             return (r if self._same else self.residuals_at(flat)), jac
@@ -170,9 +203,14 @@ class CurveSteps:
         return r, jac
 
     def _by_broadcast(self, r_shape: Tuple[int, ...]) -> Tuple[Tensor, Tensor]:
-        """``(r, J)`` by the broadcast copies: views of one ``P x R`` leaf set in the
-        parameters' places in their modules for one call of ``fn``; the leaf's gradient is
-        ``J^T``."""
+        """``(r, J)`` by the broadcast copies (:meth:`_broadcast_forward`,
+        :meth:`_broadcast_backward`)."""
+        return self._broadcast_backward(*self._broadcast_forward(r_shape))
+
+    def _broadcast_forward(self, r_shape: Tuple[int, ...]) -> Tuple[Tensor, Tensor]:
+        """The residuals by the broadcast copies, with their graph, and the copies' leaf:
+        views of one ``P x R`` leaf set in the parameters' places in their modules for one
+        call of ``fn``."""
         flat = self._flat
         if flat is None:
             flat = torch.cat([p.detach().reshape(-1) for p in self.params])
@@ -180,22 +218,33 @@ class CurveSteps:
         leaf.requires_grad_()
         try:
             with torch.enable_grad():
-                for (owner, name), p, chunk in zip(
-                    self._places, self.params, leaf.split_with_sizes(self.sizes)
-                ):
-                    owner._parameters[name] = chunk.view(p.shape + r_shape)
+                if self._scalars:  # one view node in the graph rather than a split and P views
+                    copies = leaf.unbind(0)
+                else:
+                    copies = [
+                        chunk.view(p.shape + r_shape)
+                        for p, chunk in zip(self.params, leaf.split_with_sizes(self.sizes))
+                    ]
+                for (owner, name), copy in zip(self._places, copies):
+                    owner._parameters[name] = copy
                 out = self.fn(self.module)
-                if tuple(out.shape) != r_shape:
-                    raise ValueError("the broadcast residuals changed shape")
-                # the gradient of out.sum(), with the sum's backward (ones) handed in
-                ones = torch.ones_like(out)
-                (grad,) = torch.autograd.grad(out, leaf, ones, allow_unused=True)
         finally:
             for (owner, name), p in zip(self._places, self.params):
                 owner._parameters[name] = p
+        if tuple(out.shape) != r_shape:
+            raise ValueError("the broadcast residuals changed shape")
+        return out, leaf
+
+    def _broadcast_backward(self, out: Tensor, leaf: Tensor) -> Tuple[Tensor, Tensor]:
+        """``(r, J)`` from :meth:`_broadcast_forward`'s residuals: the leaf's gradient of
+        their sum is ``J^T``."""
+        grad = None
+        if out.grad_fn is not None:
+            # the gradient of out.sum(), with the sum's backward (ones) handed in
+            (grad,) = torch.autograd.grad(out, leaf, torch.ones_like(out), allow_unused=True)
         if grad is None:  # residuals of none of the parameters
             grad = torch.zeros_like(leaf)
-        return out.detach().reshape(-1), grad.reshape(flat.numel(), -1).T
+        return out.detach().reshape(-1), grad.reshape(leaf.shape[0], -1).T
 
     def _broadcast_agrees(self) -> Tuple[bool, Optional[Tuple[Tensor, Tensor]]]:
         """Whether the broadcast copies give the residuals and ``J`` at the point the

@@ -107,9 +107,6 @@ def solve_damped(matrix: Tensor, rhs: Tensor, damping: float) -> DirectResult:
         raise ValueError(f"matrix of shape {tuple(matrix.shape)} does not match rhs of length {n}")
     if rhs.dtype != torch.float64 or matrix.dtype != torch.float64:
         return _in_dtype(solve_damped(matrix.double(), rhs.double(), damping), rhs.dtype)
-    if not _all_finite(matrix, rhs):
-        zero = torch.zeros_like(rhs)
-        return DirectResult(zero, rhs.clone(), 0, "non_finite")
     damped = torch.add(matrix, matrix.mT).mul_(0.5)  # G's symmetric part
     damped.diagonal().add_(damping)
     factor, info = torch.linalg.cholesky_ex(damped)
@@ -122,9 +119,15 @@ def solve_damped(matrix: Tensor, rhs: Tensor, damping: float) -> DirectResult:
             return torch.linalg.solve_triangular(factor.mT, y, upper=True).squeeze(1).neg_()
 
         x = by_cholesky(rhs)
-        if _all_finite(x):
-            return DirectResult(x, torch.addmv(rhs, damped, x), 0, "cholesky", by_cholesky)
+        residual = torch.addmv(rhs, damped, x)
+        # rhs + A x is finite only where rhs and x are (A's diagonal is positive); where the
+        # test fails (a non-finite entry, or an overflow), the terms are tested themselves.
+        if _all_finite(matrix, residual) or _all_finite(matrix, rhs, x):
+            return DirectResult(x, residual, 0, "cholesky", by_cholesky)
     factor = damped = None  # freed before the fallback's own matrices
+    if not _all_finite(matrix, rhs):
+        zero = torch.zeros_like(rhs)
+        return DirectResult(zero, rhs.clone(), 0, "non_finite")
     sym = (matrix + matrix.mT) * 0.5
     try:
         values, vectors = torch.linalg.eigh(sym)
@@ -156,9 +159,12 @@ def _in_dtype(result: DirectResult, dtype: torch.dtype) -> DirectResult:
 
 
 def _all_finite(*tensors: Tensor) -> bool:
-    # One sum per tensor is finite exactly when no entry is NaN or infinite, unless finite
-    # entries overflow it; the exact test settles that case.
-    return all(math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all()) for t in tensors)
+    # The sum of every entry (one copy to the host) is finite exactly when no entry is NaN or
+    # infinite, unless finite entries overflow it; the exact test settles that case.
+    total = tensors[0].sum()
+    for t in tensors[1:]:
+        total = total + t.sum()
+    return math.isfinite(float(total)) or all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 # --- the sample space ---------------------------------------------------------------------------

@@ -232,8 +232,10 @@ class Solution:
         r"""The change :math:`g^\top s + \frac12 s^\top A s` uses the descent's residual, which
         gives :math:`A d = r - \hat m` without another product."""
         d = result.x
+        g_d = torch.dot(grad, d)
+        m_d = g_d if rhs is grad else torch.dot(rhs, d)  # (the same product, once)
         g_d, curv, m_d, res, d_max = torch.stack([
-            torch.dot(grad, d), torch.dot(d, result.residual - rhs), torch.dot(rhs, d),
+            g_d, torch.dot(d, result.residual - rhs), m_d,
             torch.linalg.vector_norm(result.residual), d.abs().max(),
         ]).tolist()  # fmt: skip
         return Solution(lr * g_d + 0.5 * lr * lr * curv, lr * m_d, res, d_max != 0)
@@ -260,6 +262,8 @@ class Trial:
     def displacement(self, a: float) -> Tensor:
         """The change of the parameters at the line search's factor ``a``: ``a lr d``, and
         with a geodesic acceleration the parabola ``a lr d + a^2 lr^2 a_geo / 2``."""
+        if a == 1.0:  # (a product by 1 is exact)
+            return self.step if self.curve is None else self.step + self.curve
         if self.curve is None:
             return a * self.step
         return torch.add(self.step, self.curve, alpha=a).mul_(a)
@@ -273,7 +277,7 @@ class Trial:
     def of(result: Result, curve: Optional[Tensor], problem: Problem, search: LineSearch) -> Trial:
         grad, loss0 = problem.grad, problem.loss0
         solution = Solution.of(grad, problem.rhs, result, search.lr)
-        step = search.lr * result.x
+        step = result.x if search.lr == 1.0 else search.lr * result.x  # (a product by 1 is exact)
         moved = solution.moved
         loss = problem.loss_at(step if curve is None else step + curve) if moved else loss0
         predicted = solution.predicted
