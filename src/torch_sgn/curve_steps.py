@@ -180,8 +180,9 @@ class CurveSteps:
             # plain call's and the copies are few (where the copies' forward costs about the
             # plain one's: a rejected trial's wasted work)
             self._shares_forward = (
-                self.broadcast and self._same and len(self.params) * math.prod(self._shape)
-                <= SHARED_FORWARD_SIZE
+                self.broadcast
+                and self._same
+                and sum(self.sizes) * math.prod(self._shape) <= SHARED_FORWARD_SIZE
             )
         if self.broadcast:
             r, jac = first if first is not None else self._by_broadcast(self._shape)
