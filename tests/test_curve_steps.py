@@ -503,14 +503,14 @@ def _accepted_points(make, fn, steps: int) -> list:
     return points
 
 
-@pytest.mark.parametrize("at", [2, 3, 5, 9, 14, 20, 25])
+@pytest.mark.parametrize("at", [2, 3, 5, 9, 14, 20, 24])
 def test_an_interrupted_fit_leaves_an_accepted_point_in_own_storage(at, monkeypatch):
     def make():
         return Params(b1=0.2, b2=0.5, b3=1.5)
 
     counted, calls = _counting(rational, at=10**9)
     least_squares(counted, make(), max_steps=8, **OFF)
-    assert calls[0] > 25  # `at` falls inside the fit
+    assert calls[0] > 24  # `at` falls inside the fit
     accepted = _accepted_points(make, rational, 8)
 
     made = _spy(monkeypatch)

@@ -76,6 +76,9 @@ class CurveSteps:
             evaluation (:meth:`write` the point to keep at the end).
         params: the module's trainable parameters, in the order of the flat vector.
         group: SGN's options (an :class:`~torch_sgn.SGN` param group, checked).
+        check: ``(residuals, grads) -> None``, called once with the residuals at the first
+            point (with their graph) and the gradients of one product of them with a random
+            vector (``None`` for a parameter they do not reach); it raises on what it refuses.
 
     While it runs, the parameters are views of one flat tensor (a point is written by one
     copy); :meth:`close` gives each its own storage again.
@@ -87,8 +90,9 @@ class CurveSteps:
         module: nn.Module,
         params: List[nn.Parameter],
         group: Mapping,
+        check: Optional[Callable[[Tensor, List[Optional[Tensor]]], None]] = None,
     ):
-        self.fn, self.module, self.params = fn, module, params
+        self.fn, self.module, self.params, self.check = fn, module, params, check
         self.sizes = [p.numel() for p in params]
         names = {id(p): n for n, p in module.named_parameters()}
         self.names = [names[id(p)] for p in params]
@@ -256,21 +260,27 @@ class CurveSteps:
         ``J`` is checked through one vector-Jacobian product of the plain residuals with a
         random ``u``: ``J_b^T u = J^T u`` for every ``u`` exactly where ``J_b = J``, and where
         they differ, for a random ``u`` almost surely not (drawn from a generator of its own, so
-        that the fit leaves the global random state alone)."""
+        that the fit leaves the global random state alone). The plain residuals and that
+        product's gradients (``None`` for a parameter they do not reach) go to ``check`` first."""
         with torch.enable_grad():
             direct = self.fn(self.module)
+            r = direct.detach().reshape(-1)
+            generator = torch.Generator(device=r.device).manual_seed(0)
+            u = torch.randn(r.shape, generator=generator, dtype=r.dtype, device=r.device)
+            grads: List[Optional[Tensor]] = [None] * len(self.params)
+            if direct.grad_fn is not None:
+                product = direct.reshape(-1) @ u
+                grads = list(torch.autograd.grad(product, self.params, allow_unused=True))
+        if self.check is not None:
+            self.check(direct, grads)
         self._shape = tuple(direct.shape)
         try:
             r_b, jac_b = self._by_broadcast(self._shape)
         except Exception:  # a model that cannot take the copies: J by jacrev
             return False, None
-        r = direct.detach().reshape(-1)
         self._same = torch.equal(r_b, r)
         if not _close(r_b, r, r.abs()) or direct.grad_fn is None:
             return False, None
-        generator = torch.Generator(device=r.device).manual_seed(0)
-        u = torch.randn(r.shape, generator=generator, dtype=r.dtype, device=r.device)
-        grads = torch.autograd.grad(direct.reshape(-1) @ u, self.params, allow_unused=True)
         jtu = flat_gradient(self.params, grads)
         # J_b^T u and the product by autograd sum the same R products in another order: they
         # differ by at most about R eps (|J_b|^T |u|) (Higham's bound of a sum's rounding); a

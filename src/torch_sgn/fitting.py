@@ -233,22 +233,31 @@ def _run(
     sgn_options: dict,
     curve: Optional[Tuple[ResidualFn, nn.Module]],
 ) -> LeastSquaresResult:
-    fun, grad = _residuals_and_gradient(problem, params, inputs, check=True)
-    evaluations, steps, info = 1, 0, None
-    status = 1 if _sup(grad) < gtol else None
+    evaluations, steps, info, status = 1, 0, None, None
     end = None  # the residuals and gradient at the end, where the steps formed them
     vanished = None  # a note where the curve fit's Jacobian vanished on the way
     restarted = None  # the steps after which its scaled trust region took over
-    if status is None and max_steps > 0:
+    opt = None
+    if curve is not None and max_steps > 0:
+        # A residual function's fit whose steps CurveSteps takes: the checks of the start, and
+        # its gtol test, on CurveSteps' first evaluations (the residuals and J there).
         opt = SGN(problem, problem.loss, solver=solver, keep_grad=True, **sgn_options)
         group = opt.param_groups[0]
-        lr = group["lr"]
-        if curve is not None and _takes_curve_steps({**group, **sgn_options}, solver, params):
-            lean = CurveSteps(curve[0], curve[1], params, group)
-            run = _run_curve(lean, params, xtol, ftol, gtol, max_steps, lr)
+        if _takes_curve_steps({**group, **sgn_options}, solver, params):
+            names = _names(problem, params)
+            lean = CurveSteps(
+                curve[0], curve[1], params, group,
+                check=lambda r, reached: _check_start(r, names, reached),
+            )  # fmt: skip
+            run = _run_curve(lean, params, xtol, ftol, gtol, max_steps, group["lr"])
             steps, evaluations, status, info = run.steps, run.evaluations, run.status, run.info
             end, restarted = run.end, run.restarted
             vanished = _vanished(run.norms, params[0].dtype, restarted is not None)
+    if end is None:
+        fun, grad = _residuals_and_gradient(problem, params, inputs, check=True)
+        status = 1 if _sup(grad) < gtol else None
+        if status is None and max_steps > 0 and opt is None:
+            opt = SGN(problem, problem.loss, solver=solver, keep_grad=True, **sgn_options)
     while status is None and steps < max_steps:
         x = _flat(params)
         try:
@@ -264,7 +273,7 @@ def _run(
             status = 1
             break
         steps += 1
-        status = _test(info, x, _flat(params), lr, xtol, ftol)
+        status = _test(info, x, _flat(params), opt.param_groups[0]["lr"], xtol, ftol)
     if status is None:
         status = 0
     fun, grad = end or _residuals_and_gradient(problem, params, inputs, check=False)
@@ -337,7 +346,7 @@ def _run_curve(
                 sup = _sup(grad)  # NaN or infinite where an entry is
                 if not math.isfinite(sup):
                     status = -1
-                elif steps > 0 and sup < gtol:
+                elif sup < gtol:  # (at the start too: the fit's first test)
                     status = 1
                 else:
                     point, info = step(theta, r, jac, grad)
@@ -517,14 +526,26 @@ def _residuals_and_gradient(
     with torch.enable_grad():
         r = problem(*inputs).reshape(-1)
         if check:
-            _check_start(problem, params, r)
+            reached = [None] * len(params)
+            if r.grad_fn is not None:
+                reached = torch.autograd.grad(r.sum(), params, allow_unused=True, retain_graph=True)
+            _check_start(r, _names(problem, params), reached)
         if r.grad_fn is None:
             return r.detach(), torch.zeros_like(_flat(params))
         grads = torch.autograd.grad(0.5 * r.square().sum(), params, allow_unused=True)
     return r.detach(), flat_gradient(params, grads)
 
 
-def _check_start(problem: Residuals, params: List[nn.Parameter], r: Tensor) -> None:
+def _names(problem: Residuals, params: Sequence[nn.Parameter]) -> List[str]:
+    """The parameters' names in the problem's network."""
+    names = {id(p): n for n, p in problem.network.named_parameters()}
+    return [names[id(p)] for p in params]
+
+
+def _check_start(r: Tensor, names: Sequence[str], reached: Sequence[Optional[Tensor]]) -> None:
+    """Refuses residuals at the start that are not finite, empty, or do not depend on every
+    trainable parameter (named ``names``; ``reached``: a gradient of the residuals by autograd
+    for each, ``None`` where it does not reach it)."""
     bad = ~torch.isfinite(r.detach())
     if bad.any():
         first = int(bad.nonzero()[0])
@@ -540,9 +561,7 @@ def _check_start(problem: Residuals, params: List[nn.Parameter], r: Tensor) -> N
             "residuals: the residuals do not depend on the parameters (no gradient reaches "
             "them): compute them from the module passed (not from detached copies or .data)"
         )
-    reached = torch.autograd.grad(r.sum(), params, allow_unused=True, retain_graph=True)
-    names = {id(p): n for n, p in problem.network.named_parameters()}
-    unused = [names[id(p)] for p, g in zip(params, reached) if g is None]
+    unused = [n for n, g in zip(names, reached) if g is None]
     if unused:
         raise ValueError(
             f"residuals: do not depend on parameter(s) {unused}: use them in the residuals or "
