@@ -22,7 +22,10 @@ itself: what ``curve_steps`` saves per step), ``lm`` and ``trf``
 (``scipy.optimize.least_squares``, Jacobians by finite differences as a user calls it).
 Reported per fit: digits of agreement with the certified parameters (the log relative error
 ``-log10 |b - c| / |c|``, the minimum over parameters, capped at 11), the status, steps
-(scipy: Jacobian evaluations), residual evaluations and the CPU seconds of one fit (median of
+(scipy: Jacobian evaluations), residual evaluations as each method counts them (scipy's
+``nfev``, which leaves out the calls of its finite-difference Jacobians), calls of the
+residual function (every call: scipy's finite differences, SGN's ``J`` by one call on broadcast
+copies, its checks at the start) and the CPU seconds of one fit (median of
 ``--repeats``, the methods taking turns within each round; after one warm-up fit of the first
 problem); the summary gives each method's total CPU time against scipy lm's. Result (shared
 2-core CPU, one thread): see ``benchmarks/results/2026-11-28_cpu_nist_strd_onesided/README.md``.
@@ -192,8 +195,10 @@ def fit_sgn(problem: Problem, start, options: dict, tols: dict, optimizer: bool 
     x = [torch.from_numpy(row) for row in problem.x]
     y = torch.from_numpy(problem.y)
     curve = Curve(start)
+    calls = [0]
 
     def residuals(m):
+        calls[0] += 1
         return model_fn(m.b(), x, torch) - y
 
     if optimizer:
@@ -205,6 +210,7 @@ def fit_sgn(problem: Problem, start, options: dict, tols: dict, optimizer: bool 
         status=r.status,
         steps=r.steps,
         evaluations=r.evaluations,
+        calls=calls[0],
         cost=r.cost,
     )
 
@@ -213,14 +219,19 @@ def fit_scipy(problem: Problem, start, method: str, tols: dict) -> dict:
     from scipy.optimize import least_squares as scipy_least_squares
 
     model_fn = MODELS[problem.name]
-    r = scipy_least_squares(
-        lambda b: model_fn(b, problem.x, np) - problem.y, np.array(start), method=method, **tols
-    )
+    calls = [0]
+
+    def residuals(b):
+        calls[0] += 1
+        return model_fn(b, problem.x, np) - problem.y
+
+    r = scipy_least_squares(residuals, np.array(start), method=method, **tols)
     return dict(
         b=[float(v) for v in r.x],
         status=int(r.status),
         steps=int(r.njev) if r.njev is not None else None,
         evaluations=int(r.nfev),
+        calls=calls[0],
         cost=float(r.cost),
     )
 
@@ -322,13 +333,17 @@ def summarize(rows: List[dict]) -> None:
     by_method: Dict[str, List[dict]] = {}
     for r in rows:
         by_method.setdefault(r["method"], []).append(r)
-    print(f"\n{'method':14s} {'>=6 digits':>10s} {'>=4':>4s} {'median':>7s} {'CPU s':>8s}")
+    print(
+        f"\n{'method':14s} {'>=6 digits':>10s} {'>=4':>4s} {'median':>7s} {'CPU s':>8s} "
+        f"{'calls':>7s}"
+    )
     for m, rs in by_method.items():
         hits6 = sum(r["digits"] >= 6 for r in rs)
         hits4 = sum(r["digits"] >= 4 for r in rs)
         total = sum(r["seconds"] for r in rs)
         med = statistics.median(r["digits"] for r in rs)
-        print(f"{m:14s} {hits6:>6d}/{len(rs):<3d} {hits4:>4d} {med:7.1f} {total:8.3f}")
+        calls = sum(r.get("calls") or 0 for r in rs)
+        print(f"{m:14s} {hits6:>6d}/{len(rs):<3d} {hits4:>4d} {med:7.1f} {total:8.3f} {calls:7d}")
     if "lm" in by_method:
         lm = sum(r["seconds"] for r in by_method["lm"])
         ratios = [f"{m} {sum(r['seconds'] for r in rs) / lm:.2f}x" for m, rs in by_method.items()]
