@@ -212,6 +212,28 @@ def test_errors_name_the_argument_and_the_fix():
         least_squares(lambda m: m, [1.0, 2.0])
 
 
+@pytest.mark.parametrize("solver", ["auto", "cg"])  # CurveSteps' checks; the optimizer's
+def test_a_curve_fits_start_is_checked_on_either_path(solver):
+    t, y = decay_data()
+    with pytest.raises(ValueError, match=r"parameter\(s\) \['c'\]"):
+        least_squares(lambda m: m.a * torch.exp(-m.k * t) - y, Decay(), solver=solver)
+    with pytest.raises(ValueError, match="not finite at the starting point"):
+        least_squares(lambda m: decay_residuals(m, t, y) / m.c, Decay(c=0.0), solver=solver)
+    with pytest.raises(ValueError, match="residual vector is empty"):
+        least_squares(lambda m: decay_residuals(m, t, y)[:0], Decay(), solver=solver)
+
+
+def test_a_start_that_meets_gtol_takes_no_step():
+    t = torch.linspace(0, 1, 9, dtype=torch.float64)
+    model = Decay(a=2.0, k=0.5, c=0.1)
+    with torch.no_grad():
+        y = decay_residuals(model, t, torch.zeros_like(t))  # exact data: r = 0 at the start
+    start = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    res = least_squares(lambda m: decay_residuals(m, t, y), model)
+    assert (res.status, res.steps, res.cost, res.grad_norm) == (1, 0, 0.0, 0.0)
+    assert torch.equal(res.x, start)
+
+
 def test_frozen_parameter_kept():
     t, y = decay_data()
     model = Decay(c=0.5)

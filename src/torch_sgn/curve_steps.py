@@ -19,7 +19,11 @@ SGN's options) from a lighter linearization:
   assumed: at the first point the copies' residuals must equal the plain call's, and their
   ``J`` must give one vector-Jacobian product of the plain residuals to rounding; where it
   does not (a parameter that enters a reduction over the residuals, a weight registered
-  twice, a model that cannot take the copies) every step forms ``J`` by ``jacrev``.
+  twice, a model that cannot take the copies) every step forms ``J`` by ``jacrev``;
+* where the copies' residuals equal the plain call's bit for bit and the copies are small
+  (:data:`SHARED_FORWARD_SIZE`: their forward pass then costs about a plain one), every trial
+  point is evaluated by them with their graph kept, so that the step's accepted point, the
+  next step's start, needs only the backward pass for its ``J``.
 
 The loss is SGN's for a residual problem, :math:`L = \lVert r \rVert^2` (gradient
 :math:`2 J^\top r`, Gauss-Newton matrix :math:`2 J^\top J`), so a step here is an SGN step with
@@ -175,7 +179,7 @@ class CurveSteps:
         if pending is not None and torch.equal(pending[0], flat):
             self.write(flat)
             return self._broadcast_backward(*pending[1:])
-        pending = None
+        pending = None  # (its graph freed before another is made)
         self.write(flat)
         first = None
         if self.broadcast is None:
