@@ -22,25 +22,15 @@ import argparse
 import copy
 import importlib
 import resource
-import shutil
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ggn_cost import _batch, _timed  # noqa: E402
-
-
-def _import_old(old_src: str) -> str:
-    """Copies ``old_src/torch_sgn`` to a temporary package ``torch_sgn_old`` and returns its
-    name (its imports are relative, so it loads beside the current one)."""
-    tmp = Path(tempfile.mkdtemp())
-    shutil.copytree(Path(old_src) / "torch_sgn", tmp / "torch_sgn_old")
-    sys.path.insert(0, str(tmp))
-    return "torch_sgn_old"
+from old_version import import_old  # noqa: E402
 
 
 def main() -> None:
@@ -53,7 +43,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print("command: PYTHONPATH=src python " + " ".join(sys.argv))
-    packages = {"old": _import_old(args.old_src), "new": "torch_sgn"}
+    packages = {"old": import_old(args.old_src), "new": "torch_sgn"}
     model, x, y, loss_name = _batch(args.model, torch.device("cpu"))
     params = list(model.parameters())
     opts = {}

@@ -2,8 +2,8 @@
 
 Command (from the repository root; one thread, float64)::
 
-    PYTHONPATH=src python benchmarks/nist_strd.py --repeats 3 --tol 1e-8 \\
-        --out benchmarks/results/2026-11-28_cpu_nist_strd_onesided
+    PYTHONPATH=src python benchmarks/nist_strd.py --repeats 3 --tol 1e-15 \\
+        --methods sgn,sgn-optimizer,lm,trf --out benchmarks/results/2026-11-28_cpu_nist_strd_lean
 
 The 27 problems' ``.dat`` files (certified values, two starts, data) come from ``--data DIR``,
 else from the lmfit source distribution unpacked under ``~/.cache/torch_sgn/``, which holds
@@ -27,13 +27,17 @@ Reported per fit: digits of agreement with the certified parameters (the log rel
 residual function (every call: scipy's finite differences, SGN's ``J`` by one call on broadcast
 copies, its checks at the start) and the CPU seconds of one fit (median of
 ``--repeats``, the methods taking turns within each round; after one warm-up fit of the first
-problem); the summary gives each method's total CPU time against scipy lm's. Result (shared
-2-core CPU, one thread): see ``benchmarks/results/2026-11-28_cpu_nist_strd_onesided/README.md``.
+problem); the summary gives each method's total CPU time against scipy lm's. With
+``--old-src DIR`` (the ``src`` directory of another checkout) the method ``sgn-old`` fits by
+that version's ``least_squares``, taking turns with the others: an A/B of a change in one run.
+Result (shared 2-core CPU, one thread): see
+``benchmarks/results/2026-11-28_cpu_nist_strd_lean/README.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import platform
@@ -52,6 +56,12 @@ from torch import nn
 
 from torch_sgn.fitting import least_squares
 from torch_sgn.pinn import Residual, Residuals
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from old_version import import_old  # noqa: E402
+
+#: ``least_squares`` of the version ``--old-src`` names (method ``sgn-old``).
+OLD: Dict[str, Callable] = {}
 
 PI = math.pi
 
@@ -187,10 +197,18 @@ class Curve(nn.Module):
         return [getattr(self, f"b{i + 1}") for i in range(self.n)]
 
 
-def fit_sgn(problem: Problem, start, options: dict, tols: dict, optimizer: bool = False) -> dict:
-    """SGN's fit; ``optimizer``: the same residuals as a :class:`~torch_sgn.pinn.Residuals`
-    problem, whose steps run through :class:`~torch_sgn.SGN` itself rather than
-    :mod:`torch_sgn.curve_steps` (the per-step overhead that module saves)."""
+def fit_sgn(
+    problem: Problem,
+    start,
+    options: dict,
+    tols: dict,
+    optimizer: bool = False,
+    fit: Callable = least_squares,
+) -> dict:
+    """SGN's fit by ``fit`` (this version's ``least_squares``, or another's: ``--old-src``);
+    ``optimizer``: the same residuals as a :class:`~torch_sgn.pinn.Residuals` problem, whose
+    steps run through :class:`~torch_sgn.SGN` itself rather than :mod:`torch_sgn.curve_steps`
+    (the per-step overhead that module saves)."""
     model_fn = MODELS[problem.name]
     x = [torch.from_numpy(row) for row in problem.x]
     y = torch.from_numpy(problem.y)
@@ -202,9 +220,9 @@ def fit_sgn(problem: Problem, start, options: dict, tols: dict, optimizer: bool 
         return model_fn(m.b(), x, torch) - y
 
     if optimizer:
-        r = least_squares(Residuals(curve, {"residuals": Residual(residuals)}), **tols, **options)
+        r = fit(Residuals(curve, {"residuals": Residual(residuals)}), **tols, **options)
     else:
-        r = least_squares(residuals, curve, **tols, **options)
+        r = fit(residuals, curve, **tols, **options)
     return dict(
         b=[float(v) for v in r.x],
         status=r.status,
@@ -242,6 +260,8 @@ def fit_once(problem: Problem, start, method: str, options: dict, tols: dict) ->
     try:
         if method in ("sgn", "sgn-optimizer"):
             out = fit_sgn(problem, start, options, tols, optimizer=method == "sgn-optimizer")
+        elif method == "sgn-old":
+            out = fit_sgn(problem, start, options, tols, fit=OLD["least_squares"])
         else:
             out = fit_scipy(problem, start, method, tols)
     except Exception as e:  # a fit that raises is a miss, recorded with its error
@@ -284,6 +304,11 @@ def main() -> None:
     )
     parser.add_argument("--label", default="sgn", help="the SGN configuration's name")
     parser.add_argument("--out", default=None, help="folder for the raw JSON")
+    parser.add_argument(
+        "--old-src",
+        default=None,
+        help="src directory of another version: method sgn-old fits by its least_squares",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     options = json.loads(args.sgn_options)
@@ -292,6 +317,10 @@ def main() -> None:
     names = args.problems.split(",")
     problems = [read_problem(data / f"{n}.dat") for n in names]
     methods = args.methods.split(",")
+    if "sgn-old" in methods:
+        if args.old_src is None:
+            parser.error("method sgn-old needs --old-src (the other version's src directory)")
+        OLD["least_squares"] = importlib.import_module(import_old(args.old_src)).least_squares
 
     run(problems[0], problems[0].starts[0], methods, options, tols, 1)  # warm-up: first calls
     rows = []
@@ -305,6 +334,8 @@ def main() -> None:
                     if m == "sgn"
                     else f"{args.label}-optimizer"
                     if m == "sgn-optimizer"
+                    else f"{args.label}-old"
+                    if m == "sgn-old"
                     else m
                 )
                 rows.append(dict(problem=p.name, start=s, method=label, **out))
@@ -348,6 +379,10 @@ def summarize(rows: List[dict]) -> None:
         lm = sum(r["seconds"] for r in by_method["lm"])
         ratios = [f"{m} {sum(r['seconds'] for r in rs) / lm:.2f}x" for m, rs in by_method.items()]
         print("total CPU time against scipy lm's: " + ", ".join(ratios))
+    for m, rs in by_method.items():  # an A/B of two versions in the same run
+        if m.endswith("-old") and m[: -len("-old")] in by_method:
+            new = sum(r["seconds"] for r in by_method[m[: -len("-old")]])
+            print(f"{m[: -len('-old')]} against {m}: {new / sum(r['seconds'] for r in rs):.3f}x")
     for m, rs in by_method.items():
         misses = [f"{r['problem']}/{r['start']} ({r['digits']:.1f})" for r in rs if r["digits"] < 6]
         print(f"{m} below 6 digits: {', '.join(misses) or 'none'}")
