@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ggn_cost import _batch, _timed  # noqa: E402
+from measuring import timed  # noqa: E402
 from old_version import import_old  # noqa: E402
+from workloads import batch  # noqa: E402
 
 
 def main() -> None:
@@ -44,7 +45,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print("command: PYTHONPATH=src python " + " ".join(sys.argv))
     packages = {"old": import_old(args.old_src), "new": "torch_sgn"}
-    model, x, y, loss_name = _batch(args.model, torch.device("cpu"))
+    model, x, y, loss_name = batch(args.model, torch.device("cpu"))
     params = list(model.parameters())
     opts = {}
     for tag, package in packages.items():
@@ -61,12 +62,12 @@ def main() -> None:
         sgn, state, flat = opts[tag]
         sgn._fmodel.write(flat)
         sgn.load_state_dict(state)
-        return _timed(lambda: sgn.step(x, y), cpu)
+        return timed(lambda: sgn.step(x, y), cpu)
 
     times = {"grad": [], "old": [], "new": []}
     faults = {"old": [], "new": []}
     for r in range(args.rounds + 2):  # two rounds of warm-up
-        row = {"grad": _timed(lambda: torch.autograd.grad(loss.value(model(x), y), params), cpu)}
+        row = {"grad": timed(lambda: torch.autograd.grad(loss.value(model(x), y), params), cpu)}
         for tag in ("old", "new") if r % 2 else ("new", "old"):
             before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             row[tag] = step(tag)

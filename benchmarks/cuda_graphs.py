@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ggn_cost import _batch  # noqa: E402
+from workloads import batch  # noqa: E402
 
 from torch_sgn.engines.selection import select_engine  # noqa: E402
 from torch_sgn.linearization import Batch  # noqa: E402
@@ -89,7 +89,7 @@ def _cg_without_syncs(matvec: Callable, b: torch.Tensor, k: int) -> torch.Tensor
 
 def measure(name: str, k: int, repeats: int) -> dict:
     device = torch.device("cuda")
-    model, x, y, loss_name = _batch(name, device)
+    model, x, y, loss_name = batch(name, device)
     loss = resolve_loss(loss_name)
     params = [p for p in model.parameters() if p.requires_grad]
     fmodel = FunctionalModel(model)

@@ -9,15 +9,15 @@ Command (from the repository root)::
     PYTHONPATH=src python benchmarks/ggn_cost.py --models resnet_bn transformer lstm \
         --engines functional traced --ks 2 5                      # any model: the traced engine
 
-The models beyond the paper's (:data:`ANY_MODELS`): ``resnet_bn``, a CIFAR-shaped ResNet (three
-stages of residual blocks with batch norm in training mode, widths 16-32-64, batch 128);
+The models beyond the paper's (``workloads.ANY_MODELS``): ``resnet_bn``, a CIFAR-shaped ResNet
+(three stages of residual blocks with batch norm in training mode, widths 16-32-64, batch 128);
 ``transformer``, a causal pre-norm transformer (2 layers, width 128, 4 heads, sequence 64,
 batch 32, vocabulary 64, cross-entropy per position); ``lstm``, an embedding, one LSTM layer of
 width 128 and a linear read-out per position (same data shape); ``bilstm``, the same with two
 bidirectional LSTM layers and dropout 0.1 between them (a tagger; training mode); ``tcn``, a
-temporal convolutional network with weight-normalized convolutions (:class:`TCN`);
+temporal convolutional network with weight-normalized convolutions (``workloads.TCN``);
 ``transformer_pad``, the transformer with a scaled word embedding with a padding row
-(:class:`ScaledEmbedding`, a subclass with a forward of its own); ``gru``, the ``lstm`` model
+(``workloads.ScaledEmbedding``, a subclass with a forward of its own); ``gru``, the ``lstm`` model
 with a GRU layer. Engines
 that do not apply to a model (``fast`` and ``graphs`` on these) are left out of its rows;
 ``traced_graphs`` is the traced engine with ``cuda_graphs=True`` (CUDA only),
@@ -62,16 +62,13 @@ Results on this repository's CPU machine: see ``docs/PERFORMANCE.md``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from functools import partial
+from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -80,10 +77,13 @@ from torch import nn
 from torch_sgn import SGN
 from torch_sgn.engines import cuda_graphs as graphs
 from torch_sgn.engines.selection import select_engine
-from torch_sgn.experiments.models import PRESETS, CausalTransformer, LSTMModel, ResNetBN
 from torch_sgn.linearization import Batch
 from torch_sgn.losses import resolve_loss
 from torch_sgn.model.flat_model import FunctionalModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measuring import environment, peak_mib, sync, timed  # noqa: E402
+from workloads import batch, engine_options, math_kernels  # noqa: E402
 
 
 @dataclass
@@ -105,124 +105,8 @@ class Config:
     from_json: str = ""  # print the tables of a saved run instead of measuring
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(fn: Callable[[], object], device: torch.device) -> float:
-    _sync(device)
-    start = time.perf_counter()
-    fn()
-    _sync(device)
-    return time.perf_counter() - start
-
-
-def _peak_mib(fn: Callable[[], object], device: torch.device, base: int) -> float:
-    """Peak memory while ``fn`` runs, in MiB: ``base`` bytes (model and batch) plus the peak of
-    what ``fn`` allocates."""
-    if device.type == "cuda":
-        _sync(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        fn()
-        _sync(device)
-        return (base + torch.cuda.max_memory_allocated(device) - before) / 2**20
-    from torch.profiler import ProfilerActivity, profile
-
-    # The allocation events alone, summed in time order: the profiler's memory timeline
-    # (``_memory_profile``, which needs stacks and shapes of every operator) ran out of memory
-    # on the LSTM's step; on the other models both give the same peak.
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    current = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        current += event.nbytes()
-        peak = max(peak, current)
-    return (base + peak) / 2**20
-
-
-# --- models beyond the paper's --------------------------------------------------------------------
-class TCN(nn.Module):
-    """A temporal convolutional network (Bai, Kolter and Koltun, 2018): an embedding, two
-    residual blocks of two causal dilated convolutions with weight normalization, a 1x1
-    convolution per position; logits ``(N, vocab, L)``."""
-
-    def __init__(self, vocab=64, width=128, kernel=3):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        wn = nn.utils.parametrizations.weight_norm
-        self.convs = nn.ModuleList(
-            wn(nn.Conv1d(width, width, kernel, padding=(kernel - 1) * d, dilation=d))
-            for d in (1, 1, 2, 2)
-        )
-        self.head = nn.Conv1d(width, vocab, 1)
-
-    def forward(self, idx):
-        h = self.embed(idx).transpose(1, 2)
-        for first, second in zip(self.convs[::2], self.convs[1::2]):
-            length = h.shape[2]
-            inner = torch.relu(first(h)[..., :length])  # causal: the right padding cut off
-            h = torch.relu(h + torch.relu(second(inner)[..., :length]))
-        return self.head(h)
-
-
-class ScaledEmbedding(nn.Embedding):
-    """A word embedding scaled by the square root of its width, with a padding row: a subclass
-    with a forward of its own, as sequence-to-sequence models have."""
-
-    def forward(self, idx):
-        return super().forward(idx) * self.embedding_dim**0.5
-
-
-def scaled_padding_transformer() -> CausalTransformer:
-    """:class:`CausalTransformer` with a :class:`ScaledEmbedding` (padding row 0)."""
-    model = CausalTransformer()
-    model.embed = ScaledEmbedding(64, 128, padding_idx=0)
-    return model
-
-
-#: name -> (build, input shape with the batch, vocabulary size or None for real inputs)
-ANY_MODELS = {
-    "resnet_bn": (ResNetBN, (128, 3, 32, 32), None),
-    "transformer": (CausalTransformer, (32, 64), 64),
-    "lstm": (LSTMModel, (32, 64), 64),
-    "bilstm": (partial(LSTMModel, layers=2, bidirectional=True, dropout=0.1), (32, 64), 64),
-    "gru": (partial(LSTMModel, cell=nn.GRU), (32, 64), 64),
-    "tcn": (TCN, (32, 64), 64),
-    "transformer_pad": (scaled_padding_transformer, (32, 64), 64),
-}
-
-
-def _batch(name: str, device: torch.device):
-    if name in ANY_MODELS:
-        build, shape, vocab = ANY_MODELS[name]
-        g = torch.Generator().manual_seed(0)
-        torch.manual_seed(0)
-        model = build()
-        if vocab is None:
-            x = torch.randn(shape, generator=g)
-            y = torch.randint(0, 10, shape[:1], generator=g)
-        else:
-            x = torch.randint(0, vocab, shape, generator=g)
-            y = torch.randint(0, vocab, shape, generator=g)
-        return model.to(device), x.to(device), y.to(device), "cross_entropy"
-    p = PRESETS[name]
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn((p.batch_size, *p.input_shape), generator=g)
-    model = p.build()
-    with torch.no_grad():
-        out = model(x)
-    if p.loss == "mse":
-        y = torch.randn(out.shape, generator=g)
-    else:
-        y = torch.randint(0, out.shape[1], (p.batch_size,), generator=g)
-    return model.to(device), x.to(device), y.to(device), p.loss
-
-
 def measure(name: str, device: torch.device, cfg: Config) -> Dict[str, object]:
-    model, x, y, loss_name = _batch(name, device)
+    model, x, y, loss_name = batch(name, device)
     loss = resolve_loss(loss_name)
     params = [p for p in model.parameters() if p.requires_grad]
 
@@ -238,7 +122,7 @@ def measure(name: str, device: torch.device, cfg: Config) -> Dict[str, object]:
     # "graphs" and "traced_graphs": the fast and the traced engine with cuda_graphs=True (CUDA
     # only)
     engines = [e for e in cfg.engines if "graphs" not in e or not graphs.device_obstacle(device)]
-    options = {e: _engine_options(e) for e in engines}
+    options = {e: engine_options(e) for e in engines}
     lins = {}
     for e in engines:
         try:
@@ -248,7 +132,7 @@ def measure(name: str, device: torch.device, cfg: Config) -> Dict[str, object]:
     engines = [e for e in engines if e in lins]
     current, first_call_s = {}, {}
     for e in engines:  # the graphs' first call captures them: its time is reported apart
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         try:
             lin = lins[e](flat, Batch(x, y))
@@ -256,7 +140,7 @@ def measure(name: str, device: torch.device, cfg: Config) -> Dict[str, object]:
         except NotImplementedError as why:  # e.g. forward-mode AD missing for a fused kernel
             print(f"  {name}: engine {e} left out ({str(why).splitlines()[0]})", file=sys.stderr)
             continue
-        _sync(device)
+        sync(device)
         first_call_s[e] = time.perf_counter() - start
         current[e] = lin
     engines = [e for e in engines if e in current]
@@ -317,7 +201,7 @@ def measure(name: str, device: torch.device, cfg: Config) -> Dict[str, object]:
         for t, fn in tasks.items():
             if t in prepare:
                 prepare[t]()
-            dt = _timed(fn, device)
+            dt = timed(fn, device)
             if r >= cfg.warmup:
                 times[t].append(dt)
     med = {t: statistics.median(ts) for t, ts in times.items()}
@@ -356,7 +240,7 @@ def measure(name: str, device: torch.device, cfg: Config) -> Dict[str, object]:
                 warmed[e] = fresh_sgn(e)
                 warmed[e].step(x, y)
             try:
-                mem[t] = _peak_mib(fn, device, base)
+                mem[t] = peak_mib(fn, device, base)
             except Exception as why:  # noqa: BLE001 - a failed profile must not lose the times
                 print(f"  {name}: memory of {t} not measured ({_first_line(why)})", file=sys.stderr)
                 mem[t] = float("nan")
@@ -390,36 +274,10 @@ def _curvlinops_product(model, loss_name: str, x, y) -> Optional[Callable]:
     recurrent = any(isinstance(m, nn.RNNBase) for m in model.modules())
 
     def product(v):
-        with _math_kernels(recurrent):
+        with math_kernels(recurrent):
             return operator @ v
 
     return product
-
-
-@contextlib.contextmanager
-def _math_kernels(recurrent: bool):
-    """The math attention kernel, no mkldnn recurrent kernels and, for a ``recurrent`` model,
-    no cuDNN (none of these fused kernels has forward-mode rules)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    mkldnn, cudnn = torch.backends.mkldnn.enabled, torch.backends.cudnn.enabled
-    torch.backends.mkldnn.enabled = False
-    torch.backends.cudnn.enabled = cudnn and not recurrent
-    try:
-        with sdpa_kernel(SDPBackend.MATH):
-            yield
-    finally:
-        torch.backends.mkldnn.enabled, torch.backends.cudnn.enabled = mkldnn, cudnn
-
-
-def _engine_options(engine: str) -> Dict[str, object]:
-    if engine == "graphs":
-        return {"engine": "layerwise", "cuda_graphs": True}
-    if engine == "traced_graphs":
-        return {"engine": "traced", "cuda_graphs": True}
-    if engine == "traced_compiled":
-        return {"engine": "traced", "compile": True}
-    return {"engine": engine}
 
 
 def _table(results: List[Dict[str, object]], cfg: Config, stat: str = "median") -> str:
@@ -477,30 +335,6 @@ def _table(results: List[Dict[str, object]], cfg: Config, stat: str = "median") 
     return "\n".join(lines)
 
 
-def _environment() -> Dict[str, str]:
-    env = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "threads": str(torch.get_num_threads()),
-        "cpu": platform.processor() or platform.machine(),
-    }
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                env["cpu"] = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    if torch.cuda.is_available():
-        env["cuda"] = torch.cuda.get_device_name(0)
-    try:
-        env["commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        pass
-    return env
-
-
 def main(argv: List[str] | None = None) -> None:
     cfg = Config()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -524,7 +358,7 @@ def main(argv: List[str] | None = None) -> None:
             print(f"{stat} over rounds:")
             print(_table(saved["results"], run, stat))
         return
-    env = _environment()
+    env = environment()
     print("command: PYTHONPATH=src python " + " ".join(["benchmarks/ggn_cost.py", *sys.argv[1:]]))
     print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
     print(f"config: {asdict(cfg)}")

@@ -18,7 +18,7 @@ others), under a dispatch mode that adds up
 * ``ops``: the ATen operators called (each a kernel launch on a GPU).
 
 The gradient runs with the kernels the traced engine records (the math attention kernel,
-recurrent layers without oneDNN and cuDNN: :func:`ggn_cost._math_kernels`), so that its
+recurrent layers without oneDNN and cuDNN: :func:`workloads.math_kernels`), so that its
 attention and recurrences are counted as the matrix products they are. The counts do not depend
 on the hardware or the load: they say how far a product's cost is set by its arithmetic. For a
 linear or convolutional layer a gradient does three products of its size (the forward pass,
@@ -43,7 +43,8 @@ from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ggn_cost  # noqa: E402  (the models, batches and kernel switches of the cost table)
+import measuring  # noqa: E402  (the record's environment)
+import workloads  # noqa: E402  (the models, batches and kernel switches of the cost table)
 
 from torch_sgn.engines.not_applicable import NotApplicable  # noqa: E402
 from torch_sgn.engines.selection import select_engine  # noqa: E402
@@ -97,7 +98,7 @@ def _first_applicable(chain, flat, batch):
 
 
 def measure(name: str) -> Dict[str, object]:
-    model, x, y, loss_name = ggn_cost._batch(name, torch.device("cpu"))
+    model, x, y, loss_name = workloads.batch(name, torch.device("cpu"))
     loss = resolve_loss(loss_name)
     fmodel = FunctionalModel(model)
     if model.training:
@@ -109,7 +110,7 @@ def measure(name: str) -> Dict[str, object]:
     lin.ggn_vp(v)
 
     counts = {}
-    with ggn_cost._math_kernels(recurrent=True), _Counting() as c:
+    with workloads.math_kernels(recurrent=True), _Counting() as c:
         model.zero_grad(set_to_none=True)
         loss.value(model(x), y).backward()
     counts["grad"] = c
@@ -145,7 +146,7 @@ def main(argv: List[str] | None = None) -> None:
     parser.add_argument("--models", nargs="+", default=MODELS)
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
-    env = ggn_cost._environment()
+    env = measuring.environment()
     print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
     rows = []
     for name in args.models:

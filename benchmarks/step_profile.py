@@ -44,7 +44,8 @@ from torch_sgn.losses import resolve_loss
 from torch_sgn.model.flat_model import FunctionalModel
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from ggn_cost import _batch, _engine_options, _environment  # noqa: E402
+from measuring import environment  # noqa: E402
+from workloads import batch, engine_options  # noqa: E402
 
 
 def _faults() -> int:
@@ -77,7 +78,7 @@ class _Meter:
 
 
 def measure(name: str, engine: str, k: int, rounds: int, device: torch.device) -> Dict[str, object]:
-    model, x, y, loss_name = _batch(name, device)
+    model, x, y, loss_name = batch(name, device)
     loss = resolve_loss(loss_name)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = SGN(
@@ -87,7 +88,7 @@ def measure(name: str, engine: str, k: int, rounds: int, device: torch.device) -
         cg_tol=0.0,
         line_search=False,
         solver="cg",
-        **_engine_options(engine),
+        **engine_options(engine),
     )
     flat = FunctionalModel(model).flat()
     meter = _Meter(device)
@@ -166,7 +167,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    env = _environment()
+    env = environment()
     command = " ".join(["benchmarks/step_profile.py", *sys.argv[1:]])
     print(f"command: PYTHONPATH=src python {command}")
     print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))

@@ -47,7 +47,8 @@ from torch_sgn.losses import resolve_loss
 from torch_sgn.model.flat_model import FunctionalModel
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from ggn_cost import _batch, _environment  # noqa: E402
+from measuring import environment  # noqa: E402
+from workloads import batch  # noqa: E402
 
 VARIANTS = {"before": False, "after": True}
 
@@ -95,7 +96,7 @@ def measure(
     name: str, rounds: int, k: int, flags: List[str] = FLAGS, before_tree: str = ""
 ) -> Dict[str, object]:
     device = torch.device("cpu")
-    model, x, y, loss_name = _batch(name, device)
+    model, x, y, loss_name = batch(name, device)
     loss = resolve_loss(loss_name)
     params = [p for p in model.parameters() if p.requires_grad]
     flat = FunctionalModel(model).flat()
@@ -190,7 +191,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    env = _environment()
+    env = environment()
     print("command: PYTHONPATH=src python " + " ".join(["benchmarks/traced_ab.py", *sys.argv[1:]]))
     print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
     results = []

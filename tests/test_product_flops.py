@@ -23,9 +23,9 @@ def product_flops():
 
 @pytest.mark.parametrize("name", ["boston", "sine"])
 def test_linear_chains_count_three_products_per_gradient_and_four_per_product(product_flops, name):
-    import ggn_cost  # (put on the path by the module)
+    import workloads  # (put on the path by the module)
 
-    model, x, _, _ = ggn_cost._batch(name, "cpu")
+    model, x, _, _ = workloads.batch(name, "cpu")
     sizes = [m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)]
     one = [2 * x.shape[0] * s for s in sizes]  # one product of each layer's size
     grad = 2 * one[0] + 3 * sum(one[1:])

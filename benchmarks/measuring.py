@@ -1,0 +1,77 @@
+"""Timing, memory and the environment of a benchmark's record, shared by the benchmark scripts."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import time
+from typing import Callable, Dict
+
+import torch
+
+__all__ = ["environment", "peak_mib", "sync", "timed"]
+
+
+def sync(device: torch.device) -> None:
+    """Waits for ``device``'s queued work (CUDA); nothing on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    """Wall seconds of ``fn()``, the device synchronised around it."""
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def peak_mib(fn: Callable[[], object], device: torch.device, base: int) -> float:
+    """Peak memory while ``fn`` runs, in MiB: ``base`` bytes (model and batch) plus the peak of
+    what ``fn`` allocates."""
+    if device.type == "cuda":
+        sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        sync(device)
+        return (base + torch.cuda.max_memory_allocated(device) - before) / 2**20
+    from torch.profiler import ProfilerActivity, profile
+
+    # The allocation events alone, summed in time order: the profiler's memory timeline
+    # (``_memory_profile``, which needs stacks and shapes of every operator) ran out of memory
+    # on the LSTM's step; on the other models both give the same peak.
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    current = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        current += event.nbytes()
+        peak = max(peak, current)
+    return (base + peak) / 2**20
+
+
+def environment() -> Dict[str, str]:
+    """Python, torch, threads, the CPU's model name (``lscpu``), the GPU, the git commit."""
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": str(torch.get_num_threads()),
+        "cpu": platform.processor() or platform.machine(),
+    }
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+            if line.startswith("Model name:"):
+                env["cpu"] = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        env["cuda"] = torch.cuda.get_device_name(0)
+    try:
+        env["commit"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        pass
+    return env
