@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from torch_sgn import SGN, fitting
+from torch_sgn import SGN, curve_steps, fitting
 from torch_sgn.curve_steps import CurveSteps
 from torch_sgn.fitting import least_squares
 from torch_sgn.pinn import Residual, Residuals
@@ -344,6 +344,40 @@ def test_steps_of_a_vector_parameter_equal_the_optimizers(monkeypatch):
     assert len(made) == 1 and made[0].broadcast is True
     assert (points[-1] - points[0]).norm() > 0.1
     torch.testing.assert_close(res.x, points[-1], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("options", [{}, dict(ls_max_evals=1)], ids=["", "ls_max_evals=1"])
+@pytest.mark.parametrize("case", [c for c in CASES if c[4]], ids=[c[0] for c in CASES if c[4]])
+def test_trial_points_evaluated_by_the_copies_change_no_step(case, options, monkeypatch):
+    # An accepted trial point's forward pass by the broadcast copies serves as the next J's: the
+    # same fit to the bit, with fewer calls, as with every point evaluated by a plain call.
+    # (With one trial a step, steps are rejected on the way, after which the last point
+    # evaluated is not the next step's start.)
+    _, make, fn, _, _ = case
+
+    def fit():
+        calls = [0]
+
+        def counted(m):
+            calls[0] += 1
+            return fn(m)
+
+        made = _spy(monkeypatch)
+        res = least_squares(counted, make(), max_steps=12, **TIGHT, **options)
+        return res, calls[0], made[0]
+
+    shared, shared_calls, lean = fit()
+    assert lean._shares_forward
+    monkeypatch.setattr(curve_steps, "SHARED_FORWARD_SIZE", 0)
+    plain, plain_calls, lean = fit()
+    assert not lean._shares_forward
+    assert torch.equal(shared.x, plain.x) and torch.equal(shared.fun, plain.fun)
+    assert (shared.steps, shared.evaluations, shared.status) == (
+        plain.steps, plain.evaluations, plain.status,
+    )  # fmt: skip
+    assert shared.steps >= 3
+    # one call fewer for each step that started where the one before ended
+    assert shared_calls < plain_calls
 
 
 def test_the_first_accelerated_step_equals_a_dense_reference(monkeypatch):
