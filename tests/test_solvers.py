@@ -115,13 +115,33 @@ def test_float32_singular_matrix_with_a_tiny_damping_never_gives_nan():
     assert torch.isfinite(result.x).all() and torch.isfinite(result.residual).all()
 
 
-def test_non_finite_matrix_gives_no_step_and_a_breakdown():
+@pytest.mark.parametrize(
+    "where", ["matrix_nan", "matrix_inf_diagonal", "matrix_inf", "rhs_nan", "rhs_inf"]
+)
+def test_non_finite_matrix_or_rhs_gives_no_step_and_a_breakdown(where):
     G = _spd(4)
-    G[1, 2] = math.nan
     rhs = torch.ones(4, dtype=torch.float64)
+    if where == "matrix_nan":
+        G[1, 2] = math.nan
+    elif where == "matrix_inf_diagonal":  # Cholesky may pass it, with a zero entry of x
+        G[0, 0] = math.inf
+    elif where == "matrix_inf":
+        G[2, 1] = G[1, 2] = math.inf
+    else:
+        rhs[3] = math.nan if where == "rhs_nan" else -math.inf
     result = solve_damped(G, rhs, 1.0)
     assert result.breakdown and result.reason == "non_finite"
     assert torch.equal(result.x, torch.zeros(4, dtype=torch.float64))
+
+
+def test_finite_entries_whose_sum_overflows_are_solved():
+    # the finiteness test sums the entries (one copy to the host); where the sum overflows,
+    # the entries themselves are tested
+    G = torch.diag(torch.tensor([1e308, 1e308, 1.0], dtype=torch.float64))
+    rhs = torch.ones(3, dtype=torch.float64)
+    result = solve_damped(G, rhs, 1.0)
+    assert result.reason == "cholesky" and not result.breakdown
+    torch.testing.assert_close(result.x, -rhs / torch.diagonal(G + torch.eye(3, dtype=G.dtype)))
 
 
 def test_eigh_failure_falls_back_to_a_scaled_gradient(monkeypatch):
