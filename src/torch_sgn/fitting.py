@@ -43,6 +43,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -237,11 +238,12 @@ def _run(
     end = None  # the residuals and gradient at the end, where the steps formed them
     vanished = None  # a note where the curve fit's Jacobian vanished on the way
     restarted = None  # the steps after which its scaled trust region took over
+    optimizer = partial(SGN, problem, problem.loss, solver=solver, keep_grad=True, **sgn_options)
     opt = None
     if curve is not None and max_steps > 0:
         # A residual function's fit whose steps CurveSteps takes: the checks of the start, and
         # its gtol test, on CurveSteps' first evaluations (the residuals and J there).
-        opt = SGN(problem, problem.loss, solver=solver, keep_grad=True, **sgn_options)
+        opt = optimizer()
         group = opt.param_groups[0]
         if _takes_curve_steps({**group, **sgn_options}, solver, params):
             names = _names(problem, params)
@@ -257,7 +259,7 @@ def _run(
         fun, grad = _residuals_and_gradient(problem, params, inputs, check=True)
         status = 1 if _sup(grad) < gtol else None
         if status is None and max_steps > 0 and opt is None:
-            opt = SGN(problem, problem.loss, solver=solver, keep_grad=True, **sgn_options)
+            opt = optimizer()
     while status is None and steps < max_steps:
         x = _flat(params)
         try:
