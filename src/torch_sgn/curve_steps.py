@@ -21,9 +21,9 @@ SGN's options) from a lighter linearization:
   does not (a parameter that enters a reduction over the residuals, a weight registered
   twice, a model that cannot take the copies) every step forms ``J`` by ``jacrev``;
 * where the copies' residuals equal the plain call's bit for bit and the copies are small
-  (:data:`SHARED_FORWARD_SIZE`: their forward pass then costs about a plain one), every trial
-  point is evaluated by them with their graph kept, so that the step's accepted point, the
-  next step's start, needs only the backward pass for its ``J``.
+  (:data:`SHARED_FORWARD_SIZE`: their forward pass then costs little more than a plain one),
+  every trial point is evaluated by them with their graph kept, so that the step's accepted
+  point, the next step's start, needs only the backward pass for its ``J``.
 
 The loss is SGN's for a residual problem, :math:`L = \lVert r \rVert^2` (gradient
 :math:`2 J^\top r`, Gauss-Newton matrix :math:`2 J^\top J`), so a step here is an SGN step with
@@ -57,8 +57,9 @@ __all__ = ["CurveSteps", "SCALED_TRIALS", "SHARED_FORWARD_SIZE", "UNSUPPORTED"]
 SCALED_TRIALS = 10
 
 #: The most entries (parameters times residuals) of the broadcast copies for which trial points
-#: are evaluated by them (:meth:`CurveSteps.loss_at`): below it the copies' forward pass costs
-#: about a plain one (the cost of a call of small tensor operations is their dispatch).
+#: are evaluated by them (:meth:`CurveSteps.loss_at`): below it the copies' forward pass, its
+#: graph kept, costs little more than a plain call (small tensor operations cost their dispatch),
+#: where a rejected trial's would waste a forward pass of ``P`` times the plain one's work.
 SHARED_FORWARD_SIZE = 1 << 14
 
 #: SGN's options (with the values they must have) outside what :class:`CurveSteps` takes:
