@@ -527,14 +527,13 @@ def _residuals_and_gradient(
     """The residuals, flat and detached, and the cost's gradient :math:`J^\\top r`."""
     with torch.enable_grad():
         r = problem(*inputs).reshape(-1)
-        if check:
-            reached = [None] * len(params)
-            if r.grad_fn is not None:
-                reached = torch.autograd.grad(r.sum(), params, allow_unused=True, retain_graph=True)
-            _check_start(r, _names(problem, params), reached)
-        if r.grad_fn is None:
-            return r.detach(), torch.zeros_like(_flat(params))
-        grads = torch.autograd.grad(0.5 * r.square().sum(), params, allow_unused=True)
+        grads: Sequence[Optional[Tensor]] = [None] * len(params)
+        if r.grad_fn is not None:
+            grads = torch.autograd.grad(0.5 * r.square().sum(), params, allow_unused=True)
+    if check:  # (a gradient is None exactly where the residuals do not reach the parameter)
+        _check_start(r, _names(problem, params), grads)
+    if r.grad_fn is None:
+        return r.detach(), torch.zeros_like(_flat(params))
     return r.detach(), flat_gradient(params, grads)
 
 
