@@ -186,8 +186,7 @@ class CurveSteps:
         if self.broadcast is None:
             self.broadcast, first = self._broadcast_agrees()
             # the forward shared with the trial points (loss_at) where its residuals are the
-            # plain call's and the copies are few (where the copies' forward costs about the
-            # plain one's: a rejected trial's wasted work)
+            # plain call's and the copies are few (SHARED_FORWARD_SIZE)
             self._shares_forward = (
                 self.broadcast
                 and self._same
