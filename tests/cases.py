@@ -243,6 +243,21 @@ class Checkpointed(nn.Module):
         return self.head(torch.utils.checkpoint.checkpoint(inner, x, use_reentrant=False))
 
 
+class BranchesOnValues(nn.Module):
+    """Control flow on the values of a tensor (``if h.sum() > 0``): a trace would fix one
+    branch. Inputs ``(N, 3)``, outputs ``(N, 2)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        if h.sum() > 0:
+            return torch.tanh(h)
+        return h * 2
+
+
 class MobileBlock(nn.Module):
     """A MobileNetV3 block: an expansion, a depthwise convolution, hard-swish, and a
     squeeze-and-excitation gate through a hard sigmoid."""

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cases import dense_ggn
+from cases import BranchesOnValues, dense_ggn
 from torch_sgn import GGN, SGN
 from torch_sgn.engines.selection import select_engine
 from torch_sgn.engines.traced.opaque_loss import calls_opaque_loss
@@ -148,19 +148,9 @@ def test_a_loss_that_branches_on_values_runs_as_it_is_inside_the_traced_graphs()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
-class _BranchesOnValues(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(3, 2)
-
-    def forward(self, x):
-        out = self.linear(x)
-        return out if out.sum() > 0 else -out
-
-
 def test_a_model_that_branches_on_values_is_refused_by_the_traced_engine_with_the_fix():
     model, x, y = _batch("real")
-    model = _BranchesOnValues().to(D)
+    model = BranchesOnValues().to(D)
     expected = r"branches on a tensor's values.*engine='auto' \(the default\)"
     with pytest.raises(ValueError, match=expected):
         GGN(model, "mse", x, y, engine="traced")

@@ -8,7 +8,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cases import ZOO, Recurrent, SineWithoutJvp, dense_ggn, loss_fn, make_model
+from cases import (
+    ZOO,
+    BranchesOnValues,
+    Recurrent,
+    SineWithoutJvp,
+    dense_ggn,
+    loss_fn,
+    make_model,
+)
 from torch_sgn import GGN, SGN
 from torch_sgn.engines.layerwise.engine import LayerwiseEngine
 from torch_sgn.engines.selection import select_engine
@@ -250,23 +258,9 @@ def test_a_changed_attribute_of_a_loss_module_is_traced_again():
             torch.testing.assert_close(lin.ggn_vp(v), G_ref @ v, rtol=1e-9, atol=1e-11)
 
 
-class _Branches(nn.Module):
-    """Control flow on the values of a tensor: a trace would fix one branch."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(3, 2)
-
-    def forward(self, x):
-        h = self.a(x)
-        if h.sum() > 0:
-            return torch.tanh(h)
-        return h * 2
-
-
 def test_untraceable_model_falls_back_to_functional_with_the_reason_once():
     torch.manual_seed(0)
-    model = _Branches().to(D)
+    model = BranchesOnValues().to(D)
     x, y = torch.randn(5, 3, dtype=D), torch.randn(5, 2, dtype=D)
     with pytest.raises(ValueError, match="cannot trace"):
         GGN(model, "mse", x, y, engine="traced")
