@@ -86,9 +86,9 @@ def _boundary_cube(n: int, d: int, g: torch.Generator) -> Tensor:
     return x
 
 
-def poisson2d(seed: int) -> Problem:
+def poisson2d(seed: int, points: Tuple[int, int] = (900, 120), fixed: bool = True) -> Problem:
     g = torch.Generator().manual_seed(seed)
-    x_in, x_bd = torch.rand(900, 2, generator=g, dtype=D), _boundary_square(120, g)
+    x_in, x_bd = torch.rand(points[0], 2, generator=g, dtype=D), _boundary_square(points[1], g)
     pi = math.pi
 
     def exact(x: Tensor) -> Tensor:
@@ -106,11 +106,11 @@ def poisson2d(seed: int) -> Problem:
     return Problem("poisson2d", 2, exact, blocks, False)
 
 
-def heat1d(seed: int) -> Problem:
+def heat1d(seed: int, points: Tuple[int, int] = (900, 120), fixed: bool = True) -> Problem:
     g = torch.Generator().manual_seed(seed)
-    x_in = torch.rand(900, 2, generator=g, dtype=D)  # (t, x)
-    t_b = torch.rand(120, 1, generator=g, dtype=D)
-    side = (torch.arange(120) % 3)[:, None]
+    x_in = torch.rand(points[0], 2, generator=g, dtype=D)  # (t, x)
+    t_b = torch.rand(points[1], 1, generator=g, dtype=D)
+    side = (torch.arange(points[1]) % 3)[:, None]
     x_b = torch.where(side == 0, torch.zeros_like(t_b), torch.ones_like(t_b))
     pts = torch.where(
         side == 2, torch.cat([torch.zeros_like(t_b), t_b], 1), torch.cat([t_b, x_b], 1)
@@ -132,9 +132,10 @@ def heat1d(seed: int) -> Problem:
     return Problem("heat1d", 2, exact, blocks, False)
 
 
-def poisson5d(seed: int) -> Problem:
+def poisson5d(seed: int, points: Tuple[int, int] = (3000, 500), fixed: bool = False) -> Problem:
     pi, d = math.pi, 5
     g = torch.Generator().manual_seed(seed)
+    n_in, n_bd = points
 
     def exact(x: Tensor) -> Tensor:
         return torch.cos(pi * x).sum(1, keepdim=True)
@@ -143,17 +144,23 @@ def poisson5d(seed: int) -> Problem:
         return pi**2 * torch.cos(pi * x).sum(1, keepdim=True)
 
     def blocks(net: nn.Module) -> dict:
+        if fixed:  # drawn once
+            x_in, x_bd = torch.rand(n_in, d, generator=g, dtype=D), _boundary_cube(n_bd, d, g)
+            return {
+                "interior": Residual(lambda u, x: -laplacian(u, x) - f(x), points=x_in),
+                "boundary": Residual(lambda u, x: u(x) - exact(x), points=x_bd),
+            }
         return {
             "interior": Residual(
                 lambda u, x: -laplacian(u, x) - f(x),
-                sample=lambda step: torch.rand(3000, d, generator=g, dtype=D),
+                sample=lambda step: torch.rand(n_in, d, generator=g, dtype=D),
             ),
             "boundary": Residual(
-                lambda u, x: u(x) - exact(x), sample=lambda step: _boundary_cube(500, d, g)
+                lambda u, x: u(x) - exact(x), sample=lambda step: _boundary_cube(n_bd, d, g)
             ),
         }
 
-    return Problem("poisson5d", d, exact, blocks, True)
+    return Problem("poisson5d", d, exact, blocks, not fixed)
 
 
 PROBLEMS = {"poisson2d": poisson2d, "heat1d": heat1d, "poisson5d": poisson5d}
@@ -306,6 +313,14 @@ def main(argv: List[str] | None = None) -> None:
     p.add_argument("--methods", nargs="+", default=["sgn", "sgn-paper", "adam-0.001", "lbfgs"])
     p.add_argument("--seconds", type=float, default=60.0)
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument(
+        "--points", type=int, nargs=2, metavar=("INTERIOR", "BOUNDARY"),
+        help="collocation points (default: the published 900 120, 3000 500 for poisson5d)",
+    )  # fmt: skip
+    p.add_argument(
+        "--fixed", action="store_true",
+        help="poisson5d: draw the points once rather than at every step",
+    )  # fmt: skip
     p.add_argument("--threads", type=int, default=1)
     p.add_argument(
         "--stop-below", type=float, default=0.0,
@@ -334,13 +349,18 @@ def main(argv: List[str] | None = None) -> None:
     rows = []
     for seed in args.seeds:
         for method in args.methods:
-            name = f"{args.problem}_{args.net}_{method}_s{seed}_{int(args.seconds)}s.json"
+            points = "" if args.points is None else "_{}+{}".format(*args.points)
+            points += "_fixed" if args.fixed else ""
+            name = f"{args.problem}_{args.net}{points}_{method}_s{seed}_{int(args.seconds)}s.json"
             path = os.path.join(args.out, name)
             if os.path.exists(path):  # finished before: resume without running it again
                 with open(path) as f:
                     result = json.load(f)
             else:
-                problem = PROBLEMS[args.problem](seed)
+                kwargs = {} if args.points is None else {"points": tuple(args.points)}
+                if args.fixed:
+                    kwargs["fixed"] = True
+                problem = PROBLEMS[args.problem](seed, **kwargs)
 
                 def progress(partial: dict, path: str = path) -> None:  # the curve so far
                     with open(path + ".partial", "w") as f:
@@ -350,6 +370,8 @@ def main(argv: List[str] | None = None) -> None:
                     problem, args.net, method, args.seconds, seed, progress, args.stop_below
                 )
                 result["meta"] = meta
+                result["points"] = args.points or "published"
+                result["fixed"] = not problem.resample
                 with open(path + ".tmp", "w") as f:
                     json.dump(result, f)
                 os.replace(path + ".tmp", path)

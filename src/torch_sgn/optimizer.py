@@ -12,20 +12,22 @@ from torch import Tensor, nn
 
 from .checks import check_batch, finite_loss
 from .distributed import ProcessGroup, SingleProcess, communicator
-from .engines.jacobian import per_sample, with_jacobian
+from .engines.jacobian import by_factors, per_sample, with_jacobian
 from .engines.selection import curvature_subset, engine_name, select_engine
 from .linearization import Batch, Inputs, Linearization, check_loss_parameters, weight_penalty
 from .losses import LossSpec, resolve_loss
 from .model.flat_model import FunctionalModel
 from .options import KEYS, PAPER_OPTIONS, check_arguments, check_loaded_state, check_options
-from .solve import auto, direct, geodesic
+from .solve import auto, direct, geodesic, sampled
 from .solve.descents import (
     CG,
     MATRIX,
+    SAMPLED,
     SAMPLES,
     CGDescent,
     Descent,
     MatrixDescent,
+    SampledDescent,
     SampleSpaceDescent,
 )
 from .solve.direct import DirectResult
@@ -492,11 +494,19 @@ class SGN(torch.optim.Optimizer):
         check_batch(inputs, targets)
         batch, stored = Batch(inputs, targets), self._global_state()
         state, theta, buffers = StepState.of(stored), self._fmodel.flat(), {}
+        # More rows than an exact step takes: exact steps on a sample of them, then on all.
+        stage = self._rows_stage(batch, state)
+        drawn = None
+        if stage == sampled.SAMPLE:
+            model = self._fmodel.model
+            counts = model.points(batch.args)
+            drawn = sampled.draw(counts, self._sample_points(batch), state.step, theta.device)
+            batch = self._sub_batch(batch, drawn)
         trainable = self._fmodel.trainable_mask()
         self._fmodel.warn_unfrozen()
         with self._fmodel.consistent():
             # Linearize: the loss, its gradient and v -> G v at theta on the batch.
-            lin = self._linearize(state.step, theta, batch, buffers)
+            lin = self._linearize(state.step, theta, batch, buffers, stage == sampled.ALL)
             work = state  # what the direction is computed from
             if trainable is not None:  # restricted to the parameters still trainable
                 lin, work = lin.restricted(trainable), state.restricted(trainable)
@@ -507,9 +517,11 @@ class SGN(torch.optim.Optimizer):
             rhs, momentum_buffer = self._momentum(lin.grad, work)
             route = self._route(lin, rhs)
             phase = self._phase(state, route, loss0, lin, batch)
+            # Too many rows for an exact step: the rows of J that precondition CG on all.
+            sample = self._sample(lin, state.step, batch) if phase.route == SAMPLED else None
             # Solve with damping attempts, then the line search (nothing written).
             problem = Problem(lin.grad, rhs, loss0, self._trial_loss(lin, theta, batch))
-            run = self._solve(phase.route, lin, problem, work, theta, batch, trainable)
+            run = self._solve(phase.route, lin, problem, work, theta, batch, trainable, sample)
             candidate, evals = None, run.evals
             if phase.probe is not None:  # the exact step too, judged on the next batch
                 exact = self._solve(phase.probe, lin, problem, work, theta, batch, trainable)
@@ -524,22 +536,35 @@ class SGN(torch.optim.Optimizer):
         if self.param_groups[0]["keep_grad"]:
             self._fmodel.write_grad(lin.grad)
         after = self._next_state(state, run, route, phase, loss0, candidate, momentum_buffer)
+        if stage is not None:
+            after = self._next_rows_stage(after, stage, loss0, inputs)
         after.write(stored)
         # Report.
         group = self.param_groups[0]
         penalty = weight_penalty(theta, group["weight_decay"]) if group["weight_decay"] else 0.0
         info = step_info(run, loss0, grad_norm, evals, group["lr"], float(penalty))
+        if sample is not None:
+            info = replace(info, sample=tuple(sample.points))
+        elif drawn is not None:
+            info = replace(info, sample=tuple(int(i.numel()) for i in drawn))
         self._log(state.step, info)
         return info
 
     # --- the step's phases -------------------------------------------------------------------
-    def _linearize(self, t: int, theta: Tensor, batch: Batch, buffers: dict) -> Linearization:
+    def _linearize(
+        self, t: int, theta: Tensor, batch: Batch, buffers: dict, all_rows: bool = False
+    ) -> Linearization:
         """The model and loss linearized at ``theta`` on the batch (reduced over a data-parallel
         group), with a row-batched Jacobian where exact steps take it, and the weight decay's
-        penalty."""
-        lin = self._comm.linearize(t, self._step_engine(t), theta, batch, buffers)
+        penalty. ``all_rows``: by the layers' factors, for steps on more rows than an exact
+        step takes (:mod:`~torch_sgn.solve.sampled`)."""
+        lin = None
+        if all_rows:
+            lin = by_factors(self._fmodel, self._loss, theta, batch)
+        if lin is None:
+            lin = self._comm.linearize(t, self._step_engine(t), theta, batch, buffers)
         check_loss_parameters(self._loss, self._fmodel, lin, theta, batch)
-        if self._jacobian_applies(lin, theta, batch):
+        if lin.rows is None and self._jacobian_applies(lin, theta, batch):
             lin = with_jacobian(lin, self._fmodel, self._loss, theta, batch)
         # The L2 penalty, added once here: after the data-parallel reduction (every rank holds
         # the same theta) and before the mask of frozen parameters (which keeps them still).
@@ -556,6 +581,8 @@ class SGN(torch.optim.Optimizer):
 
     def _route(self, lin: Linearization, rhs: Tensor) -> str:
         """How this step may solve (:func:`~torch_sgn.solve.routes.choose_route`)."""
+        if lin.rows is not None and rhs is lin.grad:
+            return SAMPLED
         fm = self._fmodel
         cg_iters = self.param_groups[0]["cg_iters"]
         return choose_route(
@@ -580,10 +607,16 @@ class SGN(torch.optim.Optimizer):
         theta: Tensor,
         batch: Batch,
         trainable: Optional[Tensor],
+        sample: Optional[sampled.RowSample] = None,
     ) -> Outcome:
         """The step by one route: its descent's damping attempts and the line search."""
         group = self.param_groups[0]
-        descent = self._descent(lin, problem.rhs, state, route)
+        if route == SAMPLED:
+            assert sample is not None
+            precond = sampled.SampledPreconditioner(sample)
+            descent: Descent = SampledDescent(lin.ggn_vp, problem.rhs, precond)
+        else:
+            descent = self._descent(lin, problem.rhs, state, route)
         if route == CG and group["step_rule"] == "quadratic":
             descent = QuadraticDescent(descent, lin.ggn_vp, lin.grad, problem.rhs, state.prev_step)
         accelerate = self._accelerator(lin, batch, theta, route, trainable)
@@ -695,6 +728,68 @@ class SGN(torch.optim.Optimizer):
         if self._curvature_fraction < 1:
             return curvature_subset(self._engine, self._loss, self._curvature_fraction, seed=t)
         return self._engine
+
+    def _sample(self, lin: Linearization, t: int, batch: Batch) -> sampled.RowSample:
+        """The rows that precondition step ``t``'s CG on all rows, drawn with the step as
+        seed."""
+        assert lin.rows is not None
+        return lin.rows(t, self._sample_points(batch))
+
+    def _sample_points(self, batch: Batch) -> int:
+        """The points a sample draws: :data:`~torch_sgn.solve.sampled.POINTS`, and no more
+        rows than ``direct_max_params`` (at the most rows a point has)."""
+        model = self._fmodel.model
+        counts = model.points(batch.args)
+        per_point = -(-model.count(batch.args) // max(1, sum(counts)))
+        return min(sampled.POINTS, max(1, self._direct_max_params // per_point))
+
+    def _rows_stage(self, batch: Batch, state: StepState) -> Optional[str]:
+        """How ``solver="auto"`` takes a step on more rows than an exact step takes
+        (:mod:`~torch_sgn.solve.sampled`): ``SAMPLE`` (exact steps on a sample of the points),
+        ``ALL`` (CG on every row, preconditioned by a sample), or ``None`` for the other
+        routes. Such a problem is a residual problem (zero targets) whose residuals ``R`` and
+        parameters ``P`` both exceed ``direct_max_params`` (neither the ``R x R`` nor the
+        ``P x P`` matrix is formed), in one process, without momentum, CUDA graphs or a
+        curvature subset. A rule on sizes, memory and the losses, never on timings."""
+        model = self._fmodel.model
+        if (
+            self._solver != "auto"
+            or not hasattr(model, "layer_factors")
+            or self._engine_options[1]
+            or not isinstance(self._comm, SingleProcess)
+            or self.param_groups[0]["gradient_averaging"] != 0
+            or self._curvature_fraction != 1
+            or self._fmodel.numel <= self._direct_max_params
+            or model.count(batch.args) <= self._direct_max_params
+            or bool(batch.targets.any())
+        ):
+            return None
+        return sampled.ALL if state.all_rows else sampled.SAMPLE
+
+    def _sub_batch(self, batch: Batch, index: list) -> Batch:
+        """The residual problem's batch on the points ``index[b]`` of each block ``b``."""
+        model = self._fmodel.model
+        inputs = model.subset(batch.args, index)
+        targets = batch.targets.new_zeros(model.count(inputs))
+        return Batch(inputs, targets)
+
+    def _next_rows_stage(
+        self, state: StepState, stage: str, loss0: float, inputs: object
+    ) -> StepState:
+        """The state after a step on a sample of the rows: its loss (on a fresh sample, an
+        estimate of the full loss) joins the stall test (:func:`~torch_sgn.solve.sampled.stalled`),
+        and once the losses stall the next steps go on all rows, where their memory fits
+        (:func:`~torch_sgn.solve.sampled.all_rows_fit`)."""
+        if stage != sampled.SAMPLE:
+            return state
+        losses = [*(state.sampled_losses or ()), loss0][-2 * sampled.WINDOW :]
+        if sampled.stalled(losses):
+            model = self._fmodel.model
+            args = inputs if isinstance(inputs, tuple) else (inputs,)
+            if sampled.all_rows_fit(model, model.points(args), args, self._fmodel.device):
+                logger.info("step %d: the sampled steps stalled; steps on all rows", state.step)
+                return replace(state, all_rows=True, sampled_losses=None)
+        return replace(state, sampled_losses=losses)
 
     def _may_solve_through_outputs(self) -> bool:
         """Whether steps may go through the batch's outputs (the engine and the options allow

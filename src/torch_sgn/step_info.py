@@ -64,6 +64,10 @@ class StepInfo:
             for a step that went downhill at once.
         penalty: the weight decay's term ``weight_decay / 2 * ||theta||^2`` of ``loss``,
             at the point the step started from (0 without weight decay).
+        sample: where the step solved on every row of a problem too large for an exact step
+            through one matrix, CG preconditioned by a random sample of the rows
+            (:mod:`torch_sgn.solve.sampled`): the points drawn from each residual block, in
+            the blocks' order; ``None`` where the step used no sample.
     """
 
     loss: float
@@ -85,6 +89,7 @@ class StepInfo:
     taken: bool = True
     uphill_resolves: int = 0
     penalty: float = 0.0
+    sample: Optional[tuple] = None
 
 
 def step_info(

@@ -26,8 +26,9 @@ taken separately (its residual blocks, each over its own points). One with a
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -36,8 +37,9 @@ from ..linearization import Batch, Linearization, SampleSpace, loss_and_output_g
 from ..losses import OutputLoss
 from ..model.flat_model import FunctionalModel
 from ..model.forward_mode import backward_hooks
+from ..solve.sampled import RowSample, draw
 
-__all__ = ["JacobianBlock", "jacobian_rows", "per_sample", "with_jacobian"]
+__all__ = ["JacobianBlock", "by_factors", "jacobian_rows", "per_sample", "with_jacobian"]
 
 
 class JacobianBlock:
@@ -195,3 +197,66 @@ def _symmetric(k: Tensor) -> Tensor:
     """``(K + K^T) / 2``: a product ``J J^T`` is symmetric only up to rounding, and the sample
     space's Cholesky route needs it exactly so."""
     return (k + k.mT).mul_(0.5)
+
+
+def by_factors(
+    fmodel: FunctionalModel, loss: OutputLoss, flat: Tensor, batch: Batch
+) -> Optional[Linearization]:
+    r"""The linearization of a residual problem from its layers' factors
+    (:mod:`torch_sgn.pinn.layer_kernel`) alone, for exact steps on more rows than an ``R x R``
+    matrix takes (:mod:`torch_sgn.solve.sampled`): the loss and ``g = J^T e`` from one forward
+    and one backward pass, ``G v = J^T h J v`` from the factors (no further pass), and
+    ``rows``, a weighted sample of ``J``'s rows. ``None`` where the model has no factors, or
+    the loss's output-space Hessian is not a multiple ``h I`` of the identity."""
+    of = getattr(fmodel.model, "layer_factors", None)
+    factors = None if of is None else of(fmodel, flat, batch.args)
+    if factors is None or factors.values is None:
+        return None
+    outputs = factors.values.to(flat.dtype)
+    value, output_grad = loss_and_output_gradient(loss, outputs, batch.targets)
+    hessian = loss.hessian(outputs, batch.targets)
+    h = _identity_multiple(hessian, outputs)
+    if h is None:
+        return None
+    grad = factors.vjp(output_grad)
+
+    def ggn_vp(v: Tensor) -> Tensor:
+        return factors.vjp(factors.jvp(v).mul_(h))
+
+    def rows(seed: int, points: int) -> RowSample:
+        index = draw(factors.points, points, seed, flat.device)
+        sub = factors.subset(index)
+        # Each block's rows weighted by sqrt(N_b / n_b): sum_b (N_b / n_b) J_b,S^T J_b,S
+        # estimates G / h without bias.
+        weights = torch.cat(
+            [
+                torch.full((i.numel() * b.m,), math.sqrt(b.n / i.numel()), dtype=torch.float64)
+                for b, i in zip(factors.blocks, index)
+                if i.numel()
+            ]
+        ).to(flat.device)
+        kernel = sub.kernel().mul_(weights[:, None]).mul_(weights[None, :])
+        return RowSample(
+            kernel=kernel,
+            jvp=lambda v: sub.jvp(v).mul_(weights),
+            vjp=lambda w: sub.vjp(w * weights),
+            hessian=h,
+            points=[i.numel() for i in index],
+        )
+
+    def vjp(u: Tensor) -> Tensor:
+        return factors.vjp(u)
+
+    return Linearization(loss=value, grad=grad, ggn_vp=ggn_vp, outputs=outputs, vjp=vjp, rows=rows)
+
+
+def _identity_multiple(hessian: Callable[[Tensor], Tensor], outputs: Tensor) -> Optional[float]:
+    """``h`` where ``hessian`` is ``t -> h t`` (checked on a random ``t``), else ``None``."""
+    t = torch.randn(outputs.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    t = t.to(outputs.device, outputs.dtype)
+    ht = hessian(t)
+    h = float((ht * t).sum() / (t * t).sum())
+    scale = max(abs(h), torch.finfo(outputs.dtype).tiny)
+    if not (h > 0 and bool(((ht - h * t).abs() <= 1e-6 * scale * t.abs().max()).all())):
+        return None
+    return h

@@ -113,16 +113,41 @@ class _Block:
 class LayerFactors:
     """``J J^T`` and ``u -> J^T u`` of a residual problem, from its layers' factors.
 
-    ``slots[layer] = (weight offset or None, bias offset or None)`` in the flat parameters."""
+    ``slots[layer] = (weight offset or None, bias offset or None)`` in the flat parameters;
+    ``values``: the weighted residuals themselves (flat, in the order of ``J``'s rows), where
+    the pass that formed the factors kept them."""
 
     blocks: List[_Block]
     slots: Dict[nn.Linear, Tuple[Optional[int], Optional[int]]]
     numel: int
     dtype: torch.dtype
+    values: Optional[Tensor] = None
 
     @property
     def rows(self) -> int:
         return sum(b.n * b.m for b in self.blocks)
+
+    @property
+    def points(self) -> List[int]:
+        """The number of points of each block (its rows are ``points * m``)."""
+        return [b.n for b in self.blocks]
+
+    def subset(self, index: Sequence[Tensor]) -> LayerFactors:
+        """The factors of the rows of the points ``index[b]`` of each block ``b`` (a block
+        with an empty index is left out): ``J``'s rows at those points, unscaled."""
+        blocks = []
+        for b, idx in zip(self.blocks, index):
+            if idx.numel() == 0:
+                continue
+            blocks.append(
+                _Block(
+                    idx.numel(),
+                    b.m,
+                    {layer: a[:, idx] for layer, a in b.inputs.items()},
+                    {layer: [d[:, idx] for d in ds] for layer, ds in b.deltas.items()},
+                )
+            )
+        return LayerFactors(blocks, self.slots, self.numel, self.dtype)
 
     def kernel(self) -> Tensor:
         """``J J^T`` (``R x R``, float64), rows in the order of the residuals."""
@@ -245,6 +270,7 @@ def _factors(problem: nn.Module, fmodel, flat: Tensor, inputs, slots) -> Optiona
     leaf = flat.detach().requires_grad_(True)
     params = fmodel.unflatten(leaf)
     blocks: List[_Block] = []
+    values: List[Tensor] = []
     for block in problem.jacobian_blocks(fmodel, inputs):
         if not block.points:  # a residual of the parameters alone
             return None
@@ -294,9 +320,10 @@ def _factors(problem: nn.Module, fmodel, flat: Tensor, inputs, slots) -> Optiona
             a, ds = _merge(chans, deltas_by_layer[layer])
             merged_inputs[layer], merged_deltas[layer] = a, ds
         blocks.append(_Block(n, r.shape[1], merged_inputs, merged_deltas))
+        values.append(r.detach().reshape(-1))
     if not blocks:
         return None
-    return LayerFactors(blocks, slots, fmodel.numel, flat.dtype)
+    return LayerFactors(blocks, slots, fmodel.numel, flat.dtype, torch.cat(values))
 
 
 def _merge(inputs: List[Tensor], deltas: List[List[Tensor]]) -> Tuple[Tensor, List[Tensor]]:
@@ -332,7 +359,7 @@ def _merge(inputs: List[Tensor], deltas: List[List[Tensor]]) -> Tuple[Tensor, Li
 def checked(factors: LayerFactors, fmodel, flat: Tensor, problem: nn.Module, inputs) -> bool:
     """Whether ``factors`` agree with ``J``'s rows formed by ``vmap`` of ``jacrev`` on a few
     points of each block: their ``J J^T`` entries and ``J^T u`` for a random ``u`` on them."""
-    few_rows, index, start = [], [], 0
+    few_rows, few_points = [], []
     for block, b in zip(problem.jacobian_blocks(fmodel, inputs), factors.blocks):
         k = min(3, b.n)
         pts = tuple(p[:k] for p in block.points)
@@ -340,20 +367,18 @@ def checked(factors: LayerFactors, fmodel, flat: Tensor, problem: nn.Module, inp
         with torch.enable_grad():
             jac = torch.func.vmap(torch.func.jacrev(block.rows), in_dims=dims)(flat, *pts)
         few_rows.append(jac.reshape(k * b.m, -1).to(torch.float64))
-        index.extend(range(start, start + k * b.m))
-        start += b.n * b.m
+        few_points.append(torch.arange(k, device=flat.device))
     j = torch.cat(few_rows)
-    idx = torch.tensor(index, device=flat.device)
-    kernel = factors.kernel()[idx][:, idx]
+    # The few points' own factors: J J^T of all R rows would be R x R.
+    few = factors.subset(few_points)
+    kernel = few.kernel()
     reference = j @ j.T
     tol = 1e-8 * max(reference.abs().max().item(), 1.0)
     if not (kernel - reference).abs().max().item() <= tol:
         return False
     g = torch.Generator().manual_seed(0)
-    u = torch.zeros(factors.rows, dtype=torch.float64)
-    u[idx.cpu()] = torch.randn(len(index), generator=g, dtype=torch.float64)
-    u = u.to(flat.device)
-    got = factors.vjp(u).to(torch.float64)
-    want = j.T @ u[idx]
+    u = torch.randn(j.shape[0], generator=g, dtype=torch.float64).to(flat.device)
+    got = few.vjp(u).to(torch.float64)
+    want = j.T @ u
     tol = 1e-8 * max(want.abs().max().item(), 1.0)
     return bool((got - want).abs().max().item() <= tol)

@@ -181,6 +181,19 @@ class Residuals(nn.Module):
             out[name] = pts
         return out
 
+    def points(self, inputs: Sequence[Tensor]) -> List[int]:
+        """The number of points of each block in ``inputs`` (0 for a block without points)."""
+        return [pts[0].shape[0] if pts else 0 for pts in self.split(inputs).values()]
+
+    def subset(self, inputs: Sequence[Tensor], index: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+        """``inputs`` with only the points ``index[b]`` of each block ``b`` (in the layout of
+        :meth:`batch`). The weighted residuals of the subset estimate the full problem's
+        without bias: each block's mean squared residual is taken over its points drawn."""
+        out: List[Tensor] = []
+        for pts, idx in zip(self.split(inputs).values(), index):
+            out.extend(p[idx.to(p.device)] for p in pts)
+        return tuple(out)
+
     # --- residuals ----------------------------------------------------------------------------
     def residual(self, name: str, *points: Tensor) -> Tensor:
         """Block ``name``'s residuals on ``points``, unweighted, one row per point."""

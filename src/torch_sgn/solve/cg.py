@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 import torch
@@ -29,12 +29,16 @@ class CGResult:
         reason: one of ``"converged"`` (a residual tolerance was met), ``"stalled"`` (the
             relative-progress rule stopped it), ``"max_iters"``, ``"non_positive_curvature"``,
             ``"non_finite"``. The last two flag a breakdown; ``x`` is then the iterate before it.
+        again: ``b -> -A^{-1} b``, the same system solved for another right-hand side, where
+            the caller attached it (the geodesic acceleration's second solve,
+            :class:`~torch_sgn.solve.descents.SampledDescent`); ``None`` otherwise.
     """
 
     x: Tensor
     residual: Tensor
     iterations: int
     reason: str
+    again: Optional[Callable[[Tensor], Tensor]] = field(default=None, repr=False, compare=False)
 
     @property
     def breakdown(self) -> bool:

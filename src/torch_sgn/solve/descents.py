@@ -13,7 +13,9 @@ at each damping). Three descents, one per *route*:
 * :class:`MatrixDescent` (``"matrix"``): exactly, through the ``P x P`` matrix ``G``
   (:func:`~torch_sgn.solve.direct.solve_damped`);
 * :class:`SampleSpaceDescent` (``"samples"``): exactly, through the batch's ``R`` outputs
-  (:func:`~torch_sgn.solve.direct.solve_in_sample_space`).
+  (:func:`~torch_sgn.solve.direct.solve_in_sample_space`);
+* :class:`SampledDescent` (``"sampled"``): CG on every row of a problem too large for
+  either, preconditioned by a random sample of its rows (:mod:`~torch_sgn.solve.sampled`).
 
 Every result (:class:`~torch_sgn.solve.cg.CGResult` or
 :class:`~torch_sgn.solve.direct.DirectResult`) has ``x`` (``d``), ``residual``
@@ -24,15 +26,16 @@ solve stopped, or how it solved) and ``breakdown``.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Optional, Protocol, Union
 
 from torch import Tensor
 
-from . import direct
+from . import direct, sampled
 from .cg import CGResult, conjugate_gradient
 from .direct import DirectResult
 from .nystrom import NystromApproximation
+from .sampled import SampledPreconditioner
 
 if TYPE_CHECKING:
     from ..linearization import SampleSpace
@@ -41,19 +44,22 @@ __all__ = [
     "CG",
     "MATRIX",
     "ROUTES",
+    "SAMPLED",
     "SAMPLES",
     "CGDescent",
     "Descent",
     "MatrixDescent",
     "Result",
     "SampleSpaceDescent",
+    "SampledDescent",
 ]
 
 logger = logging.getLogger("torch_sgn")
 
-#: The routes: by CG, exactly through ``G``, exactly through the batch's outputs.
-CG, MATRIX, SAMPLES = "cg", "matrix", "samples"
-ROUTES = (CG, MATRIX, SAMPLES)
+#: The routes: by CG, exactly through ``G``, exactly through the batch's outputs, by CG on
+#: every row preconditioned by a sample of them.
+CG, MATRIX, SAMPLES, SAMPLED = "cg", "matrix", "samples", "sampled"
+ROUTES = (CG, MATRIX, SAMPLES, SAMPLED)
 
 #: What a descent returns.
 Result = Union[CGResult, DirectResult]
@@ -77,8 +83,9 @@ class CGDescent:
         x0: the starting iterate (a warm start), or ``None`` for zero.
         preconditioner_exponent: the diagonal preconditioner
             :math:`(\hat m^2 + \rho)^{-\text{exponent}}`, or ``None`` for none.
-        nystrom: a low-rank approximation of ``G`` whose preconditioner
-            (:meth:`~torch_sgn.solve.nystrom.NystromApproximation.preconditioner`) CG uses at
+        nystrom: an approximation of ``G`` whose preconditioner (``preconditioner(damping)``,
+            as :meth:`~torch_sgn.solve.nystrom.NystromApproximation.preconditioner` or
+            :meth:`~torch_sgn.solve.sampled.SampledPreconditioner.preconditioner`) CG uses at
             each damping, or ``None`` (not with ``preconditioner_exponent``).
     """
 
@@ -90,7 +97,7 @@ class CGDescent:
     progress_tol: float = 0.0
     x0: Optional[Tensor] = None
     preconditioner_exponent: Optional[float] = None
-    nystrom: Optional[NystromApproximation] = None
+    nystrom: Optional[Union[NystromApproximation, SampledPreconditioner]] = None
 
     def __call__(self, damping: float) -> CGResult:
         rhs, operator = self.rhs, self.operator
@@ -113,6 +120,41 @@ class CGDescent:
                 result.reason, result.iterations,
             )  # fmt: skip
         return result
+
+
+@dataclass(frozen=True)
+class SampledDescent:
+    r"""CG on every row, preconditioned by a sample of them (:mod:`~torch_sgn.solve.sampled`),
+    to the relative residual :data:`~torch_sgn.solve.sampled.RTOL` in at most
+    :data:`~torch_sgn.solve.sampled.ITERATIONS` iterations. Its result carries ``again``, the
+    same solve for another right-hand side (the geodesic acceleration's)."""
+
+    operator: Callable[[Tensor], Tensor]
+    rhs: Tensor
+    preconditioner: SampledPreconditioner
+
+    def __call__(self, damping: float) -> CGResult:
+        operator, precond = self.operator, self.preconditioner.preconditioner(damping)
+
+        def damped(v: Tensor) -> Tensor:
+            return operator(v).add_(v, alpha=damping)  # a product is a fresh tensor
+
+        def solve(b: Tensor) -> CGResult:
+            return conjugate_gradient(
+                damped, b, max_iters=sampled.ITERATIONS, rtol=sampled.RTOL,
+                preconditioner=precond,
+            )  # fmt: skip
+
+        result = solve(-self.rhs)
+        if result.breakdown:
+            logger.warning(
+                "CG stopped early (%s) after %d iterations; using its last good iterate",
+                result.reason, result.iterations,
+            )  # fmt: skip
+            return result
+        if sampled.AGAIN_BY_CG:
+            return replace(result, again=lambda b: solve(-b).x)
+        return replace(result, again=lambda b: precond(b).neg_())
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,226 @@
+"""Exact steps on more rows than an exact step takes (torch_sgn.solve.sampled): the sample's
+sizes and seeding, the preconditioner and the all-rows linearization against dense float64
+references, convergence to the full problem's least-squares solution, resuming bit for bit,
+and a problem whose Gram matrix could not be formed."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from torch_sgn import SGN
+from torch_sgn.engines.jacobian import by_factors, jacobian_rows
+from torch_sgn.linearization import Batch
+from torch_sgn.model.flat_model import FunctionalModel
+from torch_sgn.pinn import Residual, Residuals, laplacian
+from torch_sgn.solve import sampled
+
+D = torch.float64
+
+
+def _poisson(n_in: int, n_bd: int, widths=(2, 8, 8, 1), seed: int = 0) -> Residuals:
+    g = torch.Generator().manual_seed(seed)
+    x_in = torch.rand(n_in, 2, generator=g, dtype=D)
+    t = torch.rand(n_bd, 1, generator=g, dtype=D)
+    x_bd = torch.cat([t, (torch.arange(n_bd) % 2).to(D)[:, None]], 1)
+    torch.manual_seed(seed)
+    layers = []
+    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+        layers.append(nn.Linear(a, b))
+        if i < len(widths) - 2:
+            layers.append(nn.Tanh())
+    net = nn.Sequential(*layers).to(D)
+    f = lambda x: 2 * math.pi**2 * torch.sin(math.pi * x[:, :1]) * torch.sin(math.pi * x[:, 1:])  # noqa: E731
+    return Residuals(
+        net,
+        {
+            "interior": Residual(lambda u, x: -laplacian(u, x) - f(x), points=x_in),
+            "boundary": Residual(lambda u, x: u(x), points=x_bd, weight=2.0),
+        },
+    )
+
+
+def _linear_fit(n: int = 300, features: int = 30, seed: int = 0):
+    """A linear least-squares fit written as a residual problem: residuals ``x w + b - y``,
+    inconsistent (noise), and its solution by a dense float64 solve."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, features, generator=g, dtype=D) * torch.logspace(0, -1, features, dtype=D)
+    y = x @ torch.randn(features, 1, generator=g, dtype=D) + 0.1 * torch.randn(
+        n, 1, generator=g, dtype=D
+    )
+    torch.manual_seed(seed)
+    net = nn.Linear(features, 1).to(D)
+    problem = Residuals(net, {"data": Residual(lambda u, x, y: u(x) - y, points=(x, y))})
+    a = torch.cat([x, torch.ones(n, 1, dtype=D)], 1)
+    solution = torch.linalg.lstsq(a, y).solution.reshape(-1)
+    return problem, net, solution
+
+
+# --- the sample ----------------------------------------------------------------------------------
+def test_allocate_keeps_a_share_of_every_block_and_all_of_a_small_one():
+    assert sampled.allocate([10_000, 400], 1000) == [750, 250]
+    assert sampled.allocate([10_000, 400], 2000) == [1600, 400]
+    assert sampled.allocate([10_000, 100], 1000) == [900, 100]  # all of the small block
+    assert sampled.allocate([50, 60], 1000) == [50, 60]  # everything fits
+    assert sampled.allocate([0, 500], 100) == [0, 100]  # a block without points draws none
+    assert sampled.allocate([], 10) == []
+
+
+def test_draw_is_seeded_by_the_step():
+    first = sampled.draw([1000, 40], 100, seed=3, device=torch.device("cpu"))
+    again = sampled.draw([1000, 40], 100, seed=3, device=torch.device("cpu"))
+    other = sampled.draw([1000, 40], 100, seed=4, device=torch.device("cpu"))
+    assert [len(i) for i in first] == sampled.allocate([1000, 40], 100)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not torch.equal(first[0], other[0])
+    for idx, count in zip(first, [1000, 40]):
+        assert idx.unique().numel() == idx.numel() and 0 <= idx.min() and idx.max() < count
+        assert torch.equal(idx, idx.sort().values)
+
+
+def test_stall_test_compares_two_windows():
+    w = sampled.WINDOW
+    assert not sampled.stalled([1.0] * (2 * w - 1))
+    assert sampled.stalled([1.0] * (2 * w))
+    assert not sampled.stalled([1.0] * w + [0.5] * w)
+
+
+# --- the all-rows linearization and the preconditioner, against dense references --------------
+def _dense(problem: Residuals, flat: torch.Tensor, inputs):
+    fm = FunctionalModel(problem)
+    outputs, j = jacobian_rows(fm, flat, Batch(inputs, torch.zeros(0)))
+    return fm, outputs, j.to(D)
+
+
+def test_all_rows_linearization_matches_dense_float64():
+    problem = _poisson(60, 12)
+    inputs, targets = problem.batch()
+    fm = FunctionalModel(problem)
+    flat = fm.flat()
+    loss = SGN(problem, problem.loss)._loss
+    lin = by_factors(fm, loss, flat, Batch(inputs, targets))
+    _, r, j = _dense(problem, flat, inputs)
+    assert torch.allclose(lin.outputs, r, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(lin.loss, r.square().sum(), rtol=1e-12)
+    assert torch.allclose(lin.grad, 2 * j.T @ r, rtol=1e-10, atol=1e-12)
+    v = torch.randn(flat.numel(), generator=torch.Generator().manual_seed(1), dtype=D)
+    assert torch.allclose(lin.ggn_vp(v), 2 * j.T @ (j @ v), rtol=1e-10, atol=1e-12)
+
+    # A sample of every point is J itself; a sample of some is its rows weighted by N_b / n_b.
+    whole = lin.rows(0, 10_000)
+    assert torch.allclose(whole.kernel, j @ j.T, rtol=1e-10, atol=1e-12)
+    part = lin.rows(5, 20)
+    index = sampled.draw([60, 12], 20, 5, flat.device)
+    rows = torch.cat([index[0], 60 + index[1]])
+    weights = torch.cat(
+        [torch.full_like(i, n / i.numel(), dtype=D) for i, n in zip(index, [60, 12])]
+    )
+    jt = weights.sqrt()[:, None] * j[rows]
+    assert part.points == [len(i) for i in index] and part.hessian == pytest.approx(2.0)
+    assert torch.allclose(part.kernel, jt @ jt.T, rtol=1e-10, atol=1e-12)
+    assert torch.allclose(part.jvp(v), jt @ v, rtol=1e-10, atol=1e-12)
+    w = torch.randn(part.size, generator=torch.Generator().manual_seed(2), dtype=D)
+    assert torch.allclose(part.vjp(w), jt.T @ w, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("damping", [1e-8, 1e-3, 1.0])
+def test_preconditioner_is_the_inverse_of_the_damped_sample_matrix(damping):
+    g = torch.Generator().manual_seed(0)
+    jt = torch.randn(7, 15, generator=g, dtype=D)
+    sample = sampled.RowSample(
+        kernel=jt @ jt.T, jvp=lambda v: jt @ v, vjp=lambda w: jt.T @ w, hessian=2.0, points=[7]
+    )
+    precond = sampled.SampledPreconditioner(sample)
+    lam = torch.linalg.eigvalsh(jt @ jt.T)
+    assert precond.shift == pytest.approx(2.0 * float(lam[0]), rel=1e-10)
+    m = 2.0 * jt.T @ jt + (damping + precond.shift) * torch.eye(15, dtype=D)
+    v = torch.randn(15, generator=g, dtype=D)
+    got = precond.preconditioner(damping)(v)
+    assert torch.allclose(got, torch.linalg.solve(m, v), rtol=1e-9, atol=1e-12)
+    # symmetric positive definite, as conjugate gradient needs
+    dense = torch.stack([precond.preconditioner(damping)(e) for e in torch.eye(15, dtype=D)])
+    assert torch.allclose(dense, dense.T, atol=1e-10)
+    assert torch.linalg.eigvalsh(0.5 * (dense + dense.T)).min() > 0
+
+
+# --- the route -----------------------------------------------------------------------------------
+def test_a_problem_that_fits_an_exact_step_keeps_its_route():
+    problem = _poisson(60, 12)  # 72 residuals, 105 parameters: the Gram route
+    opt = SGN(problem, problem.loss)
+    info = opt.step(*problem.batch())
+    assert info.solver == "direct" and info.sample is None
+
+
+def test_many_rows_take_sampled_exact_steps_then_all_rows():
+    problem = _poisson(400, 40)  # 440 residuals, 105 parameters, both above 50
+    opt = SGN(problem, problem.loss, direct_max_params=50)
+    inputs, targets = problem.batch()
+    info = opt.step(inputs, targets)
+    assert info.solver == "direct" and info.sample == tuple(sampled.allocate([400, 40], 50))
+    assert info.loss_after < info.loss
+    state = opt.state[next(problem.parameters())]
+    assert not state.get("all_rows", False) and len(state["sampled_losses"]) == 1
+    opt.state[next(problem.parameters())]["all_rows"] = True  # as after a stall
+    with torch.no_grad():
+        full = float(problem(*inputs).square().sum())
+    info = opt.step(inputs, targets)
+    assert info.solver == "cg" and info.sample == tuple(sampled.allocate([400, 40], 50))
+    assert info.loss == pytest.approx(full, rel=1e-12)  # on all rows
+    assert info.taken and info.loss_after < info.loss
+
+
+def test_the_combined_steps_converge_to_the_full_least_squares_solution():
+    """Sampled steps stall at their samples' noise; the steps on all rows then reach the
+    minimizer of the whole problem (a dense float64 solve), not a neighbourhood of it."""
+    problem, net, solution = _linear_fit()
+    opt = SGN(problem, problem.loss, direct_max_params=20)  # samples of 20 of 300 points
+    inputs, targets = problem.batch()
+    kinds = []
+    for _ in range(150):
+        kinds.append(opt.step(inputs, targets).solver)
+        if kinds[-1] == "cg" and kinds[-5:] == ["cg"] * 5:
+            break
+    assert kinds[0] == "direct" and "cg" in kinds  # sampled, then all rows
+    theta = torch.cat([net.weight.detach().reshape(-1), net.bias.detach()])
+    assert torch.allclose(theta, solution, rtol=1e-7, atol=1e-9), (theta - solution).abs().max()
+
+
+def test_a_resumed_run_takes_the_same_steps(monkeypatch):
+    """The samples, the stall test and the switch resume from the state dict. (The functional
+    engine: the traced engine's replays of a fresh trace differ from a long-running one's in
+    the last bits, on any residual problem, sampled or not.)"""
+    monkeypatch.setattr(sampled, "WINDOW", 2)  # the switch to all rows within the run
+    problem = _poisson(300, 30)
+    inputs, targets = problem.batch()
+    opt = SGN(problem, problem.loss, direct_max_params=40, engine="functional")
+    for _ in range(3):
+        opt.step(inputs, targets)
+    saved_model, saved_opt = copy.deepcopy(problem.state_dict()), copy.deepcopy(opt.state_dict())
+    straight = [opt.step(inputs, targets) for _ in range(5)]
+    after = [p.detach().clone() for p in problem.parameters()]
+
+    resumed = _poisson(300, 30)
+    resumed.load_state_dict(saved_model)
+    opt2 = SGN(resumed, resumed.loss, direct_max_params=40, engine="functional")
+    opt2.load_state_dict(saved_opt)
+    again = [opt2.step(inputs, targets) for _ in range(5)]
+    assert [i.solver for i in again] == [i.solver for i in straight]
+    assert [i.sample for i in again] == [i.sample for i in straight]
+    assert "cg" in [i.solver for i in straight]
+    for a, b in zip(after, resumed.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_problem_whose_gram_matrix_would_not_fit_runs():
+    """1,000,000 residuals: their R x R Gram matrix would take 8 TB; a step holds a sample."""
+    problem = _poisson(1_000_000, 2000)
+    inputs, targets = problem.batch()
+    opt = SGN(problem, problem.loss, direct_max_params=64)
+    first = opt.step(inputs, targets)
+    second = opt.step(inputs, targets)
+    assert first.sample == tuple(sampled.allocate([1_000_000, 2000], 64))
+    assert second.loss < first.loss
