@@ -126,8 +126,7 @@ class Linearization:
         sample_space: ``G`` as seen from the batch's outputs, where the engine forms ``J J^T``
             (chains of linear layers and activations); ``None`` otherwise. Anything that
             changes ``G`` or the gradient (a subset, a mask, an all-reduce) must drop it.
-        rows: ``(seed, points) -> sample``, a random sample of about ``points`` points' rows
-            of ``J`` weighted to estimate ``G``
+        rows: ``seed -> sample``, a random sample of ``J``'s rows weighted to estimate ``G``
             (:class:`~torch_sgn.solve.sampled.RowSample`), where the engine can draw one
             without forming ``J`` (a residual problem on more rows than an exact step takes);
             ``None`` otherwise. A mask of the parameters drops it.
@@ -142,7 +141,7 @@ class Linearization:
     vjp: Optional[Callable[[Tensor], Tensor]] = None
     dense_ggn: Optional[Callable[[], Tensor]] = None
     sample_space: Optional[SampleSpace] = None
-    rows: Optional[Callable[[int, int], RowSample]] = None
+    rows: Optional[Callable[[int], RowSample]] = None
     _matrix: Optional[Tensor] = field(default=None, init=False, repr=False, compare=False)
 
     def ggn_matrix(self) -> Tensor:

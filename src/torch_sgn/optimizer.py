@@ -10,6 +10,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from . import many_rows
 from .checks import check_batch, finite_loss
 from .distributed import ProcessGroup, SingleProcess, communicator
 from .engines.jacobian import by_factors, per_sample, with_jacobian
@@ -37,7 +38,7 @@ from .solve.routes import choose_route
 from .solve.state import StepState
 from .solve.step import DampingRule, LineSearch, Outcome, Problem, damped_step
 from .step_call import batch_of_call, refuse_grad_scaler
-from .step_info import StepInfo, step_info
+from .step_info import StepInfo, log_step, step_info
 
 __all__ = ["SGN", "StepInfo"]
 
@@ -495,13 +496,8 @@ class SGN(torch.optim.Optimizer):
         batch, stored = Batch(inputs, targets), self._global_state()
         state, theta, buffers = StepState.of(stored), self._fmodel.flat(), {}
         # More rows than an exact step takes: exact steps on a sample of them, then on all.
-        stage = self._rows_stage(batch, state)
-        drawn = None
-        if stage == sampled.SAMPLE:
-            model = self._fmodel.model
-            counts = model.points(batch.args)
-            drawn = sampled.draw(counts, self._sample_points(batch), state.step, theta.device)
-            batch = self._sub_batch(batch, drawn)
+        stage, most = self._rows_stage(batch, state), self._direct_max_params
+        batch, drawn = many_rows.sampled_batch(stage, self._fmodel.model, batch, most, state.step)
         trainable = self._fmodel.trainable_mask()
         self._fmodel.warn_unfrozen()
         with self._fmodel.consistent():
@@ -517,8 +513,8 @@ class SGN(torch.optim.Optimizer):
             rhs, momentum_buffer = self._momentum(lin.grad, work)
             route = self._route(lin, rhs)
             phase = self._phase(state, route, loss0, lin, batch)
-            # Too many rows for an exact step: the rows of J that precondition CG on all.
-            sample = self._sample(lin, state.step, batch) if phase.route == SAMPLED else None
+            # On all of too many rows: a sample of J's rows preconditions CG.
+            sample = lin.rows(state.step) if phase.route == SAMPLED and lin.rows else None
             # Solve with damping attempts, then the line search (nothing written).
             problem = Problem(lin.grad, rhs, loss0, self._trial_loss(lin, theta, batch))
             run = self._solve(phase.route, lin, problem, work, theta, batch, trainable, sample)
@@ -537,17 +533,15 @@ class SGN(torch.optim.Optimizer):
             self._fmodel.write_grad(lin.grad)
         after = self._next_state(state, run, route, phase, loss0, candidate, momentum_buffer)
         if stage is not None:
-            after = self._next_rows_stage(after, stage, loss0, inputs)
+            after = many_rows.next_state(after, stage, loss0, self._fmodel.model, inputs)
         after.write(stored)
         # Report.
         group = self.param_groups[0]
         penalty = weight_penalty(theta, group["weight_decay"]) if group["weight_decay"] else 0.0
         info = step_info(run, loss0, grad_norm, evals, group["lr"], float(penalty))
-        if sample is not None:
-            info = replace(info, sample=tuple(sample.points))
-        elif drawn is not None:
-            info = replace(info, sample=tuple(int(i.numel()) for i in drawn))
-        self._log(state.step, info)
+        if stage is not None:
+            info = replace(info, sample=many_rows.points_used(sample, drawn))
+        log_step(state.step, info)
         return info
 
     # --- the step's phases -------------------------------------------------------------------
@@ -556,13 +550,10 @@ class SGN(torch.optim.Optimizer):
     ) -> Linearization:
         """The model and loss linearized at ``theta`` on the batch (reduced over a data-parallel
         group), with a row-batched Jacobian where exact steps take it, and the weight decay's
-        penalty. ``all_rows``: by the layers' factors, for steps on more rows than an exact
-        step takes (:mod:`~torch_sgn.solve.sampled`)."""
-        lin = None
-        if all_rows:
-            lin = by_factors(self._fmodel, self._loss, theta, batch)
-        if lin is None:
-            lin = self._comm.linearize(t, self._step_engine(t), theta, batch, buffers)
+        penalty; ``all_rows``: by the layers' factors (:mod:`torch_sgn.many_rows`)."""
+        most = many_rows.sample_points(self._fmodel.model, batch, self._direct_max_params)
+        lin = by_factors(self._fmodel, self._loss, theta, batch, most) if all_rows else None
+        lin = lin or self._comm.linearize(t, self._step_engine(t), theta, batch, buffers)
         check_loss_parameters(self._loss, self._fmodel, lin, theta, batch)
         if lin.rows is None and self._jacobian_applies(lin, theta, batch):
             lin = with_jacobian(lin, self._fmodel, self._loss, theta, batch)
@@ -611,22 +602,27 @@ class SGN(torch.optim.Optimizer):
     ) -> Outcome:
         """The step by one route: its descent's damping attempts and the line search."""
         group = self.param_groups[0]
-        if route == SAMPLED:
-            assert sample is not None
-            precond = sampled.SampledPreconditioner(sample)
-            descent: Descent = SampledDescent(lin.ggn_vp, problem.rhs, precond)
-        else:
-            descent = self._descent(lin, problem.rhs, state, route)
+        descent = self._descent(lin, problem.rhs, state, route, sample)
         if route == CG and group["step_rule"] == "quadratic":
             descent = QuadraticDescent(descent, lin.ggn_vp, lin.grad, problem.rhs, state.prev_step)
         accelerate = self._accelerator(lin, batch, theta, route, trainable)
         rule = DampingRule.of(group, exact=route != CG)
         return damped_step(descent, problem, state, rule, LineSearch.of(group), accelerate)
 
-    def _descent(self, lin: Linearization, rhs: Tensor, state: StepState, route: str) -> Descent:
+    def _descent(
+        self,
+        lin: Linearization,
+        rhs: Tensor,
+        state: StepState,
+        route: str,
+        sample: Optional[sampled.RowSample] = None,
+    ) -> Descent:
         r"""``damping -> solution`` of :math:`(G + \rho I) d = -\hat m` for this step's
         linearization by ``route``: the step's attempts share it and differ only in the
         damping (the direct solver forms its matrix once and factors it for each)."""
+        if route == SAMPLED:
+            assert sample is not None
+            return SampledDescent(lin.ggn_vp, rhs, sampled.SampledPreconditioner(sample))
         if route == SAMPLES:
             assert lin.sample_space is not None and rhs is lin.grad
             return SampleSpaceDescent(lin.sample_space, lin.grad, lin.ggn_vp)
@@ -729,67 +725,13 @@ class SGN(torch.optim.Optimizer):
             return curvature_subset(self._engine, self._loss, self._curvature_fraction, seed=t)
         return self._engine
 
-    def _sample(self, lin: Linearization, t: int, batch: Batch) -> sampled.RowSample:
-        """The rows that precondition step ``t``'s CG on all rows, drawn with the step as
-        seed."""
-        assert lin.rows is not None
-        return lin.rows(t, self._sample_points(batch))
-
-    def _sample_points(self, batch: Batch) -> int:
-        """The points a sample draws: :data:`~torch_sgn.solve.sampled.POINTS`, and no more
-        rows than ``direct_max_params`` (at the most rows a point has)."""
-        model = self._fmodel.model
-        counts = model.points(batch.args)
-        per_point = -(-model.count(batch.args) // max(1, sum(counts)))
-        return min(sampled.POINTS, max(1, self._direct_max_params // per_point))
-
     def _rows_stage(self, batch: Batch, state: StepState) -> Optional[str]:
-        """How ``solver="auto"`` takes a step on more rows than an exact step takes
-        (:mod:`~torch_sgn.solve.sampled`): ``SAMPLE`` (exact steps on a sample of the points),
-        ``ALL`` (CG on every row, preconditioned by a sample), or ``None`` for the other
-        routes. Such a problem is a residual problem (zero targets) whose residuals ``R`` and
-        parameters ``P`` both exceed ``direct_max_params`` (neither the ``R x R`` nor the
-        ``P x P`` matrix is formed), in one process, without momentum, CUDA graphs or a
-        curvature subset. A rule on sizes, memory and the losses, never on timings."""
-        model = self._fmodel.model
-        if (
-            self._solver != "auto"
-            or not hasattr(model, "layer_factors")
-            or self._engine_options[1]
-            or not isinstance(self._comm, SingleProcess)
-            or self.param_groups[0]["gradient_averaging"] != 0
-            or self._curvature_fraction != 1
-            or self._fmodel.numel <= self._direct_max_params
-            or model.count(batch.args) <= self._direct_max_params
-            or bool(batch.targets.any())
-        ):
+        """:func:`torch_sgn.many_rows.stage`, for ``solver="auto"`` in one process, without
+        momentum, CUDA graphs or a curvature subset."""
+        if self._solver != "auto" or self._engine_options[1] or not self._may_solve_exactly():
             return None
-        return sampled.ALL if state.all_rows else sampled.SAMPLE
-
-    def _sub_batch(self, batch: Batch, index: list) -> Batch:
-        """The residual problem's batch on the points ``index[b]`` of each block ``b``."""
-        model = self._fmodel.model
-        inputs = model.subset(batch.args, index)
-        targets = batch.targets.new_zeros(model.count(inputs))
-        return Batch(inputs, targets)
-
-    def _next_rows_stage(
-        self, state: StepState, stage: str, loss0: float, inputs: object
-    ) -> StepState:
-        """The state after a step on a sample of the rows: its loss (on a fresh sample, an
-        estimate of the full loss) joins the stall test (:func:`~torch_sgn.solve.sampled.stalled`),
-        and once the losses stall the next steps go on all rows, where their memory fits
-        (:func:`~torch_sgn.solve.sampled.all_rows_fit`)."""
-        if stage != sampled.SAMPLE:
-            return state
-        losses = [*(state.sampled_losses or ()), loss0][-2 * sampled.WINDOW :]
-        if sampled.stalled(losses):
-            model = self._fmodel.model
-            args = inputs if isinstance(inputs, tuple) else (inputs,)
-            if sampled.all_rows_fit(model, model.points(args), args, self._fmodel.device):
-                logger.info("step %d: the sampled steps stalled; steps on all rows", state.step)
-                return replace(state, all_rows=True, sampled_losses=None)
-        return replace(state, sampled_losses=losses)
+        fm = self._fmodel
+        return many_rows.stage(fm.model, batch, fm.numel, self._direct_max_params, state)
 
     def _may_solve_through_outputs(self) -> bool:
         """Whether steps may go through the batch's outputs (the engine and the options allow
@@ -797,11 +739,14 @@ class SGN(torch.optim.Optimizer):
         at the steps that cannot, not at construction. The layer-wise engine may, and any
         engine on a residual problem (:mod:`torch_sgn.engines.jacobian`)."""
         return (
-            (
-                getattr(self._engine, "may_solve_through_outputs", False)
-                or hasattr(self._fmodel.model, "jacobian_blocks")
-            )
-            and isinstance(self._comm, SingleProcess)
+            getattr(self._engine, "may_solve_through_outputs", False)
+            or hasattr(self._fmodel.model, "jacobian_blocks")
+        ) and self._may_solve_exactly()
+
+    def _may_solve_exactly(self) -> bool:
+        """One process, no momentum, no curvature subset: an exact step's conditions."""
+        return (
+            isinstance(self._comm, SingleProcess)
             and self.param_groups[0]["gradient_averaging"] == 0
             and self._curvature_fraction == 1
         )
@@ -853,19 +798,3 @@ class SGN(torch.optim.Optimizer):
             return value + weight_penalty(flat, weight_decay) if weight_decay else value
 
         return self._comm.loss_value(value)
-
-    def _log(self, t: int, info: StepInfo) -> None:
-        uphill = ""
-        if info.uphill_resolves:
-            uphill = f" (uphill: solved again {info.uphill_resolves} times"
-            uphill += ")" if info.taken else ", not taken)"
-        logger.info(
-            "step %d: loss %.6g -> %.6g, damping %.3g, step %.3g%s",
-            t, info.loss, info.loss_after, info.damping, info.step_size, uphill,
-        )  # fmt: skip
-        logger.debug(
-            "  |g| %.4g, %s %d it (%s), |r| %.3g, ratio %s, %d loss evals",
-            info.grad_norm, "CG" if info.solver == "cg" else "direct", info.iterations,
-            info.stop_reason, info.residual,
-            "-" if info.tr_ratio is None else f"{info.tr_ratio:.3g}", info.loss_evals,
-        )  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -10,7 +11,9 @@ from .solve.direct import DirectResult
 if TYPE_CHECKING:
     from .solve.step import Outcome
 
-__all__ = ["StepInfo", "step_info"]
+__all__ = ["StepInfo", "log_step", "step_info"]
+
+logger = logging.getLogger("torch_sgn")
 
 
 @dataclass(frozen=True)
@@ -120,3 +123,22 @@ def step_info(
         uphill_resolves=run.resolves,
         penalty=penalty,
     )
+
+
+def log_step(t: int, info: StepInfo) -> None:
+    """Step ``t`` on the ``torch_sgn`` logger: its outcome at INFO, its solve at DEBUG."""
+    uphill = ""
+    if info.uphill_resolves:
+        uphill = f" (uphill: solved again {info.uphill_resolves} times"
+        uphill += ")" if info.taken else ", not taken)"
+    logger.info(
+        "step %d: loss %.6g -> %.6g, damping %.3g, step %.3g%s",
+        t, info.loss, info.loss_after, info.damping, info.step_size, uphill,
+    )  # fmt: skip
+    logger.debug(
+        "  |g| %.4g, %s %d it (%s), |r| %.3g, ratio %s, %d loss evals%s",
+        info.grad_norm, "CG" if info.solver == "cg" else "direct", info.iterations,
+        info.stop_reason, info.residual,
+        "-" if info.tr_ratio is None else f"{info.tr_ratio:.3g}", info.loss_evals,
+        "" if info.sample is None else f", sample {info.sample}",
+    )  # fmt: skip

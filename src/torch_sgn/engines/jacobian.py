@@ -200,13 +200,14 @@ def _symmetric(k: Tensor) -> Tensor:
 
 
 def by_factors(
-    fmodel: FunctionalModel, loss: OutputLoss, flat: Tensor, batch: Batch
+    fmodel: FunctionalModel, loss: OutputLoss, flat: Tensor, batch: Batch, points: int
 ) -> Optional[Linearization]:
     r"""The linearization of a residual problem from its layers' factors
     (:mod:`torch_sgn.pinn.layer_kernel`) alone, for exact steps on more rows than an ``R x R``
     matrix takes (:mod:`torch_sgn.solve.sampled`): the loss and ``g = J^T e`` from one forward
     and one backward pass, ``G v = J^T h J v`` from the factors (no further pass), and
-    ``rows``, a weighted sample of ``J``'s rows. ``None`` where the model has no factors, or
+    ``rows``, a weighted sample of ``J``'s rows at about ``points`` points. ``None`` where the
+    model has no factors, or
     the loss's output-space Hessian is not a multiple ``h I`` of the identity."""
     of = getattr(fmodel.model, "layer_factors", None)
     factors = None if of is None else of(fmodel, flat, batch.args)
@@ -223,7 +224,7 @@ def by_factors(
     def ggn_vp(v: Tensor) -> Tensor:
         return factors.vjp(factors.jvp(v).mul_(h))
 
-    def rows(seed: int, points: int) -> RowSample:
+    def rows(seed: int) -> RowSample:
         index = draw(factors.points, points, seed, flat.device)
         sub = factors.subset(index)
         # Each block's rows weighted by sqrt(N_b / n_b): sum_b (N_b / n_b) J_b,S^T J_b,S

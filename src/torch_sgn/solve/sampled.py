@@ -66,7 +66,7 @@ __all__ = [
 #: all rows.
 SAMPLE, ALL = "sample", "all"
 #: Sampled steps in each of the stall test's two windows.
-WINDOW = 20
+WINDOW = 50
 #: The relative fall of the windows' mean loss above which the sampled steps have not stalled.
 STALL = 0.01
 
