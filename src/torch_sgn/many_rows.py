@@ -28,11 +28,16 @@ from typing import List, Optional, Tuple
 
 from torch import Tensor, nn
 
-from .linearization import Batch
+from .engines.jacobian import by_factors
+from .linearization import Batch, Linearization
+from .losses import OutputLoss
+from .model.flat_model import FunctionalModel
 from .solve import sampled
 from .solve.state import StepState
 
-__all__ = ["next_state", "points_used", "sample_points", "sampled_batch", "stage"]
+__all__ = [
+    "linearized", "next_state", "points_used", "sample_points", "sampled_batch", "stage",
+]  # fmt: skip
 
 logger = logging.getLogger("torch_sgn")
 
@@ -72,6 +77,15 @@ def sampled_batch(
     index = sampled.draw(counts, sample_points(model, batch, max_params), step, device)
     inputs = model.subset(batch.args, index)
     return Batch(inputs, batch.targets.new_zeros(model.count(inputs))), index
+
+
+def linearized(
+    fmodel: FunctionalModel, loss: OutputLoss, flat: Tensor, batch: Batch, max_params: int
+) -> Optional[Linearization]:
+    """An ``ALL`` step's linearization on every row, from the layers' factors, its samples
+    of :func:`sample_points` points (:func:`~torch_sgn.engines.jacobian.by_factors`)."""
+    points = sample_points(fmodel.model, batch, max_params)
+    return by_factors(fmodel, loss, flat, batch, points)
 
 
 def next_state(

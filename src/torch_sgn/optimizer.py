@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from . import many_rows
 from .checks import check_batch, finite_loss
 from .distributed import ProcessGroup, SingleProcess, communicator
-from .engines.jacobian import by_factors, per_sample, with_jacobian
+from .engines.jacobian import per_sample, with_jacobian
 from .engines.selection import curvature_subset, engine_name, select_engine
 from .linearization import Batch, Inputs, Linearization, check_loss_parameters, weight_penalty
 from .losses import LossSpec, resolve_loss
@@ -551,8 +551,8 @@ class SGN(torch.optim.Optimizer):
         """The model and loss linearized at ``theta`` on the batch (reduced over a data-parallel
         group), with a row-batched Jacobian where exact steps take it, and the weight decay's
         penalty; ``all_rows``: by the layers' factors (:mod:`torch_sgn.many_rows`)."""
-        most = many_rows.sample_points(self._fmodel.model, batch, self._direct_max_params)
-        lin = by_factors(self._fmodel, self._loss, theta, batch, most) if all_rows else None
+        fm, most = self._fmodel, self._direct_max_params
+        lin = many_rows.linearized(fm, self._loss, theta, batch, most) if all_rows else None
         lin = lin or self._comm.linearize(t, self._step_engine(t), theta, batch, buffers)
         check_loss_parameters(self._loss, self._fmodel, lin, theta, batch)
         if lin.rows is None and self._jacobian_applies(lin, theta, batch):
