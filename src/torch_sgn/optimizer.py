@@ -242,9 +242,9 @@ class SGN(torch.optim.Optimizer):
             where ``G`` comes from the per-sample Jacobian, or ``P <= cg_iters``); elsewhere
             CG's steps first, then exact steps for good once they prove better: every 10th
             step also computes the exact step, which wins if its point has a lower loss on the
-            next batch, or the batch loss stalls (:mod:`torch_sgn.solve.auto`). Rules, not
-            timings, so every machine takes the same steps. :attr:`StepInfo.solver` says which
-            ran. :meth:`SGN.paper` sets ``"cg"``.
+            next batch, or the batch loss stalls (:mod:`torch_sgn.solve.auto`); residual
+            problems too large for either matrix, by samples (:mod:`torch_sgn.many_rows`). Rules,
+            not timings. :attr:`StepInfo.solver` says which ran. :meth:`SGN.paper` sets ``"cg"``.
         direct_max_params: the largest matrix ``solver="auto"`` takes the direct solver for
             (its rows: parameters, or the batch's outputs). Default 4000 (the matrix and its
             factor take about 384 MB: they are float64).

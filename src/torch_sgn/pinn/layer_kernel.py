@@ -168,7 +168,7 @@ class LayerFactors:
         """The ``(n_i m_i) x (n_j m_j)`` block of ``J J^T`` between two residual blocks."""
         out = torch.zeros(bi.n, bi.m, bj.n, bj.m, dtype=torch.float64)
         out = out.to(next(iter(bi.inputs.values())).device)
-        for layer in bi.inputs.keys() & bj.inputs.keys():
+        for layer in [layer for layer in bi.inputs if layer in bj.inputs]:  # in a fixed order
             a_i, a_j = bi.inputs[layer], bj.inputs[layer]
             ci, cj = a_i.shape[0], a_j.shape[0]
             width = a_i.shape[2] + bi.deltas[layer][0].shape[2]
