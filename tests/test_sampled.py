@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from torch_sgn import SGN
+from torch_sgn import SGN, many_rows
 from torch_sgn.engines.jacobian import by_factors, jacobian_rows
 from torch_sgn.linearization import Batch
 from torch_sgn.model.flat_model import FunctionalModel
@@ -163,14 +163,27 @@ def test_many_rows_take_sampled_exact_steps_then_all_rows():
     assert info.solver == "direct" and info.sample == tuple(sampled.allocate([400, 40], 50))
     assert info.loss_after < info.loss
     state = opt.state[next(problem.parameters())]
-    assert not state.get("all_rows", False) and len(state["sampled_losses"]) == 1
-    opt.state[next(problem.parameters())]["all_rows"] = True  # as after a stall
+    assert "stalls" not in state and len(state["sampled_losses"]) == 1
+    state["stalls"] = 1  # as after a stall of the largest sample (50 rows at most)
     with torch.no_grad():
         full = float(problem(*inputs).square().sum())
     info = opt.step(inputs, targets)
     assert info.solver == "cg" and info.sample == tuple(sampled.allocate([400, 40], 50))
     assert info.loss == pytest.approx(full, rel=1e-12)  # on all rows
     assert info.taken and info.loss_after < info.loss
+
+
+def test_the_sample_doubles_at_each_stall_then_all_rows(monkeypatch):
+    monkeypatch.setattr(sampled, "POINTS", 8)
+    problem = _poisson(400, 40)
+    batch = Batch(*problem.batch())
+    sizes = [many_rows.sample_points(problem, batch, 40, stalls) for stalls in range(6)]
+    assert sizes == [8, 16, 32, 40, 0, 0]  # 0: the largest sample stalled, all rows
+    two = _poisson(400, 40)  # two rows a point: at most 20 points
+    two.blocks[0].fn = lambda u, x: torch.cat([u(x), 2 * u(x)], 1)
+    assert [many_rows.sample_points(two, Batch(*two.batch()), 40, k) for k in range(4)] == [
+        8, 16, 20, 0,
+    ]  # fmt: skip
 
 
 def test_the_combined_steps_converge_to_the_full_least_squares_solution():

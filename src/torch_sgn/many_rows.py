@@ -2,21 +2,23 @@
 
 A residual problem (:class:`torch_sgn.pinn.Residuals`, zero targets) whose residuals ``R`` and
 parameters ``P`` both exceed ``SGN(direct_max_params)`` fits neither the ``R x R`` Gram matrix
-nor the ``P x P`` matrix of an exact step. ``solver="auto"`` then takes it in two stages, by a
-rule on sizes, memory and the losses, never on timings:
+nor the ``P x P`` matrix of an exact step. ``solver="auto"`` then takes it in stages, by a rule
+on sizes, memory and the losses, never on timings:
 
-1. ``SAMPLE``: exact steps on a sample of the points (about
-   :data:`~torch_sgn.solve.sampled.POINTS`, no more rows than ``direct_max_params``), drawn
-   anew at each step by a generator seeded with the step, every block keeping its share. Each
-   step's loss, on a fresh sample, estimates the full loss without bias.
-2. ``ALL``: once those losses stall (:func:`~torch_sgn.solve.sampled.stalled`: the steps ride
-   their samples' noise) and the factors of every row fit in memory
+1. ``SAMPLE``: exact steps on a sample of the points (:data:`~torch_sgn.solve.sampled.POINTS`
+   at first, never more rows than ``direct_max_params``), drawn anew at each step by a
+   generator seeded with the step, every block keeping its share. Each step's loss, on a
+   fresh sample, estimates the whole loss without bias.
+2. When those losses stall (:func:`~torch_sgn.solve.sampled.stalled`: the steps ride their
+   samples' noise), the sample doubles, up to ``direct_max_params`` rows: a larger sample,
+   less noise.
+3. ``ALL``: when the largest sample stalls too, and the factors of every row fit in memory
    (:func:`~torch_sgn.solve.sampled.all_rows_fit`), conjugate gradient on every row,
    preconditioned by a sample's Gauss-Newton matrix: the steps converge to the minimizer of
-   the whole problem.
+   the whole problem, not to a neighbourhood of it.
 
-The stage and the stall test's losses are kept in the optimizer's
-:class:`~torch_sgn.solve.state.StepState` (``all_rows``, ``sampled_losses``), saved with its
+The stalls so far and the stall test's losses are kept in the optimizer's
+:class:`~torch_sgn.solve.state.StepState` (``stalls``, ``sampled_losses``), saved with its
 state dict, so a resumed run takes the same steps.
 """
 
@@ -54,27 +56,31 @@ def stage(
         or bool(batch.targets.any())
     ):
         return None
-    return sampled.ALL if state.all_rows else sampled.SAMPLE
+    return sampled.SAMPLE if sample_points(model, batch, max_params, state.stalls) else sampled.ALL
 
 
-def sample_points(model: nn.Module, batch: Batch, max_params: int) -> int:
-    """The points a sample draws: :data:`~torch_sgn.solve.sampled.POINTS`, and no more rows
-    than ``max_params`` (at the most rows a point has)."""
+def sample_points(model: nn.Module, batch: Batch, max_params: int, stalls: int) -> int:
+    """The points a sample draws after ``stalls`` stalls: :data:`~torch_sgn.solve.sampled.POINTS`
+    doubled at each, and no more rows than ``max_params`` (at the most rows a point has); 0
+    once the largest sample has stalled."""
     counts = model.points(batch.args)
     per_point = -(-model.count(batch.args) // max(1, sum(counts)))
-    return min(sampled.POINTS, max(1, max_params // per_point))
+    largest = max(1, max_params // per_point)
+    if stalls and sampled.POINTS * 2 ** (stalls - 1) >= largest:
+        return 0
+    return min(sampled.POINTS * 2**stalls, largest)
 
 
 def sampled_batch(
-    stage: Optional[str], model: nn.Module, batch: Batch, max_params: int, step: int
+    stage: Optional[str], model: nn.Module, batch: Batch, max_params: int, state: StepState
 ) -> Tuple[Batch, Optional[List[Tensor]]]:
-    """A ``SAMPLE`` step's batch, the points drawn at step ``step`` (zero targets), and the
-    points' indices in each block; ``(batch, None)`` for any other step."""
+    """A ``SAMPLE`` step's batch, the points drawn at its step (zero targets), and the points'
+    indices in each block; ``(batch, None)`` for any other step."""
     if stage != sampled.SAMPLE:
         return batch, None
     counts = model.points(batch.args)
-    device = batch.targets.device
-    index = sampled.draw(counts, sample_points(model, batch, max_params), step, device)
+    points = sample_points(model, batch, max_params, state.stalls)
+    index = sampled.draw(counts, points, state.step, batch.targets.device)
     inputs = model.subset(batch.args, index)
     return Batch(inputs, batch.targets.new_zeros(model.count(inputs))), index
 
@@ -82,26 +88,30 @@ def sampled_batch(
 def linearized(
     fmodel: FunctionalModel, loss: OutputLoss, flat: Tensor, batch: Batch, max_params: int
 ) -> Optional[Linearization]:
-    """An ``ALL`` step's linearization on every row, from the layers' factors, its samples
-    of :func:`sample_points` points (:func:`~torch_sgn.engines.jacobian.by_factors`)."""
-    points = sample_points(fmodel.model, batch, max_params)
+    """An ``ALL`` step's linearization on every row, from the layers' factors, whose samples
+    (its preconditioner's) have the first sample's size
+    (:func:`~torch_sgn.engines.jacobian.by_factors`)."""
+    points = sample_points(fmodel.model, batch, max_params, 0)
     return by_factors(fmodel, loss, flat, batch, points)
 
 
 def next_state(
-    state: StepState, stage: str, loss0: float, model: nn.Module, inputs: object
+    state: StepState, stage: str, loss0: float, model: nn.Module, inputs: object, max_params: int
 ) -> StepState:
-    """The state after a step of ``stage``: a sampled step's loss joins the stall test, and
-    once the losses stall the next steps go on all rows, where their memory fits."""
+    """The state after a step of ``stage``: a sampled step's loss joins the stall test; once
+    the losses stall, the sample doubles, or past the largest the steps go on all rows where
+    their memory fits (else the largest sample goes on)."""
     if stage != sampled.SAMPLE:
         return state
     losses = [*(state.sampled_losses or ()), loss0][-2 * sampled.WINDOW :]
     if sampled.stalled(losses):
         args = inputs if isinstance(inputs, tuple) else (inputs,)
-        device = args[0].device
-        if sampled.all_rows_fit(model, model.points(args), args, device):
-            logger.info("step %d: the sampled steps stalled; steps on all rows", state.step)
-            return replace(state, all_rows=True, sampled_losses=None)
+        batch = Batch(args, args[0].new_zeros(0))
+        grows = sample_points(model, batch, max_params, state.stalls + 1) > 0
+        if grows or sampled.all_rows_fit(model, model.points(args), args, args[0].device):
+            what = "the sample doubles" if grows else "steps on all rows"
+            logger.info("step %d: the sampled steps stalled; %s", state.step, what)
+            return replace(state, stalls=state.stalls + 1, sampled_losses=None)
     return replace(state, sampled_losses=losses)
 
 

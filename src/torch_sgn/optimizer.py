@@ -497,7 +497,7 @@ class SGN(torch.optim.Optimizer):
         state, theta, buffers = StepState.of(stored), self._fmodel.flat(), {}
         # More rows than an exact step takes: exact steps on a sample of them, then on all.
         stage, most = self._rows_stage(batch, state), self._direct_max_params
-        batch, drawn = many_rows.sampled_batch(stage, self._fmodel.model, batch, most, state.step)
+        batch, drawn = many_rows.sampled_batch(stage, self._fmodel.model, batch, most, state)
         trainable = self._fmodel.trainable_mask()
         self._fmodel.warn_unfrozen()
         with self._fmodel.consistent():
@@ -533,7 +533,7 @@ class SGN(torch.optim.Optimizer):
             self._fmodel.write_grad(lin.grad)
         after = self._next_state(state, run, route, phase, loss0, candidate, momentum_buffer)
         if stage is not None:
-            after = many_rows.next_state(after, stage, loss0, self._fmodel.model, inputs)
+            after = many_rows.next_state(after, stage, loss0, self._fmodel.model, inputs, most)
         after.write(stored)
         # Report.
         group = self.param_groups[0]

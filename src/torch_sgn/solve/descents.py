@@ -152,9 +152,7 @@ class SampledDescent:
                 result.reason, result.iterations,
             )  # fmt: skip
             return result
-        if sampled.AGAIN_BY_CG:
-            return replace(result, again=lambda b: solve(-b).x)
-        return replace(result, again=lambda b: precond(b).neg_())
+        return replace(result, again=lambda b: solve(-b).x)
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,6 @@ POINTS = 1024
 ITERATIONS = 20
 #: ... and its relative residual: ``||(G + rho I) d + g|| <= RTOL ||g||`` ends it.
 RTOL = 1e-3
-AGAIN_BY_CG = True
 
 
 @dataclass(frozen=True)

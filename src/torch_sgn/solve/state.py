@@ -37,9 +37,10 @@ class StepState:
         next_probe: the step of ``"auto"``'s next probe.
         candidate: the last probe's point, judged on the next step's batch.
         recent: the last batch losses of ``"auto"``'s stall test.
-        all_rows: a problem of more rows than an exact step takes has turned from exact steps
-            on a sample of its rows to steps on every row (:mod:`~torch_sgn.solve.sampled`).
-        sampled_losses: the last losses of those sampled steps (the stall test that turns).
+        stalls: how often the exact steps on samples of a problem of more rows than an exact
+            step takes have stalled (:mod:`torch_sgn.many_rows`): each doubles the sample,
+            and past the largest sample the steps go on every row.
+        sampled_losses: the last losses of those sampled steps (the stall test).
     """
 
     step: int
@@ -52,7 +53,7 @@ class StepState:
     next_probe: Optional[int] = None
     candidate: Optional[Tensor] = None
     recent: Optional[List[float]] = None
-    all_rows: bool = False
+    stalls: int = 0
     sampled_losses: Optional[List[float]] = None
 
     @classmethod
@@ -69,12 +70,14 @@ class StepState:
         return cls(**{k: stored[k] for k in KEYS if k in stored})
 
     def as_dict(self) -> dict:
-        """The dict kept and saved: every key whose value is set (``exact`` and ``all_rows`` only
-        once true), so that a saved state holds exactly what the run has used."""
+        """The dict kept and saved: every key whose value is set (``exact`` only once true,
+        ``stalls`` once above 0), so that a saved state holds exactly what the run has used."""
         out = {}
         for key in KEYS:
             value = getattr(self, key)
-            if value is not None and not (key in ("exact", "all_rows") and value is False):
+            if value is not None and not (key == "exact" and value is False):
+                if key == "stalls" and value == 0:
+                    continue
                 out[key] = value
         return out
 
