@@ -238,3 +238,21 @@ def test_a_problem_whose_gram_matrix_would_not_fit_runs():
         after = float(problem(*inputs).square().sum())
     assert all(i.sample == tuple(sampled.allocate([1_000_000, 2000], 64)) for i in infos)
     assert after < before
+
+
+def test_count_takes_each_blocks_rows_per_point_from_two_points():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.rand(50, 2, generator=g, dtype=D), torch.rand(7, 2, generator=g, dtype=D)
+    net = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 3)).to(D)
+    problem = Residuals(
+        net,
+        {
+            "three": Residual(lambda u, x: u(x), points=x),  # three rows a point
+            "one": Residual(lambda u, x: u(x)[:, 0], points=y),
+            "prior": Residual(lambda u: torch.cat([p.reshape(-1) for p in u.parameters()])),
+            "off": Residual(lambda u, x: u(x), points=y, weight=0.0),
+        },
+    )
+    inputs = problem.batch()[0]
+    with torch.no_grad():
+        assert problem.count(inputs) == problem(*inputs).numel() == 150 + 7 + 27

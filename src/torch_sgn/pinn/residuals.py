@@ -151,15 +151,35 @@ class Residuals(nn.Module):
         return inputs, targets
 
     def count(self, inputs: Sequence[Tensor]) -> int:
-        """The number of residuals ``R`` on ``inputs``: one forward pass the first time the
-        points have these shapes (a block's rows per point do not change), remembered after."""
+        """The number of residuals ``R`` on ``inputs``: each block's rows per point, from its
+        residuals at two of its points, times its points (a block's rows per point do not
+        change), the first time the points have these shapes; remembered after. Memory of two
+        points, whatever their number."""
         key = (
             tuple(tuple(p.shape) for p in inputs),
             tuple(block.weight == 0 for block in self.blocks),  # a block of weight 0 adds none
         )
         if key not in self._counts:
-            self._counts[key] = self(*inputs).numel()
+            try:
+                total = self._rows_by_block(inputs)
+            except (RuntimeError, IndexError, ValueError, TypeError):
+                total = self(*inputs).numel()  # the error as on all the points, or the count
+            self._counts[key] = total
         return self._counts[key]
+
+    def _rows_by_block(self, inputs: Sequence[Tensor]) -> int:
+        total = 0
+        with torch.no_grad():
+            for (name, pts), block in zip(self.split(inputs).items(), self.blocks):
+                n = pts[0].shape[0] if pts else 1
+                if n == 0 or block.weight == 0:
+                    continue
+                if not pts:  # a residual of the parameters alone
+                    total += self.residual(name).numel()
+                    continue
+                k = min(n, 2)
+                total += n * (self.residual(name, *(p[:k] for p in pts)).numel() // k)
+        return total
 
     def split(self, inputs: Sequence[Tensor]) -> Dict[str, Tuple[Tensor, ...]]:
         """The block's point tensors of ``inputs`` (as :meth:`batch` lays them out), by name."""
