@@ -15,6 +15,10 @@ for Physics-Informed Neural Networks", as its public experiments set them up):
 * ``poisson5d``: -Laplace(u) = pi^2 sum cos(pi x_i) on [0, 1]^5, boundary values of the exact
   u = sum cos(pi x_i); 3000 interior and 500 boundary points drawn anew at each step.
 
+``--points INTERIOR BOUNDARY`` sets the numbers of points (the published ones by default; for
+``heat1d`` the second number counts the boundary and initial points, a third of them initial),
+``--fixed`` draws ``poisson5d``'s points once instead of at every step.
+
 Loss: the mean squared interior residual plus the mean squared boundary (and initial) residual.
 The error is the relative L2 error against the exact solution on 10,000 held-out uniform points
 (drawn once from their own seed). Each method runs for ``--seconds`` of this process's CPU time

@@ -1,5 +1,10 @@
-r"""Exact Gauss-Newton steps on many residuals: conjugate gradient on all the rows,
-preconditioned by the Gauss-Newton matrix of a random subset of them.
+r"""Exact Gauss-Newton steps on many residuals: samples of the rows, and conjugate gradient on
+all the rows preconditioned by the Gauss-Newton matrix of a random subset of them.
+
+:mod:`torch_sgn.many_rows` plans the stages (exact steps on samples, then on all rows); this
+module holds what they share: how a sample is drawn (:func:`allocate`, :func:`draw`), the
+stall test (:func:`stalled`), the memory rule of the last stage (:func:`all_rows_fit`), and
+that stage's preconditioner (:class:`SampledPreconditioner`), described below.
 
 Where a least-squares problem has more residuals ``R`` than an exact step can take through the
 ``R x R`` Gram matrix, and more parameters ``P`` than it can take through the ``P x P`` matrix
@@ -70,9 +75,10 @@ WINDOW = 50
 #: The relative fall of the windows' mean loss above which the sampled steps have not stalled.
 STALL = 0.01
 
-#: The points a step samples for its preconditioner (all rows of a point are taken): the
-#: ``m x m`` matrix costs ``2 m^2`` products of a row with a row, and its eigendecomposition
-#: ``m^3``; the sample is bounded by this and by ``SGN(direct_max_params)``.
+#: The points of a sample (all rows of a point are taken): the first sample of the exact
+#: sampled steps (:mod:`torch_sgn.many_rows` doubles it at each stall) and the sample of the
+#: preconditioner. Its ``m x m`` matrix costs ``2 m^2`` products of a row with a row, and its
+#: factorization ``m^3 / 3``; never more rows than ``SGN(direct_max_params)``.
 POINTS = 1024
 #: Conjugate gradient's iterations on all the rows, at most, per solve.
 ITERATIONS = 20
