@@ -256,3 +256,25 @@ def test_count_takes_each_blocks_rows_per_point_from_two_points():
     inputs = problem.batch()[0]
     with torch.no_grad():
         assert problem.count(inputs) == problem(*inputs).numel() == 150 + 7 + 27
+
+
+@pytest.mark.parametrize("factors", [True, False])
+def test_past_the_largest_sample_all_rows_only_where_the_layer_factors_follow(factors):
+    """A network the layers' factors cannot follow (a parameter outside linear layers) has its
+    sampled steps form J row by row; past the largest sample they go on, not to CG on every
+    row (the slow path the stages replace)."""
+    problem = _poisson(300, 30)
+    if not factors:
+        problem.network.register_parameter("scale", nn.Parameter(torch.ones((), dtype=D)))
+        fn = problem.blocks[1].fn
+        problem.blocks[1].fn = lambda u, x: fn(u, x) * u.scale
+    opt = SGN(problem, problem.loss, direct_max_params=40)
+    inputs, targets = problem.batch()
+    opt.step(inputs, targets)
+    state = opt.state[next(problem.parameters())]
+    state["sampled_losses"] = [0.0] * (2 * sampled.WINDOW - 1)  # the next step stalls
+    opt.step(inputs, targets)
+    assert state.get("stalls", 0) == (1 if factors else 0)
+    assert problem.factors_follow == factors
+    after = opt.step(inputs, targets)
+    assert after.solver == ("cg" if factors else "direct") and after.sample is not None

@@ -100,7 +100,8 @@ def next_state(
 ) -> StepState:
     """The state after a step of ``stage``: a sampled step's loss joins the stall test; once
     the losses stall, the sample doubles, or past the largest the steps go on all rows where
-    their memory fits (else the largest sample goes on)."""
+    the layers' factors follow the network and fit in memory (else the largest sample goes
+    on)."""
     if stage != sampled.SAMPLE:
         return state
     losses = [*(state.sampled_losses or ()), loss0][-2 * sampled.WINDOW :]
@@ -108,7 +109,9 @@ def next_state(
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         batch = Batch(args, args[0].new_zeros(0))
         grows = sample_points(model, batch, max_params, state.stalls + 1) > 0
-        if grows or sampled.all_rows_fit(model, model.points(args), args, args[0].device):
+        factors = getattr(model, "factors_follow", False)  # (else all rows would be CG)
+        fit = factors and sampled.all_rows_fit(model, model.points(args), args, args[0].device)
+        if grows or fit:
             what = "the sample doubles" if grows else "steps on all rows"
             logger.info("step %d: the sampled steps stalled; %s", state.step, what)
             return replace(state, stalls=state.stalls + 1, sampled_losses=None)

@@ -67,10 +67,12 @@ class StepInfo:
             for a step that went downhill at once.
         penalty: the weight decay's term ``weight_decay / 2 * ||theta||^2`` of ``loss``,
             at the point the step started from (0 without weight decay).
-        sample: where the step solved on every row of a problem too large for an exact step
-            through one matrix, CG preconditioned by a random sample of the rows
-            (:mod:`torch_sgn.solve.sampled`): the points drawn from each residual block, in
-            the blocks' order; ``None`` where the step used no sample.
+        sample: on a residual problem too large for an exact step through one matrix
+            (:mod:`torch_sgn.many_rows`), the points drawn from each residual block, in the
+            blocks' order: the points the step was taken on (``solver`` ``"direct"``; ``loss``,
+            ``loss_after`` and ``grad_norm`` are then the sample's, estimates of the whole
+            problem's), or those whose rows preconditioned CG on every row (``"cg"``);
+            ``None`` where the step used no sample.
     """
 
     loss: float

@@ -281,6 +281,13 @@ class Residuals(nn.Module):
             out.append(JacobianBlock(_Rows(self, fmodel, name, scale), pts))
         return out
 
+    @property
+    def factors_follow(self) -> bool:
+        """Whether the layers' factors (:meth:`layer_factors`) have been checked against
+        ``J``'s rows and followed them, on some points: steps on every row of a problem of
+        many points take them (:mod:`torch_sgn.many_rows`)."""
+        return any(self._factors_ok.values())
+
     def layer_factors(
         self, fmodel: FunctionalModel, flat: Tensor, inputs: Sequence[Tensor]
     ) -> Optional[layer_kernel.LayerFactors]:
