@@ -18,8 +18,10 @@ from torch.func import functional_call
 from torch_sgn.pinn.operators import (
     Jet,
     Sin,
+    derivative,
     divergence,
     gradient,
+    hessian,
     jet,
     laplacian,
     time_derivative,
@@ -411,3 +413,108 @@ def test_func_method_does_not_inspect_layers():
     # method="func" differentiates whatever u computes: a ReLU's first derivatives are exact
     net = _net(nn.Sequential(nn.Linear(2, 3), nn.LeakyReLU(0.1)))
     torch.testing.assert_close(gradient(net, _X, method="func"), reference(net, _X, ()).gradient)
+
+
+# --- mixed second partials and derivatives of order 3 and 4 -----------------------------------
+
+
+def _nested(u: Callable[[Tensor], Tensor], x: Tensor, path: tuple) -> Tensor:
+    """``d^p u_i / dx_{path[0]} ... dx_{path[-1]}`` for every output ``i``, by nested
+    ``torch.autograd.grad`` (``(N, m)``)."""
+    x = x.detach().requires_grad_(True)
+    value = u(x)
+    out = []
+    for i in range(value.shape[1]):
+        g = value[:, i]
+        for k in path:
+            (full,) = torch.autograd.grad(g.sum(), x, create_graph=True, materialize_grads=True)
+            g = full[:, k]
+        out.append(g)
+    return torch.stack(out, 1)
+
+
+class Quintic(nn.Module):
+    """A user activation with derivatives to the fourth order."""
+
+    def forward(self, z: Tensor) -> Tensor:
+        return z**5 / 20
+
+    def derivatives(self, z: Tensor) -> tuple[Tensor, ...]:
+        return z**5 / 20, z**4 / 4, z**3, 3 * z**2, 6 * z
+
+
+@pytest.mark.parametrize("case, method", CASE_METHODS)
+def test_hessian_matches_nested_autograd(case, method):
+    model, x = _setup(case)
+    got = hessian(model, x, method=method)
+    d = case.d
+    want = torch.stack(
+        [torch.stack([_nested(model, x, (k, j)) for j in range(d)], -1) for k in range(d)], -2
+    )
+    assert got.shape == want.shape == (5, want.shape[1], d, d)
+    torch.testing.assert_close(got, want, **TOL)
+    assert (want - want.diagonal(dim1=2, dim2=3).diag_embed()).abs().max() > 1e-3  # mixed
+
+
+HIGHER_CASES = [
+    pytest.param(case, method, id=f"{case.name}-{method}")
+    for case in CASES
+    for method in _methods(case)
+    if case.name in ("tanh-2-16-16-1", "sigmoid-3-8-2", "sin-no-bias", "two-branches", "gelu")
+] + [
+    pytest.param(
+        Case(
+            "quintic", lambda: nn.Sequential(nn.Linear(2, 4), Quintic(), nn.Linear(4, 1)), 2, True
+        ),
+        "forward",
+        id="quintic-forward",
+    )
+]
+
+
+@pytest.mark.parametrize("order", [1, 2, 3, 4])
+@pytest.mark.parametrize("case, method", HIGHER_CASES)
+def test_derivative_along_a_coordinate_matches_nested_autograd(case, method, order):
+    model, x = _setup(case)
+    if case.name == "gelu" and method == "forward" and order > 2:  # no 3rd derivative here
+        with pytest.raises(ValueError, match="third and fourth derivatives"):
+            derivative(model, x, -1, order, method=method)
+        return
+    got = derivative(model, x, -1, order, method=method)
+    want = _nested(model, x, (case.d - 1,) * order)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert want.abs().max() > 1e-3
+
+
+def test_higher_derivatives_keep_the_layer_factors_exact():
+    """An Euler beam's residual u'''' - f through the Taylor-mode derivatives: the layers'
+    factors of J J^T (torch_sgn.pinn.layer_kernel) follow it, and SGN takes exact steps."""
+    from torch_sgn import SGN
+    from torch_sgn.pinn import Residual, Residuals
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 1))
+    net = net.double()
+    x = torch.rand(40, 1, dtype=torch.float64)
+    problem = Residuals(
+        net,
+        {
+            "beam": Residual(lambda u, x: derivative(u, x, 0, 4) + 1.0, points=x),
+            "mixed": Residual(lambda u, x: hessian(u, x)[:, :, 0, 0], points=x[:5]),
+        },
+    )
+    opt = SGN(problem, problem.loss)
+    info = opt.step(*problem.batch())
+    assert info.solver == "direct" and info.loss_after < info.loss
+    assert problem.factors_follow  # checked against J's rows, and used
+
+
+def test_derivative_and_hessian_refuse_bad_arguments():
+    model = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 1)).double()
+    x = torch.rand(4, 2, dtype=torch.float64)
+    with pytest.raises(ValueError, match="order must be"):
+        derivative(model, x, 0, 5)
+    with pytest.raises(ValueError, match="dim entries"):
+        derivative(model, x, 2, 1)
+    with pytest.raises(ValueError, match="method must be"):
+        hessian(model, x, method="nope")

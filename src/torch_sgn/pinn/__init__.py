@@ -4,12 +4,23 @@
   weighted residual blocks, each over its own points (fixed, or drawn anew at each step) or of
   the parameters alone, as a module :class:`~torch_sgn.SGN` steps on.
 * :mod:`.operators`: the differential operators residuals are written with (:func:`gradient`,
-  :func:`laplacian`, :func:`divergence`, :func:`time_derivative`, :func:`jet`), propagated
+  :func:`laplacian`, :func:`divergence`, :func:`time_derivative`, :func:`jet`, :func:`hessian`,
+  :func:`derivative`), propagated
   forward through the network's layers (the forward Laplacian), so every engine differentiates
   them as ordinary operations.
 """
 
-from .operators import Jet, Sin, divergence, gradient, jet, laplacian, time_derivative
+from .operators import (
+    Jet,
+    Sin,
+    derivative,
+    divergence,
+    gradient,
+    hessian,
+    jet,
+    laplacian,
+    time_derivative,
+)
 from .residuals import Residual, Residuals
 
 __all__ = [
@@ -17,8 +28,10 @@ __all__ = [
     "Residual",
     "Residuals",
     "Sin",
+    "derivative",
     "divergence",
     "gradient",
+    "hessian",
     "jet",
     "laplacian",
     "time_derivative",

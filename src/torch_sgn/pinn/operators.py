@@ -45,6 +45,8 @@ __all__ = [
     "laplacian",
     "divergence",
     "time_derivative",
+    "hessian",
+    "derivative",
 ]
 
 _METHODS = ("auto", "forward", "func")
@@ -218,6 +220,88 @@ def time_derivative(
     _check_points(x)
     (dim,) = _normalize_dims([dim], x.shape[1], "dim")
     return gradient(u, x, method=method)[..., dim]
+
+
+def hessian(u: Callable[[Tensor], Tensor], x: Tensor, *, method: str = "auto") -> Tensor:
+    r"""The second partial derivatives :math:`\partial^2 u_i / \partial x_k \partial x_l` at
+    ``[n, i, k, l]``, shape ``(N, m, d, d)`` (symmetric in ``k, l``).
+
+    On the forward route (see :func:`jet`) the value, the ``d`` gradient directions and the
+    ``d (d + 1) / 2`` second partials :math:`H_{kl}` (``k <= l``) go forward through the layers:
+    a linear layer maps each by ``W``, an activation maps :math:`H_{kl}` to
+    :math:`\sigma''(z) G_k G_l + \sigma'(z) H_{kl}`. The fallback is ``torch.func``'s
+    ``jacfwd(jacrev(...))`` per point. See :func:`jet` for ``u``, ``x`` and ``method``.
+    """
+    _check_points(x)
+    if method not in _METHODS:
+        raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
+    if method != "func":
+        layers = _forward_layers(u, required=method == "forward")
+        if layers is not None:
+            return _forward_hessian(layers, x)
+    value = _checked_value(u, x)
+
+    def one_point(xi: Tensor) -> Tensor:
+        return u(xi[None])[0]
+
+    hess = torch.func.vmap(torch.func.jacfwd(torch.func.jacrev(one_point)))(x)
+    return hess.reshape(value.shape[0], value.shape[1], x.shape[1], x.shape[1])
+
+
+def derivative(
+    u: Callable[[Tensor], Tensor], x: Tensor, dim: int = 0, order: int = 1, *, method: str = "auto"
+) -> Tensor:
+    r"""The derivative :math:`\partial^p u_i / \partial x_{\text{dim}}^p` of order ``p`` =
+    ``order`` (1 to 4) along one coordinate, at ``[n, i]``, shape ``(N, m)``: KdV's
+    :math:`u_{xxx}`, the Euler beam's fourth derivative.
+
+    On the forward route the derivatives :math:`z_1 \dots z_p` of each layer's output along
+    the coordinate go forward (Taylor mode): a linear layer maps each by ``W``, an activation
+    by Faa di Bruno's formula,
+
+    .. math::
+        y_1 = \sigma_1 z_1,\quad y_2 = \sigma_2 z_1^2 + \sigma_1 z_2,\quad
+        y_3 = \sigma_3 z_1^3 + 3 \sigma_2 z_1 z_2 + \sigma_1 z_3,
+
+        y_4 = \sigma_4 z_1^4 + 6 \sigma_3 z_1^2 z_2 + \sigma_2 (3 z_2^2 + 4 z_1 z_3)
+        + \sigma_1 z_4,
+
+    :math:`\sigma_j` the activation's ``j``-th derivative. Orders 3 and 4 need the third and
+    fourth: ``nn.Tanh``, ``nn.Sigmoid``, :class:`Sin`, or a module whose ``derivatives(z)``
+    returns five values :math:`(\sigma, \sigma_1, \dots, \sigma_4)`; other networks take the
+    fallback, ``torch.func.jacfwd`` nested ``order`` times per point. See :func:`jet` for
+    ``u``, ``x`` and ``method``.
+
+    Raises:
+        ValueError: ``order`` not in 1 to 4, ``dim`` out of range, or as :func:`jet` does.
+    """
+    _check_points(x)
+    (dim,) = _normalize_dims([dim], x.shape[1], "dim")
+    if order not in (1, 2, 3, 4):
+        raise ValueError(f"order must be 1, 2, 3 or 4, got {order!r}")
+    if method not in _METHODS:
+        raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
+    if method != "func":
+        layers = _forward_layers(u, required=method == "forward")
+        if layers is not None and (order <= 2 or all(_higher_of(f) for f in layers)):
+            return _forward_taylor(layers, x, dim, order)
+        if layers is not None and method == "forward":
+            raise ValueError(
+                f"method='forward' needs the third and fourth derivatives of every activation "
+                f"for order {order}: nn.Tanh, nn.Sigmoid, Sin, or derivatives(z) returning five "
+                "values; use method='auto' or 'func' for the fallback"
+            )
+    _checked_value(u, x)
+    e = torch.zeros(x.shape[1], dtype=x.dtype, device=x.device)
+    e[dim] = 1
+
+    def along(t: Tensor, xi: Tensor) -> Tensor:  # u on the line through xi along e
+        return u((xi + t * e)[None])[0]
+
+    f: Callable = along
+    for _ in range(order):
+        f = torch.func.jacfwd(f)
+    return torch.func.vmap(f, in_dims=(None, 0))(x.new_zeros(()), x)
 
 
 # --- validation -------------------------------------------------------------------------------
@@ -401,10 +485,110 @@ def _forward_laplacian(layers: list[nn.Module], x: Tensor, dims: tuple[int, ...]
     return Jet(value, grad.permute(1, 2, 0), lap)
 
 
+def _forward_hessian(layers: list[nn.Module], x: Tensor) -> Tensor:
+    n, d = x.shape
+    pairs = [(k, j) for k in range(d) for j in range(k, d)]
+    first = torch.tensor([k for k, _ in pairs], device=x.device)
+    second = torch.tensor([j for _, j in pairs], device=x.device)
+    value = x
+    grad = torch.eye(d, dtype=x.dtype, device=x.device)[:, None, :].expand(d, n, d)
+    hess = x.new_zeros(len(pairs), n, d)
+    for layer in layers:
+        if type(layer) is nn.Linear:
+            before = (value, grad, hess)
+            value = F.linear(value, layer.weight, layer.bias)
+            grad, hess = grad @ layer.weight.T, hess @ layer.weight.T
+            record(layer, before, (value, grad, hess), (True, False, False))
+            continue
+        f, d1, d2 = _derivatives_of(layer)(value)[:3]
+        hess = d2 * grad[first] * grad[second] + d1 * hess
+        value, grad = f, d1 * grad
+    out = value.new_empty(n, value.shape[1], d, d)
+    for p, (k, j) in enumerate(pairs):
+        out[:, :, k, j] = hess[p]
+        out[:, :, j, k] = hess[p]
+    return out
+
+
+def _tanh_higher(z: Tensor) -> tuple[Tensor, ...]:
+    t = torch.tanh(z)
+    d1 = 1 - t * t
+    return t, d1, -2 * t * d1, d1 * (6 * t * t - 2), 8 * t * d1 * (2 - 3 * t * t)
+
+
+def _sigmoid_higher(z: Tensor) -> tuple[Tensor, ...]:
+    s = torch.sigmoid(z)
+    d1 = s * (1 - s)
+    d2 = d1 * (1 - 2 * s)
+    return s, d1, d2, d1 * (1 - 6 * s + 6 * s * s), d2 * (1 - 12 * s + 12 * s * s)
+
+
+def _sin_higher(z: Tensor) -> tuple[Tensor, ...]:
+    s, c = torch.sin(z), torch.cos(z)
+    return s, c, -s, -c, s
+
+
+# type -> z -> (sigma, sigma_1, ..., sigma_4): the activations of derivatives of order 3 and 4.
+_HIGHER: dict[type, Callable[[Tensor], tuple]] = {
+    nn.Tanh: _tanh_higher,
+    nn.Sigmoid: _sigmoid_higher,
+    Sin: _sin_higher,
+}
+
+
+def _higher_of(layer: nn.Module) -> Optional[Callable[[Tensor], tuple]]:
+    """``z -> (sigma, sigma_1, ..., sigma_4)`` of an activation, or None where it has no
+    fourth derivative here (a linear layer: its identity)."""
+    if type(layer) is nn.Linear:
+        return lambda z: (z,)
+    rule = _HIGHER.get(type(layer))
+    if rule is not None:
+        return rule
+    own = getattr(layer, "derivatives", None)
+    if not callable(own) or type(layer) in _ACTIVATIONS:
+        return None
+    try:  # a module's own derivatives, if they go to the fourth
+        five = len(own(torch.zeros(1, dtype=torch.float64))) >= 5
+    except Exception:  # noqa: BLE001 - derivatives that take other inputs: not used here
+        return None
+    return own if five else None
+
+
+def _forward_taylor(layers: list[nn.Module], x: Tensor, dim: int, order: int) -> Tensor:
+    n = x.shape[0]
+    value = x
+    direction = x.new_zeros(n, x.shape[1])
+    direction[:, dim] = 1
+    zs = [direction] + [x.new_zeros(n, x.shape[1]) for _ in range(order - 1)]
+    for layer in layers:
+        if type(layer) is nn.Linear:
+            before = (value, *zs)
+            value = F.linear(value, layer.weight, layer.bias)
+            zs = [z @ layer.weight.T for z in zs]
+            record(layer, before, (value, *zs), (True,) + (False,) * order)
+            continue
+        s = _higher_of(layer)(value) if order > 2 else _derivatives_of(layer)(value)[:3]
+        z1 = zs[0]
+        out = [s[1] * z1]
+        if order >= 2:
+            out.append(s[2] * z1 * z1 + s[1] * zs[1])
+        if order >= 3:
+            out.append(s[3] * z1**3 + 3 * s[2] * z1 * zs[1] + s[1] * zs[2])
+        if order >= 4:
+            out.append(
+                s[4] * z1**4
+                + 6 * s[3] * z1 * z1 * zs[1]
+                + s[2] * (3 * zs[1] * zs[1] + 4 * z1 * zs[2])
+                + s[1] * zs[3]
+            )
+        value, zs = s[0], out
+    return zs[order - 1]
+
+
 # --- the torch.func fallback ------------------------------------------------------------------
 
 
-def _func_jet(u: Callable[[Tensor], Tensor], x: Tensor, dims: tuple[int, ...]) -> Jet:
+def _checked_value(u: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     value = u(x)
     if not isinstance(value, Tensor) or value.dim() != 2 or value.shape[0] != x.shape[0]:
         shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
@@ -412,6 +596,11 @@ def _func_jet(u: Callable[[Tensor], Tensor], x: Tensor, dims: tuple[int, ...]) -
             f"u must map (N, d) points to (N, m) values; for x of shape {tuple(x.shape)} it "
             f"gave {shape} (for a scalar output use keepdim=True or out[:, None])"
         )
+    return value
+
+
+def _func_jet(u: Callable[[Tensor], Tensor], x: Tensor, dims: tuple[int, ...]) -> Jet:
+    value = _checked_value(u, x)
 
     def one_point(xi: Tensor) -> Tensor:
         return u(xi[None])[0]
