@@ -289,11 +289,12 @@ def table(folder: str) -> str:
             if "curve" in row:  # a run (the folder may hold other records)
                 rows.append(row)
     out = [
-        "| problem | net (parameters) | method | budget | steps | rel. L2 error | "
+        "| problem | net (parameters) | points | method | seed | budget | steps | rel. L2 error | "
         "first <= 1e-4 / 1e-6 / 1e-8 (s) |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in sorted(rows, key=lambda r: (r["problem"], r["parameters"], r["method"])):
+    order = lambda r: (r["problem"], r["parameters"], str(r.get("points")), r["method"], r["seed"])  # noqa: E731
+    for r in sorted(rows, key=order):
         budget = f"{r['seconds']:.0f} s"
         if "stopped_at_seconds" in r:  # a run stopped by hand: its curve up to there
             budget += f", stopped at {r['stopped_at_seconds']:.0f} s"
@@ -303,9 +304,14 @@ def table(folder: str) -> str:
         for level in (1e-4, 1e-6, 1e-8):
             t = next((c[0] for c in r["curve"] if c[2] <= level), None)
             reach.append("-" if t is None else f"{t:.0f}")
+        points = r.get("points", "published")
+        if isinstance(points, list):
+            points = " + ".join(f"{p:,}" for p in points)
+            points += "" if r.get("fixed", True) else ", drawn anew"
         out.append(
-            f"| {r['problem']} | {r['net']} ({r['parameters']:,}) | {r['method']} | "
-            f"{budget} | {r['steps']} | {r['final_error']:.1e} | {' / '.join(reach)} |"
+            f"| {r['problem']} | {r['net']} ({r['parameters']:,}) | {points} | {r['method']} | "
+            f"{r['seed']} | {budget} | {r['steps']} | {r['final_error']:.1e} | "
+            f"{' / '.join(reach)} |"
         )
     return "\n".join(out)
 
