@@ -83,9 +83,8 @@ class CGDescent:
         x0: the starting iterate (a warm start), or ``None`` for zero.
         preconditioner_exponent: the diagonal preconditioner
             :math:`(\hat m^2 + \rho)^{-\text{exponent}}`, or ``None`` for none.
-        nystrom: an approximation of ``G`` whose preconditioner (``preconditioner(damping)``,
-            as :meth:`~torch_sgn.solve.nystrom.NystromApproximation.preconditioner` or
-            :meth:`~torch_sgn.solve.sampled.SampledPreconditioner.preconditioner`) CG uses at
+        nystrom: a low-rank approximation of ``G`` whose preconditioner
+            (:meth:`~torch_sgn.solve.nystrom.NystromApproximation.preconditioner`) CG uses at
             each damping, or ``None`` (not with ``preconditioner_exponent``).
     """
 
@@ -97,7 +96,7 @@ class CGDescent:
     progress_tol: float = 0.0
     x0: Optional[Tensor] = None
     preconditioner_exponent: Optional[float] = None
-    nystrom: Optional[Union[NystromApproximation, SampledPreconditioner]] = None
+    nystrom: Optional[NystromApproximation] = None
 
     def __call__(self, damping: float) -> CGResult:
         rhs, operator = self.rhs, self.operator
@@ -114,12 +113,7 @@ class CGDescent:
             damped, -rhs, max_iters=self.max_iters, tol=self.tol, rtol=self.rtol,
             progress_tol=self.progress_tol, x0=self.x0, preconditioner=precond,
         )  # fmt: skip
-        if result.breakdown:
-            logger.warning(
-                "CG stopped early (%s) after %d iterations; using its last good iterate",
-                result.reason, result.iterations,
-            )  # fmt: skip
-        return result
+        return _warned(result)
 
 
 @dataclass(frozen=True)
@@ -145,14 +139,20 @@ class SampledDescent:
                 preconditioner=precond,
             )  # fmt: skip
 
-        result = solve(-self.rhs)
+        result = _warned(solve(-self.rhs))
         if result.breakdown:
-            logger.warning(
-                "CG stopped early (%s) after %d iterations; using its last good iterate",
-                result.reason, result.iterations,
-            )  # fmt: skip
             return result
         return replace(result, again=lambda b: solve(-b).x)
+
+
+def _warned(result: CGResult) -> CGResult:
+    """``result``, with a warning where CG broke down."""
+    if result.breakdown:
+        logger.warning(
+            "CG stopped early (%s) after %d iterations; using its last good iterate",
+            result.reason, result.iterations,
+        )  # fmt: skip
+    return result
 
 
 @dataclass(frozen=True)
