@@ -572,8 +572,6 @@ class SGN(torch.optim.Optimizer):
 
     def _route(self, lin: Linearization, rhs: Tensor) -> str:
         """How this step may solve (:func:`~torch_sgn.solve.routes.choose_route`)."""
-        if lin.rows is not None and rhs is lin.grad:
-            return SAMPLED
         fm = self._fmodel
         cg_iters = self.param_groups[0]["cg_iters"]
         return choose_route(

@@ -207,8 +207,8 @@ def by_factors(
     matrix takes (:mod:`torch_sgn.solve.sampled`): the loss and ``g = J^T e`` from one forward
     and one backward pass, ``G v = J^T h J v`` from the factors (no further pass), and
     ``rows``, a weighted sample of ``J``'s rows at about ``points`` points. ``None`` where the
-    model has no factors, or
-    the loss's output-space Hessian is not a multiple ``h I`` of the identity."""
+    model has no factors, or the loss's output-space Hessian is not a multiple ``h I`` of the
+    identity."""
     of = getattr(fmodel.model, "layer_factors", None)
     factors = None if of is None else of(fmodel, flat, batch.args)
     if factors is None or factors.values is None:
@@ -245,10 +245,9 @@ def by_factors(
             points=[i.numel() for i in index],
         )
 
-    def vjp(u: Tensor) -> Tensor:
-        return factors.vjp(u)
-
-    return Linearization(loss=value, grad=grad, ggn_vp=ggn_vp, outputs=outputs, vjp=vjp, rows=rows)
+    return Linearization(
+        loss=value, grad=grad, ggn_vp=ggn_vp, outputs=outputs, vjp=factors.vjp, rows=rows
+    )
 
 
 def _identity_multiple(hessian: Callable[[Tensor], Tensor], outputs: Tensor) -> Optional[float]:

@@ -7,7 +7,7 @@ A *descent* (Optimistix's word, ``optimistix/_solver/levenberg_marquardt.py``) i
 ``damping -> result`` built once per step from the step's curvature operator and right-hand side,
 both explicit values; the step's damping attempts (:mod:`~torch_sgn.solve.step`) call it with
 one damping after another and it may keep work between the calls (a matrix formed once, factored
-at each damping). Three descents, one per *route*:
+at each damping). Four descents, one per *route*:
 
 * :class:`CGDescent` (``"cg"``): truncated conjugate gradient on ``v -> G v + rho v``;
 * :class:`MatrixDescent` (``"matrix"``): exactly, through the ``P x P`` matrix ``G``

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ..linearization import Linearization
 from . import direct
-from .descents import CG, MATRIX, SAMPLES
+from .descents import CG, MATRIX, SAMPLED, SAMPLES
 
 __all__ = ["choose_route", "fits", "matrix_fits", "samples_fit"]
 
@@ -28,7 +28,9 @@ def choose_route(
 ) -> str:
     """How this step solves: ``"cg"``, ``"matrix"`` directly through the ``P x P`` matrix ``G``,
     ``"samples"`` directly through the batch's outputs
-    (:func:`~torch_sgn.solve.direct.solve_in_sample_space`).
+    (:func:`~torch_sgn.solve.direct.solve_in_sample_space`), ``"sampled"`` by CG on every row
+    preconditioned by a sample of them, where the linearization offers that sample (a residual
+    problem too large for either matrix, :mod:`torch_sgn.many_rows`).
 
     ``solver="auto"``: the direct solver wherever its matrix has at most ``max_params`` rows,
     through the outputs where they are fewer than the parameters, and through ``G`` only where
@@ -42,6 +44,8 @@ def choose_route(
     """
     if solver == "cg":
         return CG
+    if lin.rows is not None and rhs is lin.grad:  # too many rows for either matrix
+        return SAMPLED
     if samples_fit(solver, lin, rhs, numel, device, max_params):
         return SAMPLES
     if solver == "direct":

@@ -75,9 +75,7 @@ class StepState:
         out = {}
         for key in KEYS:
             value = getattr(self, key)
-            if value is not None and not (key == "exact" and value is False):
-                if key == "stalls" and value == 0:
-                    continue
+            if value is not None and not (key in ("exact", "stalls") and not value):
                 out[key] = value
         return out
 
