@@ -22,6 +22,7 @@ from torch_sgn.pinn.operators import (
     divergence,
     gradient,
     hessian,
+    hessian_jet,
     jet,
     laplacian,
     time_derivative,
@@ -518,3 +519,30 @@ def test_derivative_and_hessian_refuse_bad_arguments():
         derivative(model, x, 2, 1)
     with pytest.raises(ValueError, match="method must be"):
         hessian(model, x, method="nope")
+
+
+@pytest.mark.parametrize("case, method", CASE_METHODS)
+def test_hessian_jet_matches_nested_autograd(case, method):
+    model, x = _setup(case)
+    got = hessian_jet(model, x, method=method)
+    d = case.d
+    torch.testing.assert_close(got.value, model(x), **TOL)
+    grads = torch.stack([_nested(model, x, (k,)) for k in range(d)], -1)
+    torch.testing.assert_close(got.gradient, grads, **TOL)
+    torch.testing.assert_close(got.hessian, hessian(model, x, method="func"), **TOL)
+
+
+def test_hessian_jet_pairs_fill_only_the_pairs_asked():
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    x = torch.rand(6, 3, dtype=torch.float64)
+    full = hessian_jet(model, x, method="func").hessian
+    some = hessian_jet(model, x, method="forward", pairs=[(2, 0), (1, 1)]).hessian
+    for k in range(3):
+        for j in range(3):
+            if {k, j} in ({0, 2}, {1}):
+                torch.testing.assert_close(some[:, :, k, j], full[:, :, k, j], **TOL)
+            else:
+                assert not some[:, :, k, j].any()
+    with pytest.raises(ValueError, match="pairs must index coordinates 0..2"):
+        hessian_jet(model, x, pairs=[(0, 3)])

@@ -5,18 +5,19 @@
   the parameters alone, as a module :class:`~torch_sgn.SGN` steps on.
 * :mod:`.operators`: the differential operators residuals are written with (:func:`gradient`,
   :func:`laplacian`, :func:`divergence`, :func:`time_derivative`, :func:`jet`, :func:`hessian`,
-  :func:`derivative`), propagated
-  forward through the network's layers (the forward Laplacian), so every engine differentiates
-  them as ordinary operations.
+  :func:`hessian_jet`, :func:`derivative`), propagated forward through the network's layers
+  (the forward Laplacian), so every engine differentiates them as ordinary operations.
 """
 
 from .operators import (
+    HessianJet,
     Jet,
     Sin,
     derivative,
     divergence,
     gradient,
     hessian,
+    hessian_jet,
     jet,
     laplacian,
     time_derivative,
@@ -24,6 +25,7 @@ from .operators import (
 from .residuals import Residual, Residuals
 
 __all__ = [
+    "HessianJet",
     "Jet",
     "Residual",
     "Residuals",
@@ -32,6 +34,7 @@ __all__ = [
     "divergence",
     "gradient",
     "hessian",
+    "hessian_jet",
     "jet",
     "laplacian",
     "time_derivative",

@@ -46,6 +46,8 @@ __all__ = [
     "divergence",
     "time_derivative",
     "hessian",
+    "hessian_jet",
+    "HessianJet",
     "derivative",
 ]
 
@@ -222,30 +224,71 @@ def time_derivative(
     return gradient(u, x, method=method)[..., dim]
 
 
-def hessian(u: Callable[[Tensor], Tensor], x: Tensor, *, method: str = "auto") -> Tensor:
-    r"""The second partial derivatives :math:`\partial^2 u_i / \partial x_k \partial x_l` at
-    ``[n, i, k, l]``, shape ``(N, m, d, d)`` (symmetric in ``k, l``).
+@dataclass(frozen=True)
+class HessianJet:
+    r"""A model's value, input gradient and all second partials at ``N`` points.
+
+    Attributes:
+        value: :math:`u(x_n)`, shape ``(N, m)``.
+        gradient: :math:`\partial u_i / \partial x_k` at ``[n, i, k]``, shape ``(N, m, d)``.
+        hessian: :math:`\partial^2 u_i / \partial x_k \partial x_l` at ``[n, i, k, l]``, shape
+            ``(N, m, d, d)`` (symmetric in ``k, l``).
+    """
+
+    value: Tensor
+    gradient: Tensor
+    hessian: Tensor
+
+
+def hessian_jet(
+    u: Callable[[Tensor], Tensor],
+    x: Tensor,
+    *,
+    method: str = "auto",
+    pairs: Optional[Sequence[tuple[int, int]]] = None,
+) -> HessianJet:
+    r"""The value, input gradient and second partials of ``u`` at ``x``, from one pass.
 
     On the forward route (see :func:`jet`) the value, the ``d`` gradient directions and the
     ``d (d + 1) / 2`` second partials :math:`H_{kl}` (``k <= l``) go forward through the layers:
     a linear layer maps each by ``W``, an activation maps :math:`H_{kl}` to
     :math:`\sigma''(z) G_k G_l + \sigma'(z) H_{kl}`. The fallback is ``torch.func``'s
     ``jacfwd(jacrev(...))`` per point. See :func:`jet` for ``u``, ``x`` and ``method``.
+
+    ``pairs``: the second partials ``(k, l)`` to propagate on the forward route (each fills
+    ``[k, l]`` and ``[l, k]``; the others hold zeros): the few a PDE uses cost less than all
+    ``d (d + 1) / 2``. ``None`` (default) for all; the fallback computes all in any case.
     """
     _check_points(x)
     if method not in _METHODS:
         raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
+    d = x.shape[1]
+    if pairs is None:
+        pairs = [(k, j) for k in range(d) for j in range(k, d)]
+    pairs = sorted({(min(k, j), max(k, j)) for k, j in pairs})
+    if any(not (0 <= k < d and 0 <= j < d) for k, j in pairs):
+        raise ValueError(f"pairs must index coordinates 0..{d - 1}, got {pairs}")
     if method != "func":
         layers = _forward_layers(u, required=method == "forward")
         if layers is not None:
-            return _forward_hessian(layers, x)
+            return _forward_hessian(layers, x, pairs)
     value = _checked_value(u, x)
 
-    def one_point(xi: Tensor) -> Tensor:
-        return u(xi[None])[0]
+    def jacobian(xi: Tensor) -> tuple[Tensor, Tensor]:
+        jac = torch.func.jacrev(lambda p: u(p[None])[0])(xi)
+        return jac, jac
 
-    hess = torch.func.vmap(torch.func.jacfwd(torch.func.jacrev(one_point)))(x)
-    return hess.reshape(value.shape[0], value.shape[1], x.shape[1], x.shape[1])
+    hess, grad = torch.func.vmap(torch.func.jacfwd(jacobian, has_aux=True))(x)
+    n, m, d = value.shape[0], value.shape[1], x.shape[1]
+    return HessianJet(value, grad.reshape(n, m, d), hess.reshape(n, m, d, d))
+
+
+def hessian(u: Callable[[Tensor], Tensor], x: Tensor, *, method: str = "auto") -> Tensor:
+    r"""The second partial derivatives :math:`\partial^2 u_i / \partial x_k \partial x_l` at
+    ``[n, i, k, l]``, shape ``(N, m, d, d)`` (symmetric in ``k, l``): :func:`hessian_jet`'s
+    ``hessian``. See :func:`jet` for ``u``, ``x`` and ``method``.
+    """
+    return hessian_jet(u, x, method=method).hessian
 
 
 def derivative(
@@ -485,11 +528,12 @@ def _forward_laplacian(layers: list[nn.Module], x: Tensor, dims: tuple[int, ...]
     return Jet(value, grad.permute(1, 2, 0), lap)
 
 
-def _forward_hessian(layers: list[nn.Module], x: Tensor) -> Tensor:
+def _forward_hessian(
+    layers: list[nn.Module], x: Tensor, pairs: Sequence[tuple[int, int]]
+) -> HessianJet:
     n, d = x.shape
-    pairs = [(k, j) for k in range(d) for j in range(k, d)]
-    first = torch.tensor([k for k, _ in pairs], device=x.device)
-    second = torch.tensor([j for _, j in pairs], device=x.device)
+    first = torch.tensor([k for k, _ in pairs], dtype=torch.long, device=x.device)
+    second = torch.tensor([j for _, j in pairs], dtype=torch.long, device=x.device)
     value = x
     grad = torch.eye(d, dtype=x.dtype, device=x.device)[:, None, :].expand(d, n, d)
     hess = x.new_zeros(len(pairs), n, d)
@@ -503,11 +547,11 @@ def _forward_hessian(layers: list[nn.Module], x: Tensor) -> Tensor:
         f, d1, d2 = _derivatives_of(layer)(value)[:3]
         hess = d2 * grad[first] * grad[second] + d1 * hess
         value, grad = f, d1 * grad
-    out = value.new_empty(n, value.shape[1], d, d)
+    out = value.new_zeros(n, value.shape[1], d, d)
     for p, (k, j) in enumerate(pairs):
         out[:, :, k, j] = hess[p]
         out[:, :, j, k] = hess[p]
-    return out
+    return HessianJet(value, grad.permute(1, 2, 0), out)
 
 
 def _tanh_higher(z: Tensor) -> tuple[Tensor, ...]:

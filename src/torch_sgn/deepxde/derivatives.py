@@ -1,0 +1,207 @@
+"""DeepXDE's ``dde.grad.jacobian`` and ``dde.grad.hessian``, answered from a forward jet.
+
+DeepXDE's PDE functions take derivatives of the network's output by nested autograd
+(``torch.autograd.grad(..., create_graph=True)``). Inside a residual block of
+:mod:`torch_sgn.deepxde.problem` they are answered instead from the network's jet at the block's
+points: its value, input gradient and the second partials the PDE asks for, pushed forward
+through the layers (:func:`torch_sgn.pinn.hessian_jet`). The residuals are then ordinary
+functions of the parameters: the layers' factors (:mod:`torch_sgn.pinn.layer_kernel`) follow
+them, and SGN's exact steps cost what they cost on a problem written with
+:mod:`torch_sgn.pinn`.
+
+* :func:`chain_of`: a DeepXDE ``FNN`` as an ``nn.Sequential`` over its own linear layers, which
+  the forward jets take;
+* :func:`network_jet`: the jet of the network (its output transform included) at points;
+* :class:`Answers`: the derivatives a PDE asks for, from one jet; :func:`answering` puts them in
+  place of ``dde.grad``'s for the length of a call.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from ..pinn.operators import HessianJet, Sin, hessian_jet, jet
+
+__all__ = ["Answers", "answering", "chain_of", "network_jet"]
+
+Pair = Tuple[int, int]
+
+
+def chain_of(net: nn.Module) -> Optional[nn.Sequential]:
+    """``net`` (a DeepXDE ``FNN`` with no feature transform and a smooth activation) as an
+    ``nn.Sequential`` of its own ``nn.Linear`` modules and activation modules; ``None`` for any
+    other network (its jets then come from ``torch.func``)."""
+    from deepxde import backend as bkd
+
+    smooth = {
+        bkd.tanh: nn.Tanh, bkd.sin: Sin, bkd.sigmoid: nn.Sigmoid, bkd.silu: nn.SiLU,
+        bkd.gelu: nn.GELU,
+    }  # fmt: skip
+    linears = getattr(net, "linears", None)
+    if (
+        type(net).__name__ != "FNN"
+        or not isinstance(linears, nn.ModuleList)
+        or getattr(net, "_input_transform", None) is not None
+    ):
+        return None
+    count = len(linears) - 1
+    acts = net.activation if isinstance(net.activation, list) else [net.activation] * count
+    if any(a not in smooth for a in acts[:count]):
+        return None
+    layers: List[nn.Module] = []
+    for linear, act in zip(linears[:-1], acts):
+        layers += [linear, smooth[act]()]
+    layers.append(linears[-1])
+    return nn.Sequential(*layers)
+
+
+def network_jet(
+    net: nn.Module, chain: Optional[nn.Sequential], x: Tensor, pairs: Sequence[Pair]
+) -> HessianJet:
+    """The value, input gradient and second partials ``pairs`` (both orders; the others are
+    not computed and hold zeros) of ``net`` at ``x``: through ``chain`` by forward propagation
+    where there is one, then through the output transform; by ``torch.func`` otherwise."""
+    if chain is None:
+        return hessian_jet(net, x, method="func")
+    base = _chain_jet(chain, x, pairs)
+    transform = getattr(net, "_output_transform", None)
+    return base if transform is None else _transformed(transform, x, base, bool(pairs))
+
+
+def _chain_jet(chain: nn.Sequential, x: Tensor, pairs: Sequence[Pair]) -> HessianJet:
+    if not pairs:
+        first = jet(chain, x, laplacian_dims=(), method="forward")
+        n, m, d = first.value.shape[0], first.value.shape[1], x.shape[1]
+        return HessianJet(first.value, first.gradient, first.value.new_zeros(n, m, d, d))
+    return hessian_jet(chain, x, method="forward", pairs=pairs)
+
+
+def _transformed(transform: Callable, x: Tensor, base: HessianJet, second: bool) -> HessianJet:
+    """The jet of ``transform(x, net(x))`` from ``net``'s: the transform applied, per point, to
+    the second-order Taylor polynomial of the network at that point, differentiated there."""
+
+    def at(xp: Tensor, x0: Tensor, n0: Tensor, g0: Tensor, h0: Tensor) -> Tensor:
+        dx = xp - x0
+        taylor = n0 + g0 @ dx
+        if second:
+            taylor = taylor + 0.5 * torch.einsum("mkl,k,l->m", h0, dx, dx)
+        return transform(xp[None], taylor[None])[0]
+
+    args = (x, x, base.value, base.gradient, base.hessian)
+    value = transform(x, base.value)
+    grad = torch.func.vmap(torch.func.jacrev(at))(*args)
+    if not second:
+        n, m, d = value.shape[0], value.shape[1], x.shape[1]
+        return HessianJet(value, grad, value.new_zeros(n, m, d, d))
+    hess = torch.func.vmap(torch.func.jacfwd(torch.func.jacrev(at)))(*args)
+    return HessianJet(value, grad, hess)
+
+
+class Answers:
+    """``dde.grad.jacobian(ys, xs, i, j)`` and ``dde.grad.hessian(ys, xs, component, i, j)``
+    for ``xs`` the block's points and ``ys`` the network's output there (or a first derivative
+    these answers returned), from the jet ``jet_at(pairs)`` (:func:`network_jet`).
+
+    The first call's jet has the second partials ``pairs`` (those a PDE asked for before:
+    :attr:`asked` after a call); one it did not take costs another jet with all of them.
+    """
+
+    def __init__(self, x: Tensor, jet_at: Callable[[Sequence[Pair]], HessianJet], pairs):
+        self.x, self._jet_at = x, jet_at
+        self._pairs = tuple(pairs)
+        self.jet = jet_at(self._pairs)
+        self._full: Optional[HessianJet] = None
+        self.asked: Set[Pair] = set()
+        self.order = 0
+        self._kinds: Dict[int, tuple] = {id(self.jet.value): ("value",)}
+        self._alive: List[Tensor] = [self.jet.value]
+
+    @property
+    def value(self) -> Tensor:
+        """The network's output at the points, ``(N, m)``: the ``ys`` of later calls."""
+        return self.jet.value
+
+    def jacobian(self, ys: Tensor, xs: Tensor, i: Optional[int] = None, j: Optional[int] = None):
+        kind = self._kind(ys, xs, "jacobian")
+        d = self.x.shape[1]
+        if i is None:
+            if ys.shape[1] > 1:
+                raise NotImplementedError(
+                    "dde.grad.jacobian(ys, xs, i=None) of a ys with several components: name "
+                    "the component i (as DeepXDE's reverse mode requires)"
+                )
+            i = 0
+        if kind[0] == "value":
+            self.order = max(self.order, 1)
+            row = self.jet.gradient[:, i, :]
+            if j is None or d == 1:
+                return self._keep(row, ("gradient", i))
+            return self._keep(row[:, j : j + 1], ("partial", i, j))
+        if kind[0] == "gradient":  # d/dx of the gradient of component c: a row of its Hessian
+            c, k = kind[1], i
+        else:  # "partial": the derivative of du_c/dx_k
+            if i != 0:
+                raise NotImplementedError("dde.grad.jacobian of a (N, 1) derivative takes i=0")
+            c, k = kind[1], kind[2]
+        if j is None or d == 1:
+            return torch.cat([self._second(c, k, col) for col in range(d)], dim=1)
+        return self._second(c, k, j)
+
+    def hessian(self, ys: Tensor, xs: Tensor, component: int = 0, i: int = 0, j: int = 0):
+        kind = self._kind(ys, xs, "hessian")
+        if kind[0] != "value":
+            raise NotImplementedError(
+                "torch_sgn.deepxde answers dde.grad.hessian of the network's output; for a "
+                "derivative's derivative use dde.grad.jacobian of it"
+            )
+        return self._second(component, i, j)
+
+    def _second(self, c: int, k: int, j: int) -> Tensor:
+        self.order = 2
+        pair = (min(k, j), max(k, j))
+        self.asked.add(pair)
+        source = self.jet
+        if pair not in self._pairs:
+            if self._full is None:
+                d = self.x.shape[1]
+                self._full = self._jet_at([(a, b) for a in range(d) for b in range(a, d)])
+            source = self._full
+        return source.hessian[:, c, k, j : j + 1]
+
+    def _kind(self, ys: Tensor, xs: Tensor, what: str) -> tuple:
+        if xs is not self.x:
+            raise NotImplementedError(
+                f"torch_sgn.deepxde answers dde.grad.{what}(ys, xs) with xs the points the PDE "
+                "or condition was called with, not a tensor derived from them"
+            )
+        kind = self._kinds.get(id(ys))
+        if kind is None:
+            raise NotImplementedError(
+                f"torch_sgn.deepxde answers dde.grad.{what}(ys, xs) for ys the network's output "
+                "(or a first derivative of it that dde.grad returned), up to second order; "
+                "this PDE differentiates another tensor. Write that term from the output's "
+                "derivatives (a product rule), or train this model with DeepXDE's optimizers"
+            )
+        return kind
+
+    def _keep(self, t: Tensor, kind: tuple) -> Tensor:
+        self._kinds[id(t)] = kind
+        self._alive.append(t)
+        return t
+
+
+@contextmanager
+def answering(answers: Answers) -> Iterator[Answers]:
+    """``dde.grad.jacobian`` and ``dde.grad.hessian`` answered by ``answers`` inside."""
+    import deepxde.gradients as grad
+
+    saved = grad.jacobian, grad.hessian
+    grad.jacobian, grad.hessian = answers.jacobian, answers.hessian
+    try:
+        yield answers
+    finally:
+        grad.jacobian, grad.hessian = saved

@@ -1,0 +1,252 @@
+"""torch_sgn.deepxde: DeepXDE models trained by SGN in DeepXDE's own loop.
+
+The references are DeepXDE's own: its loss (nested autograd through ``dde.grad``) and that
+loss's gradient, on the same points, in float64.
+"""
+
+import copy
+import os
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("DDE_BACKEND", "pytorch")
+dde = pytest.importorskip("deepxde")
+if dde.backend.backend_name != "pytorch":  # pragma: no cover - another backend chosen
+    pytest.skip("DeepXDE's PyTorch backend is not the one loaded", allow_module_level=True)
+
+import torch_sgn.deepxde  # noqa: E402
+
+PI = np.pi
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    dde.config.set_default_float("float64")
+    dde.config.set_random_seed(0)
+    yield
+    dde.config.set_default_float("float32")
+
+
+def _poisson(net=None, bcs=None, num_domain=40, num_boundary=16, **kw):
+    def pde(x, y):
+        dy_xx = dde.grad.hessian(y, x, i=0, j=0)
+        dy_yy = dde.grad.hessian(y, x, i=1, j=1)
+        return -dy_xx - dy_yy - 2 * PI**2 * torch.sin(PI * x[:, 0:1]) * torch.sin(PI * x[:, 1:2])
+
+    geom = dde.geometry.Rectangle([0, 0], [1, 1])
+    if bcs is None:
+        bcs = [dde.icbc.DirichletBC(geom, lambda x: 0, lambda _, on: on)]
+    data = dde.data.PDE(geom, pde, bcs, num_domain=num_domain, num_boundary=num_boundary, **kw)
+    net = net or dde.nn.FNN([2, 8, 8, 1], "tanh", "Glorot uniform")
+    return dde.Model(data, net)
+
+
+def _their_loss_and_grad(model, params):
+    """DeepXDE's training loss (its MSE, its nested autograd) and its gradient."""
+    for p in params:
+        p.grad = None
+    _, losses = model.outputs_losses_train(
+        model.train_state.X_train, model.train_state.y_train, model.train_state.train_aux_vars
+    )
+    total = losses.sum()
+    total.backward()
+    return float(total.detach()), torch.cat([p.grad.reshape(-1) for p in params])
+
+
+def _our_loss_and_grad(opt):
+    residuals = opt.problem.residuals
+    inputs, targets = residuals.batch()
+    params = list(residuals.parameters())
+    with torch.enable_grad():
+        loss = residuals.loss(residuals(*inputs), targets)
+        grads = torch.autograd.grad(loss, params, allow_unused=True, materialize_grads=True)
+    return float(loss.detach()), torch.cat([g.reshape(-1) for g in grads])
+
+
+def _compiled(model, **compile_kw):
+    opt = torch_sgn.deepxde.SGN(model)
+    model.compile(opt, **compile_kw)
+    model.train_state.set_data_train(*model.data.train_next_batch())
+    opt._sync()
+    return opt
+
+
+def _assert_same_loss_and_gradient(model, opt):
+    ours, our_grad = _our_loss_and_grad(opt)
+    params = list(opt.problem.residuals.parameters())
+    theirs, their_grad = _their_loss_and_grad(model, params)
+    assert theirs > 1e-6
+    assert ours == pytest.approx(theirs, rel=1e-12)
+    torch.testing.assert_close(our_grad, their_grad, rtol=1e-9, atol=1e-12)
+
+
+def test_poisson_loss_and_gradient_are_deepxdes_and_steps_converge():
+    model = _poisson()
+    opt = _compiled(model, loss_weights=[1.0, 3.0])
+    _assert_same_loss_and_gradient(model, opt)
+    losshistory, state = model.train(iterations=25, display_every=25, verbose=0)
+    assert opt.last_info.solver == "direct"
+    assert opt.problem.residuals.factors_follow  # the layers' factors follow the jets
+    assert losshistory.loss_train[-1].sum() < 1e-6 * losshistory.loss_train[0].sum()
+    x = np.random.default_rng(0).random((200, 2))
+    exact = np.sin(PI * x[:, :1]) * np.sin(PI * x[:, 1:])
+    assert dde.metrics.l2_relative_error(exact, model.predict(x)) < 1e-2
+    # a later compile and train keep working
+    model.compile("adam", lr=1e-4)
+    model.train(iterations=2, verbose=0)
+
+
+def _every_condition_model():
+    """A heat-like TimePDE on [0, 1] x [0, 1] with one condition of each kind."""
+
+    def pde(x, y):
+        u_t = dde.grad.jacobian(y, x, i=0, j=1)
+        u_x = dde.grad.jacobian(y, x, i=0, j=0)
+        u_xx = dde.grad.jacobian(u_x, x, i=0, j=0)  # a derivative's derivative
+        u_xt = dde.grad.hessian(y, x, i=0, j=1)  # a mixed partial
+        return [u_t - 0.1 * u_xx + 0.01 * u_xt, y[:, 1:2] - y[:, 0:1] ** 2]
+
+    geom = dde.geometry.Interval(0, 1)
+    time = dde.geometry.TimeDomain(0, 1)
+    domain = dde.geometry.GeometryXTime(geom, time)
+
+    def left(x, on):
+        return on and np.isclose(x[0], 0)
+
+    def right(x, on):
+        return on and np.isclose(x[0], 1)
+
+    def operator(x, y, X):
+        return dde.grad.jacobian(y, x, i=0, j=0) + y[:, 0:1] * torch.as_tensor(np.sin(X[:, 1:2]))
+
+    anchors = np.random.default_rng(1).random((6, 2))
+    bcs = [
+        dde.icbc.DirichletBC(domain, lambda x: np.sin(x[:, 1:2]), left),
+        dde.icbc.NeumannBC(domain, lambda x: x[:, 1:2], right),
+        dde.icbc.RobinBC(domain, lambda X, y: 0.5 * y[:, 0:1], right),
+        dde.icbc.PeriodicBC(domain, 0, left, derivative_order=1),
+        dde.icbc.PeriodicBC(domain, 0, left, derivative_order=0, component=1),
+        dde.icbc.OperatorBC(domain, operator, left),
+        dde.icbc.PointSetBC(anchors, np.cos(anchors[:, :1]), component=0),
+        dde.icbc.PointSetBC(anchors, np.ones((6, 2)), component=[0, 1]),
+        dde.icbc.IC(domain, lambda x: np.sin(PI * x[:, 0:1]), lambda _, on: on),
+    ]
+    data = dde.data.TimePDE(domain, pde, bcs, num_domain=30, num_boundary=12, num_initial=8)
+    return dde.Model(data, dde.nn.FNN([2, 6, 6, 2], "sin", "Glorot uniform"))
+
+
+def test_every_condition_kind_gives_deepxdes_loss_and_gradient():
+    model = _every_condition_model()
+    opt = _compiled(model, loss_weights=[1, 2, 1, 1, 1, 1, 1, 1, 1, 1, 0.5])
+    names = opt.problem.names
+    assert names[:2] == ["pde0", "pde1"] and len(names) == 11
+    _assert_same_loss_and_gradient(model, opt)
+    before = float(_our_loss_and_grad(opt)[0])
+    model.train(iterations=3, verbose=0)
+    assert opt.last_info.loss_after < before
+
+
+def test_output_transform_and_steps():
+    net = dde.nn.FNN([2, 8, 8, 1], "tanh", "Glorot uniform")
+
+    def hard(x, y):  # zero on the boundary of the unit square
+        return x[:, :1] * (1 - x[:, :1]) * x[:, 1:] * (1 - x[:, 1:]) * y
+
+    net.apply_output_transform(hard)
+    model = _poisson(net=net, bcs=[])
+    opt = _compiled(model)
+    _assert_same_loss_and_gradient(model, opt)
+    model.train(iterations=10, verbose=0)
+    assert opt.problem.residuals.factors_follow
+
+
+def test_feature_transform_takes_the_func_route():
+    net = dde.nn.FNN([4, 8, 1], "tanh", "Glorot uniform")
+    net.apply_feature_transform(lambda x: torch.cat([x, torch.sin(PI * x)], 1))
+    model = _poisson(net=net)
+    opt = _compiled(model)
+    assert opt.problem.network.chain is None
+    _assert_same_loss_and_gradient(model, opt)
+    model.train(iterations=2, verbose=0)
+
+
+def test_inverse_problem_recovers_the_variable_and_reports_it(tmp_path):
+    """-C u'' = pi^2 sin(pi x) on [0, 1], u = sin(pi x) / C_true with C_true = 2, observed at
+    points: C is found, and VariableValue reports the dde.Variable SGN changed."""
+    c = dde.Variable(1.0)
+
+    def pde(x, y):
+        return -c * dde.grad.hessian(y, x) - PI**2 * torch.sin(PI * x)
+
+    geom = dde.geometry.Interval(0, 1)
+    obs = np.linspace(0, 1, 12)[:, None]
+    bcs = [
+        dde.icbc.DirichletBC(geom, lambda x: 0, lambda _, on: on),
+        dde.icbc.PointSetBC(obs, np.sin(PI * obs) / 2),
+    ]
+    data = dde.data.PDE(geom, pde, bcs, num_domain=30, num_boundary=2)
+    model = dde.Model(data, dde.nn.FNN([1, 10, 10, 1], "tanh", "Glorot uniform"))
+    opt = torch_sgn.deepxde.SGN(model)
+    model.compile(opt, external_trainable_variables=[c])
+    values = dde.callbacks.VariableValue([c], period=1, filename=str(tmp_path / "c.txt"))
+    model.train(iterations=40, callbacks=[values], verbose=0)
+    assert c.item() == pytest.approx(2.0, rel=1e-3)
+    assert values.value[0] == pytest.approx(c.item())
+    assert len(list(opt.problem.residuals.parameters())) == len(list(model.net.parameters())) + 1
+
+
+def test_resampled_points_are_the_ones_stepped_on():
+    model = _poisson(train_distribution="pseudo")
+    opt = torch_sgn.deepxde.SGN(model)
+    model.compile(opt)
+    seen = []
+    resampler = dde.callbacks.PDEPointResampler(period=2)
+
+    class Record(dde.callbacks.Callback):
+        def on_epoch_end(self):
+            seen.append(opt.problem.residuals.batch()[0][0].clone())
+
+    model.train(iterations=5, callbacks=[resampler, Record()], verbose=0)
+    pde_points = torch.as_tensor(model.data.train_x[int(sum(model.data.num_bcs)) :])
+    assert not torch.equal(seen[0], seen[-1])
+    model.train(iterations=1, verbose=0)
+    torch.testing.assert_close(opt.problem.residuals.batch()[0][0], pde_points)
+
+
+def test_a_loss_other_than_mse_is_refused_before_any_change():
+    model = _poisson()
+    model.compile(torch_sgn.deepxde.SGN(model), loss="MAE")
+    before = [p.detach().clone() for p in model.net.parameters()]
+    with pytest.raises(ValueError, match="loss='MSE'"):
+        model.train(iterations=1, verbose=0)
+    for p, q in zip(before, model.net.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_models_it_cannot_take_are_refused_at_once():
+    geom = dde.geometry.Interval(0, 1)
+    func = dde.data.Function(geom, lambda x: x, 8, 8)
+    with pytest.raises(ValueError, match="dde.data.PDE and dde.data.TimePDE"):
+        torch_sgn.deepxde.SGN(dde.Model(func, dde.nn.FNN([1, 4, 1], "tanh", "Glorot uniform")))
+    net = dde.nn.FNN([2, 4, 1], "tanh", "Glorot uniform", regularization=["l2", 1e-3])
+    with pytest.raises(ValueError, match="no regularizer"):
+        torch_sgn.deepxde.SGN(_poisson(net=net))
+
+
+def test_state_dict_round_trip_takes_the_same_steps():
+    model = _poisson()
+    opt = _compiled(model)
+    model.train(iterations=3, verbose=0)
+    state = copy.deepcopy(opt.state_dict())
+    params = [p.detach().clone() for p in model.net.parameters()]
+    model.train(iterations=2, verbose=0)
+    after = [p.detach().clone() for p in model.net.parameters()]
+    with torch.no_grad():
+        for p, q in zip(model.net.parameters(), params):
+            p.copy_(q)
+    opt.load_state_dict(state)
+    model.train(iterations=2, verbose=0)
+    for p, q in zip(model.net.parameters(), after):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
