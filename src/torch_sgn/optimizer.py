@@ -17,6 +17,7 @@ from .engines.jacobian import per_sample, with_jacobian
 from .engines.selection import curvature_subset, engine_name, select_engine
 from .linearization import Batch, Inputs, Linearization, check_loss_parameters, weight_penalty
 from .losses import LossSpec, resolve_loss
+from .model import nested
 from .model.flat_model import FunctionalModel
 from .options import KEYS, PAPER_OPTIONS, check_arguments, check_loaded_state, check_options
 from .solve import auto, direct, geodesic, sampled
@@ -36,7 +37,7 @@ from .solve.nystrom import NystromCache
 from .solve.quadratic import QuadraticDescent
 from .solve.routes import choose_route
 from .solve.state import StepState
-from .solve.step import DampingRule, LineSearch, Outcome, Problem, damped_step
+from .solve.step import DampingRule, LineSearch, Outcome, Problem, damped_step, next_state
 from .step_call import batch_of_call, refuse_grad_scaler
 from .step_info import StepInfo, log_step, step_info
 
@@ -82,9 +83,15 @@ class SGN(torch.optim.Optimizer):
             smaller one) and ``1e-15`` for the direct solver, so that the damping never stops
             an exact fit short of the precision it can reach (``docs/SOLVERS.md``).
         cg_iters: CG iterations per step, :math:`k_{\max}` (``MAX_CG_ITERS``). Default 10, the
-            original's default and the paper's best setting on CIFAR-10.
+            original's default and the paper's best setting on CIFAR-10. With
+            ``solver="auto"``, a run that fits one batch and has no exact route takes at least
+            100, to ``cg_rtol`` 1e-3 where none is set, with the Nystrom preconditioner where
+            none is set (:func:`~torch_sgn.solve.auto.cg_settings`).
         cg_tol: CG stops early once the largest absolute residual entry is at most this
-            (``CG_TOL``). Default ``1e-6``, as the original and the paper.
+            (``CG_TOL``). Default ``None``: the original's and the paper's ``1e-6``
+            (:meth:`paper`) on float32 parameters, near the rounding of their loss's gradient;
+            off (0) on float64 ones, where a gradient that small is far from a fit's end and
+            the test would end CG at its first iteration.
         cg_rtol: CG also stops once the residual's 2-norm is at most this fraction of the
             right-hand side's, a test that, unlike ``cg_tol``, does not depend on the scale of
             the loss. Default 0 (off), as the paper.
@@ -286,7 +293,7 @@ class SGN(torch.optim.Optimizer):
         damping: float = 1e-4,
         damping_min: Optional[float] = None,
         cg_iters: int = 10,
-        cg_tol: float = 1e-6,
+        cg_tol: Optional[float] = None,
         cg_rtol: float = 0.0,
         cg_progress_tol: float = 0.0,
         attempts: int = 1,
@@ -369,6 +376,7 @@ class SGN(torch.optim.Optimizer):
         self._last_inputs = auto.BatchMemory()  # the last step's inputs (see _fits_one_batch)
         self._curvature_fraction = curvature_fraction
         self._nystrom = NystromCache()  # CG's preconditioner="nystrom"
+        self._nested_checked = False  # whether the forward was checked for nested autograd
         if solver == "direct" and not self._may_solve_through_outputs():
             # before anything of the matrix's size is allocated
             fm = self._fmodel
@@ -517,10 +525,11 @@ class SGN(torch.optim.Optimizer):
             sample = lin.rows(state.step) if phase.route == SAMPLED and lin.rows else None
             # Solve with damping attempts, then the line search (nothing written).
             problem = Problem(lin.grad, rhs, loss0, self._trial_loss(lin, theta, batch))
-            run = self._solve(phase.route, lin, problem, work, theta, batch, trainable, sample)
+            run = self._solve(phase, lin, problem, work, theta, batch, trainable, sample)
             candidate, evals = None, run.evals
             if phase.probe is not None:  # the exact step too, judged on the next batch
-                exact = self._solve(phase.probe, lin, problem, work, theta, batch, trainable)
+                probe = auto.Phase(phase.probe)
+                exact = self._solve(probe, lin, problem, work, theta, batch, trainable)
                 evals += exact.evals
                 if exact.moved:
                     candidate = theta + exact.trial.displacement(exact.step_factor)
@@ -531,7 +540,10 @@ class SGN(torch.optim.Optimizer):
         self._fmodel.write_buffers(buffers)
         if self.param_groups[0]["keep_grad"]:
             self._fmodel.write_grad(lin.grad)
-        after = self._next_state(state, run, route, phase, loss0, candidate, momentum_buffer)
+        after = next_state(
+            self.param_groups[0], self._solver, state, run, route, phase, loss0, candidate,
+            momentum_buffer,
+        )  # fmt: skip
         if stage is not None:
             after = many_rows.next_state(after, stage, loss0, self._fmodel.model, inputs, most)
         after.write(stored)
@@ -589,7 +601,7 @@ class SGN(torch.optim.Optimizer):
 
     def _solve(
         self,
-        route: str,
+        phase: auto.Phase,
         lin: Linearization,
         problem: Problem,
         state: StepState,
@@ -598,9 +610,12 @@ class SGN(torch.optim.Optimizer):
         trainable: Optional[Tensor],
         sample: Optional[sampled.RowSample] = None,
     ) -> Outcome:
-        """The step by one route: its descent's damping attempts and the line search."""
-        group = self.param_groups[0]
-        descent = self._descent(lin, problem.rhs, state, route, sample)
+        """The step by ``phase``'s route: its descent's damping attempts and the line search."""
+        group, route = self.param_groups[0], phase.route
+        if phase.one_batch and not self._nested_checked:  # once: a forward of nested autograd?
+            self._nested_checked = True
+            nested.warn_if_nested(self._fmodel, theta, batch.inputs)
+        descent = self._descent(lin, problem.rhs, state, route, sample, phase.one_batch)
         if route == CG and group["step_rule"] == "quadratic":
             descent = QuadraticDescent(descent, lin.ggn_vp, lin.grad, problem.rhs, state.prev_step)
         accelerate = self._accelerator(lin, batch, theta, route, trainable)
@@ -614,6 +629,7 @@ class SGN(torch.optim.Optimizer):
         state: StepState,
         route: str,
         sample: Optional[sampled.RowSample] = None,
+        one_batch: bool = False,
     ) -> Descent:
         r"""``damping -> solution`` of :math:`(G + \rho I) d = -\hat m` for this step's
         linearization by ``route``: the step's attempts share it and differ only in the
@@ -627,21 +643,19 @@ class SGN(torch.optim.Optimizer):
         if route == MATRIX:
             return MatrixDescent(lin.ggn_matrix, rhs)
         group = self.param_groups[0]
-        iters = group["cg_iters"]
-        if group["warmup_cg_iters"] is not None and state.step < group["warmup_steps"]:
-            iters = group["warmup_cg_iters"]
+        cg = auto.cg_settings(group, state.step, one_batch, rhs.dtype)
         x0 = None
         if group["warm_start"] > 0 and state.prev_direction is not None:
             x0 = group["warm_start"] * state.prev_direction
-        kind = group["preconditioner"]
+        kind = cg.preconditioner
         exponent = group["preconditioner_exponent"] if kind in (True, "diagonal") else None
         approx = None
         if kind == "nystrom":
             rank, every = group["preconditioner_rank"], group["preconditioner_every"]
             approx = self._nystrom.at(lin.ggn_vp, rhs, state.step, rank, every)
         return CGDescent(
-            lin.ggn_vp, rhs, iters, group["cg_tol"], group["cg_rtol"], group["cg_progress_tol"],
-            x0, exponent, approx,
+            lin.ggn_vp, rhs, cg.iters, cg.tol, cg.rtol, group["cg_progress_tol"], x0, exponent,
+            approx,
         )  # fmt: skip
 
     def _accelerator(
@@ -684,36 +698,6 @@ class SGN(torch.optim.Optimizer):
             return value
 
         return loss_at
-
-    def _next_state(
-        self,
-        state: StepState,
-        run: Outcome,
-        route: str,
-        phase: auto.Phase,
-        loss0: float,
-        candidate: Optional[Tensor],
-        momentum_buffer: Optional[Tensor],
-    ) -> StepState:
-        """The state the next step starts from."""
-        group = self.param_groups[0]
-        t = state.step
-        after = replace(state, step=t + 1, damping=run.next_damping)
-        if self._solver == "auto" and route != CG:
-            after, switched = auto.advance(after, t, phase, loss0, candidate)
-            if switched is not None:
-                logger.info("step %d: solver='auto' switches to exact steps (%s)", t, switched)
-        if group["damping_update"] == "nielsen":
-            after = replace(after, damping_growth=run.growth)
-        if momentum_buffer is not None:
-            after = replace(after, momentum_buffer=momentum_buffer)
-        if group["warm_start"] > 0:
-            after = replace(after, prev_direction=run.trial.result.x)
-        if group["step_rule"] == "quadratic":
-            moved = run.moved and not isinstance(run.trial.result, DirectResult)
-            update = run.trial.displacement(run.step_factor) if moved else None
-            after = replace(after, prev_step=update)
-        return after
 
     # --- helpers -----------------------------------------------------------------------------
     def _step_engine(self, t: int):

@@ -115,7 +115,7 @@ def check_options(group: Mapping, in_step: bool = False) -> None:
         "must be None (the solver's floor) or in [0, damping]",
     )
     need(lambda v: _is_int(v) and v >= 1, "cg_iters", "must be an int >= 1")
-    need(lambda v: _finite(v) and v >= 0, "cg_tol", "must be >= 0 and finite")
+    need(lambda v: v is None or (_finite(v) and v >= 0), "cg_tol", "must be None or >= 0, finite")
     need(lambda v: _finite(v) and 0 <= v < 1, "cg_rtol", "must be in [0, 1)")
     need(lambda v: _finite(v) and 0 <= v < 1, "cg_progress_tol", "must be in [0, 1)")
     need(lambda v: _is_int(v) and v >= 1, "attempts", "must be an int >= 1")

@@ -18,6 +18,13 @@ takes exact steps at once):
 - **stall**: the mean batch loss of the last :data:`WINDOW` steps falls by less than the share
   :data:`STALL` below that of the :data:`WINDOW` steps before (CG's plateau).
 
+A run that fits one batch where no exact route exists (a model whose Jacobian no engine forms
+cheaply: a physics-informed network that differentiates itself by ``torch.autograd.grad`` in its
+``forward``) keeps CG, but CG solved further (:func:`cg_settings`): at least
+:data:`ONE_BATCH_CG_ITERS` iterations, to the relative residual :data:`ONE_BATCH_CG_RTOL`, with
+the Nystrom preconditioner. Ten iterations on a fixed batch leave most of each step's progress
+unmade (``benchmarks/pinn_autograd.py``).
+
 The state lives in the optimizer's :class:`~torch_sgn.solve.state.StepState` (its fields
 :data:`KEYS`), saved with the optimizer's state dict, so a resumed run takes the same steps. A
 data-parallel group decides alike on every rank: the losses compared are reduced.
@@ -27,15 +34,17 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
+import torch
 from torch import Tensor
 
 from .descents import CG
 from .state import StepState
 
 __all__ = [
-    "KEYS", "MARGIN", "PROBE_EVERY", "STALL", "WINDOW", "BatchMemory", "Phase", "advance", "plan",
+    "CG_TOL", "KEYS", "MARGIN", "ONE_BATCH_CG_ITERS", "ONE_BATCH_CG_RTOL", "PROBE_EVERY", "STALL",
+    "WINDOW", "BatchMemory", "CGSettings", "Phase", "advance", "cg_settings", "plan",
 ]  # fmt: skip
 
 #: Steps from one probe to the next (the first step probes).
@@ -46,6 +55,14 @@ MARGIN = 0.01
 WINDOW = 20
 #: The relative fall of the windows' mean loss above which it is not a stall.
 STALL = 0.1
+
+#: CG's iterations at least, and its relative residual, on a run of one batch without an exact
+#: route (:func:`cg_settings`).
+ONE_BATCH_CG_ITERS = 100
+ONE_BATCH_CG_RTOL = 1e-3
+#: CG's absolute tolerance where ``cg_tol=None`` (the default) on float32 parameters: the
+#: original's and the paper's ``CG_TOL``, near the rounding of a float32 loss's gradient.
+CG_TOL = 1e-6
 
 #: The fields of :class:`~torch_sgn.solve.state.StepState` this module keeps: ``"exact"``
 #: (switched), ``"next_probe"`` (the step of the next probe), ``"candidate"`` (the last probe's
@@ -60,12 +77,48 @@ class Phase:
     ``route``: the route it takes (:data:`~torch_sgn.solve.descents.ROUTES`); ``probe``: the exact
     route solved besides, whose point is the next step's candidate (``None``: no probe);
     ``verdict``: whether the last probe's candidate won on this step's batch (``None``: none was
-    judged).
+    judged); ``one_batch``: a CG step of a run that fits one batch (:func:`cg_settings`).
     """
 
     route: str
     probe: Optional[str] = None
     verdict: Optional[bool] = None
+    one_batch: bool = False
+
+
+@dataclass(frozen=True)
+class CGSettings:
+    """A CG step's iterations, absolute and relative tolerances and preconditioner (the values
+    of ``SGN``'s ``cg_iters``, ``cg_tol``, ``cg_rtol`` and ``preconditioner``)."""
+
+    iters: int
+    tol: float
+    rtol: float
+    preconditioner: object
+
+
+def cg_settings(group: Mapping, step: int, one_batch: bool, dtype: torch.dtype) -> CGSettings:
+    """The settings of a CG step ``step`` from SGN's options ``group``: ``warmup_cg_iters``
+    during the first ``warmup_steps``; ``cg_tol=None``: :data:`CG_TOL` for parameters of
+    ``dtype`` float32 or narrower, off (0) for float64; on a run of one batch without an exact route
+    (``solver="auto"``, :attr:`Phase.one_batch`) at least :data:`ONE_BATCH_CG_ITERS` iterations,
+    the relative tolerance :data:`ONE_BATCH_CG_RTOL` where none is set, and the Nystrom
+    preconditioner where none is set."""
+    iters = group["cg_iters"]
+    if group["warmup_cg_iters"] is not None and step < group["warmup_steps"]:
+        iters = group["warmup_cg_iters"]
+    tol = group["cg_tol"]
+    if tol is None:
+        tol = CG_TOL if torch.finfo(dtype).bits <= 32 else 0.0
+    settings = CGSettings(iters, tol, group["cg_rtol"], group["preconditioner"])
+    if not one_batch:
+        return settings
+    return CGSettings(
+        max(iters, ONE_BATCH_CG_ITERS),
+        settings.tol,
+        settings.rtol or ONE_BATCH_CG_RTOL,
+        settings.preconditioner or "nystrom",
+    )
 
 
 def exact_wins(exact_loss: float, cg_loss: float) -> bool:
@@ -95,7 +148,7 @@ def plan(
     at a point (the candidate's); ``one_batch``: the run fits one batch (a full-batch fit, a
     least-squares problem), where no noise argues for CG: exact steps at once."""
     if route == CG or state.exact or one_batch:
-        return Phase(route)
+        return Phase(route, one_batch=one_batch and route == CG)
     if state.candidate is not None:
         verdict = exact_wins(loss_at(state.candidate), loss0)
         return Phase(route if verdict else CG, verdict=verdict)

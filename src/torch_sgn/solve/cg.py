@@ -146,6 +146,8 @@ def conjugate_gradient(
     for k in range(max_iters):
         if not _finite(rz):
             return CGResult(x, r, k, "non_finite")
+        if rz == 0.0:  # the residual vanished to rounding (with cg_tol=0 no test caught it)
+            return CGResult(x, r, k, "converged")
         ap = matvec(p)
         curvature = torch.dot(p, ap).item()  # host sync: the tests below decide the control flow
         if not _finite(curvature):

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Optional, Union
 
 import torch
 from torch import Tensor
 
-from . import geodesic
+from . import auto, geodesic
 from .damping import (
     CG_DAMPING_MIN,
     DAMPING_MAX,
@@ -43,7 +43,8 @@ from .damping import (
     scheduled_damping,
     trust_region_update,
 )
-from .descents import Descent, Result
+from .descents import CG, Descent, Result
+from .direct import DirectResult
 from .line_search import LineSearchResult, backtracking
 from .state import StepState
 
@@ -57,6 +58,7 @@ __all__ = [
     "UPHILL_RESOLVES",
     "damped_step",
     "damping_floor",
+    "next_state",
     "rounding",
 ]
 
@@ -438,3 +440,36 @@ def _line_search(
         )  # fmt: skip
         return found, evals + found.evaluations
     return found, evals + trial.evals
+
+
+def next_state(
+    group: Mapping,
+    solver: str,
+    state: StepState,
+    run: Outcome,
+    route: str,
+    phase: auto.Phase,
+    loss0: float,
+    candidate: Optional[Tensor],
+    momentum_buffer: Optional[Tensor],
+) -> StepState:
+    """The state the next step starts from, after step ``state.step`` took ``run`` by
+    ``route`` (``phase`` and ``candidate``: ``solver="auto"``'s plan and probe point), with SGN's
+    options ``group``."""
+    t = state.step
+    after = replace(state, step=t + 1, damping=run.next_damping)
+    if solver == "auto" and route != CG:
+        after, switched = auto.advance(after, t, phase, loss0, candidate)
+        if switched is not None:
+            logger.info("step %d: solver='auto' switches to exact steps (%s)", t, switched)
+    if group["damping_update"] == "nielsen":
+        after = replace(after, damping_growth=run.growth)
+    if momentum_buffer is not None:
+        after = replace(after, momentum_buffer=momentum_buffer)
+    if group["warm_start"] > 0:
+        after = replace(after, prev_direction=run.trial.result.x)
+    if group["step_rule"] == "quadratic":
+        moved = run.moved and not isinstance(run.trial.result, DirectResult)
+        update = run.trial.displacement(run.step_factor) if moved else None
+        after = replace(after, prev_step=update)
+    return after
