@@ -12,12 +12,12 @@ from torch import Tensor, nn
 
 from . import many_rows
 from .checks import check_batch, finite_loss
+from .diagnostics import warn
 from .distributed import ProcessGroup, SingleProcess, communicator
 from .engines.jacobian import per_sample, with_jacobian
 from .engines.selection import curvature_subset, engine_name, select_engine
 from .linearization import Batch, Inputs, Linearization, check_loss_parameters, weight_penalty
 from .losses import LossSpec, resolve_loss
-from .model import nested
 from .model.flat_model import FunctionalModel
 from .options import KEYS, PAPER_OPTIONS, check_arguments, check_loaded_state, check_options
 from .solve import auto, direct, geodesic, sampled
@@ -376,7 +376,7 @@ class SGN(torch.optim.Optimizer):
         self._last_inputs = auto.BatchMemory()  # the last step's inputs (see _fits_one_batch)
         self._curvature_fraction = curvature_fraction
         self._nystrom = NystromCache()  # CG's preconditioner="nystrom"
-        self._nested_checked = False  # whether the forward was checked for nested autograd
+        self._nested_warned = False  # the notice of auto.NESTED_NOTICE given
         if solver == "direct" and not self._may_solve_through_outputs():
             # before anything of the matrix's size is allocated
             fm = self._fmodel
@@ -597,7 +597,8 @@ class SGN(torch.optim.Optimizer):
         if self._solver != "auto":
             return auto.Phase(route)
         at = lambda point: self._loss_at(lin, point, batch)  # noqa: E731
-        return auto.plan(state, state.step, route, loss0, at, self._fits_one_batch(batch))
+        one_batch, nested = self._fits_one_batch(batch), self._fmodel.calls_autograd
+        return auto.plan(state, state.step, route, loss0, at, one_batch, nested)
 
     def _solve(
         self,
@@ -612,9 +613,9 @@ class SGN(torch.optim.Optimizer):
     ) -> Outcome:
         """The step by ``phase``'s route: its descent's damping attempts and the line search."""
         group, route = self.param_groups[0], phase.route
-        if phase.one_batch and not self._nested_checked:  # once: a forward of nested autograd?
-            self._nested_checked = True
-            nested.warn_if_nested(self._fmodel, theta, batch.inputs)
+        if phase.one_batch and not self._nested_warned:
+            self._nested_warned = True
+            warn(auto.NESTED_NOTICE)
         descent = self._descent(lin, problem.rhs, state, route, sample, phase.one_batch)
         if route == CG and group["step_rule"] == "quadratic":
             descent = QuadraticDescent(descent, lin.ggn_vp, lin.grad, problem.rhs, state.prev_step)

@@ -18,12 +18,14 @@ takes exact steps at once):
 - **stall**: the mean batch loss of the last :data:`WINDOW` steps falls by less than the share
   :data:`STALL` below that of the :data:`WINDOW` steps before (CG's plateau).
 
-A run that fits one batch where no exact route exists (a model whose Jacobian no engine forms
-cheaply: a physics-informed network that differentiates itself by ``torch.autograd.grad`` in its
-``forward``) keeps CG, but CG solved further (:func:`cg_settings`): at least
+A run that fits one batch with a model whose ``forward`` differentiates its own output by
+``torch.autograd.grad`` (a physics-informed network written the usual way), where no engine forms
+the Jacobian cheaply, keeps CG, but CG solved further (:func:`cg_settings`): at least
 :data:`ONE_BATCH_CG_ITERS` iterations, to the relative residual :data:`ONE_BATCH_CG_RTOL`, with
-the Nystrom preconditioner. Ten iterations on a fixed batch leave most of each step's progress
-unmade (``benchmarks/pinn_autograd.py``).
+the Nystrom preconditioner on float64 parameters. Ten iterations on a fixed batch leave most of
+each step's progress unmade (``benchmarks/pinn_autograd.py``); SGN says once
+(:data:`NESTED_NOTICE`) that the same problem written with :mod:`torch_sgn.pinn` takes exact
+steps.
 
 The state lives in the optimizer's :class:`~torch_sgn.solve.state.StepState` (its fields
 :data:`KEYS`), saved with the optimizer's state dict, so a resumed run takes the same steps. A
@@ -43,8 +45,9 @@ from .descents import CG
 from .state import StepState
 
 __all__ = [
-    "CG_TOL", "KEYS", "MARGIN", "ONE_BATCH_CG_ITERS", "ONE_BATCH_CG_RTOL", "PROBE_EVERY", "STALL",
-    "WINDOW", "BatchMemory", "CGSettings", "Phase", "advance", "cg_settings", "plan",
+    "CG_TOL", "KEYS", "MARGIN", "NESTED_NOTICE", "ONE_BATCH_CG_ITERS", "ONE_BATCH_CG_RTOL",
+    "PROBE_EVERY", "STALL", "WINDOW", "BatchMemory", "CGSettings", "Phase", "advance",
+    "cg_settings", "plan",
 ]  # fmt: skip
 
 #: Steps from one probe to the next (the first step probes).
@@ -60,6 +63,14 @@ STALL = 0.1
 #: route (:func:`cg_settings`).
 ONE_BATCH_CG_ITERS = 100
 ONE_BATCH_CG_RTOL = 1e-3
+#: What SGN says once where it takes such CG steps (figures from ``benchmarks/pinn_autograd.py``'s
+#: record, quoted in ``docs/PINN.md``).
+NESTED_NOTICE = (
+    "this model's forward differentiates its output by torch.autograd.grad: SGN steps by "
+    "preconditioned conjugate gradient through the nested graph. Written with torch_sgn.pinn "
+    "(Residuals and its operators: laplacian, gradient, hessian, derivative), the same problem "
+    "takes exact Gauss-Newton steps: STEPS, ERROR (docs/PINN.md#autograd-in-forward)"
+)
 #: CG's absolute tolerance where ``cg_tol=None`` (the default) on float32 parameters: the
 #: original's and the paper's ``CG_TOL``, near the rounding of a float32 loss's gradient.
 CG_TOL = 1e-6
@@ -77,7 +88,8 @@ class Phase:
     ``route``: the route it takes (:data:`~torch_sgn.solve.descents.ROUTES`); ``probe``: the exact
     route solved besides, whose point is the next step's candidate (``None``: no probe);
     ``verdict``: whether the last probe's candidate won on this step's batch (``None``: none was
-    judged); ``one_batch``: a CG step of a run that fits one batch (:func:`cg_settings`).
+    judged); ``one_batch``: a CG step of a run that fits one batch with a forward that
+    differentiates itself (:func:`cg_settings`).
     """
 
     route: str
@@ -117,7 +129,7 @@ def cg_settings(group: Mapping, step: int, one_batch: bool, dtype: torch.dtype) 
         max(iters, ONE_BATCH_CG_ITERS),
         settings.tol,
         settings.rtol or ONE_BATCH_CG_RTOL,
-        settings.preconditioner or "nystrom",
+        settings.preconditioner or ("nystrom" if dtype == torch.float64 else False),
     )
 
 
@@ -142,13 +154,15 @@ def plan(
     loss0: float,
     loss_at: Callable[[Tensor], float],
     one_batch: bool = False,
+    nested: bool = False,
 ) -> Phase:
     """The phase of step ``t``. ``route``: the exact route the step could take (``"cg"`` where
     only CG can run); ``loss0``: the batch loss at the current point; ``loss_at``: the batch loss
     at a point (the candidate's); ``one_batch``: the run fits one batch (a full-batch fit, a
-    least-squares problem), where no noise argues for CG: exact steps at once."""
+    least-squares problem), where no noise argues for CG: exact steps at once; ``nested``: the
+    model's forward differentiates itself (CG steps of one batch then solve further)."""
     if route == CG or state.exact or one_batch:
-        return Phase(route, one_batch=one_batch and route == CG)
+        return Phase(route, one_batch=one_batch and nested and route == CG)
     if state.candidate is not None:
         verdict = exact_wins(loss_at(state.candidate), loss0)
         return Phase(route if verdict else CG, verdict=verdict)
