@@ -250,3 +250,21 @@ def test_state_dict_round_trip_takes_the_same_steps():
     model.train(iterations=2, verbose=0)
     for p, q in zip(model.net.parameters(), after):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_save_restore_and_saveplot_work_as_with_deepxdes_optimizers(tmp_path):
+    model = _poisson()
+    opt = torch_sgn.deepxde.SGN(model)
+    model.compile(opt)
+    losshistory, train_state = model.train(iterations=3, verbose=0)
+    path = model.save(str(tmp_path / "model"), verbose=0)
+    saved = [p.detach().clone() for p in model.net.parameters()]
+    model.train(iterations=2, verbose=0)
+    model.restore(path, verbose=0)
+    for p, q in zip(model.net.parameters(), saved):
+        assert torch.equal(p, q)
+    assert opt.state_dict()["state"] == torch.load(path, weights_only=False)[
+        "optimizer_state_dict"
+    ]["state"]
+    dde.saveplot(losshistory, train_state, issave=True, isplot=False, output_dir=str(tmp_path))
+    assert (tmp_path / "loss.dat").exists()

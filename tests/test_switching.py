@@ -163,3 +163,62 @@ def test_explicit_solvers_never_switch(solver):
     opt = SGN(model, "mse", solver=solver, cg_iters=1)
     assert {opt.step(x, y).solver for x, y in data[:12]} == {solver}
     assert not set(switching.KEYS) & set(opt.state[next(model.parameters())])
+
+
+def test_cg_settings_of_a_one_batch_run_whose_forward_differentiates_itself():
+    group = dict(
+        cg_iters=10, cg_tol=None, cg_rtol=0.0, preconditioner=False, warmup_cg_iters=None,
+        warmup_steps=10,
+    )  # fmt: skip
+    plain32 = switching.cg_settings(group, 5, False, torch.float32)
+    plain64 = switching.cg_settings(group, 5, False, torch.float64)
+    assert (plain32.iters, plain32.tol, plain32.rtol, plain32.preconditioner) == (
+        10, switching.CG_TOL, 0.0, False,
+    )  # fmt: skip
+    assert plain64.tol == 0.0  # a float64 fit is not cut at a gradient of 1e-6
+    nested64 = switching.cg_settings(group, 5, True, torch.float64)
+    assert nested64.iters == switching.ONE_BATCH_CG_ITERS
+    assert nested64.rtol == switching.ONE_BATCH_CG_RTOL and nested64.preconditioner == "nystrom"
+    assert switching.cg_settings(group, 5, True, torch.float32).preconditioner is False
+    mine = switching.cg_settings(
+        {**group, "cg_iters": 300, "cg_rtol": 1e-6, "preconditioner": "diagonal"}, 5, True,
+        torch.float64,
+    )  # fmt: skip
+    assert (mine.iters, mine.rtol, mine.preconditioner) == (300, 1e-6, "diagonal")
+    assert switching.cg_settings({**group, "cg_tol": 1e-3}, 5, False, torch.float64).tol == 1e-3
+
+
+class _AutogradResiduals(nn.Module):
+    """u'' + u = 0 residuals on [0, 1], u(0) = 0, u'(0) = 1, u'' by nested autograd."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(1, 12), nn.Tanh(), nn.Linear(12, 1)).double()
+
+    def forward(self, x):
+        x = x.requires_grad_(True) if not x.requires_grad else x
+        u = self.net(x)
+        (du,) = torch.autograd.grad(u.sum(), x, create_graph=True)
+        (ddu,) = torch.autograd.grad(du.sum(), x, create_graph=True)
+        return torch.cat([(ddu + u)[1:, 0], u[:1, 0], du[:1, 0] - 1])
+
+
+def test_a_forward_that_differentiates_itself_gets_cg_solved_further_and_one_notice():
+    torch.manual_seed(0)
+    model = _AutogradResiduals()
+    x = torch.linspace(0, 1, 30, dtype=torch.float64)[:, None]
+    zeros = torch.zeros(31, dtype=torch.float64)
+    opt = SGN(model, "mse")
+    with pytest.warns(UserWarning, match="torch_sgn.pinn") as caught:
+        infos = [opt.step(x, zeros) for _ in range(30)]
+    assert sum("torch_sgn.pinn" in str(w.message) for w in caught) == 1
+    assert infos[0].iterations <= 10  # a first step is not yet known to repeat its batch
+    assert max(i.iterations for i in infos[1:]) > 10
+    assert all(i.solver == "cg" for i in infos)
+    assert infos[-1].loss < 1e-6 * infos[0].loss
+    # the paper's CG settings on the same problem: its absolute cg_tol ends CG at 0 iterations
+    # once the gradient is small, short of where the default steps go
+    torch.manual_seed(0)
+    paper = SGN(_AutogradResiduals(), "mse", solver="cg", cg_tol=1e-6)
+    last = [paper.step(x, zeros) for _ in range(30)][-1]
+    assert last.iterations == 0 and last.loss > 5 * infos[-1].loss
