@@ -13,8 +13,11 @@ and points of DeepXDE's Poisson examples: FNN [2] + [50] * 4 + [1], tanh, Glorot
 * ``--task train``: each method in a process of its own for ``--budget`` CPU seconds in
   DeepXDE's ``model.train``: ``sgn`` (``torch_sgn.deepxde.SGN``, defaults), ``adam`` (lr 1e-3),
   ``adam+lbfgs`` (DeepXDE's examples' recipe: Adam lr 1e-3 for ``--adam-iterations``, then
-  DeepXDE's L-BFGS), ``lbfgs``. The relative L2 error on 2,000 random points is recorded along
-  the way (its evaluation is not counted). One JSON per method and seed in ``--out``; a finished
+  DeepXDE's L-BFGS; ``adam<N>+lbfgs`` for ``N`` Adam iterations), ``lbfgs``, ``lbfgs+nncg``
+  (DeepXDE's L-BFGS for half the budget, then its NNCG with its default options). The
+  budget is checked after each of DeepXDE's iterations: one that overruns it (an NNCG
+  iteration) counts whole. The relative L2 error on 2,000 random points is recorded along the
+  way (its evaluation is not counted). One JSON per method and seed in ``--out``; a finished
   one is not run again.
 
     python benchmarks/deepxde_pinn.py --task cost --out benchmarks/results/<date>_cpu_deepxde
@@ -169,20 +172,27 @@ def train(method: str, seed: int, args) -> Dict[str, object]:
         model.compile("adam", lr=1e-3)
         model.train(iterations=big, callbacks=[Budget()], display_every=big, verbose=0)
     else:
-        if method == "adam+lbfgs":
+        if method.startswith("adam") and method.endswith("+lbfgs"):
+            adam = int(method[4:-6] or args.adam_iterations)
             model.compile("adam", lr=1e-3)
-            model.train(
-                iterations=args.adam_iterations,
-                callbacks=[Budget()],
-                display_every=big,
-                verbose=0,
-            )
+            model.train(iterations=adam, callbacks=[Budget()], display_every=big, verbose=0)
         if clock["used"] < args.budget:
+            lbfgs_budget = args.budget / 2 if method == "lbfgs+nncg" else args.budget
             dde.optimizers.set_LBFGS_options(maxiter=big)
             dde.optimizers.config.LBFGS_options["iter_per_step"] = 10
+
+            class Half(dde.callbacks.Callback):
+                def on_epoch_end(self):
+                    if clock["used"] >= lbfgs_budget:
+                        model.stop_training = True
+
             model.compile("L-BFGS")
             clock["since"] = time.process_time()
-            model.train(callbacks=[Budget()], display_every=big, verbose=0)
+            model.train(callbacks=[Budget(), Half()], display_every=big, verbose=0)
+        if method == "lbfgs+nncg" and clock["used"] < args.budget:
+            model.compile("NNCG")
+            clock["since"] = time.process_time()
+            model.train(iterations=big, callbacks=[Budget()], display_every=big, verbose=0)
     return {
         "task": "train",
         "method": method,
