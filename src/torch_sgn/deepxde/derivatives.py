@@ -103,20 +103,29 @@ def _transformed(transform: Callable, x: Tensor, base: HessianJet, second: bool)
 
 class Answers:
     """``dde.grad.jacobian(ys, xs, i, j)`` and ``dde.grad.hessian(ys, xs, component, i, j)``
-    for ``xs`` the block's points and ``ys`` the network's output there (or a first derivative
-    these answers returned), from the jet ``jet_at(pairs)`` (:func:`network_jet`).
+    for ``xs`` the block's points and ``ys`` the network's output there, or a derivative these
+    answers returned (a PDE that differentiates ``u_x`` again, the Euler beam's hessian of a
+    hessian), from the jet ``jet_at(pairs)`` (:func:`network_jet`) and, past the second order,
+    ``higher_at(dim, order)`` (derivatives of order 3 and 4 along one coordinate).
 
-    The first call's jet has the second partials ``pairs`` (those a PDE asked for before:
-    :attr:`asked` after a call); one it did not take costs another jet with all of them.
+    The first call's jet has the second partials ``pairs`` (those the function asked for
+    before: :attr:`asked` after a call); one it did not take costs another jet with all of them.
     """
 
-    def __init__(self, x: Tensor, jet_at: Callable[[Sequence[Pair]], HessianJet], pairs):
-        self.x, self._jet_at = x, jet_at
+    def __init__(
+        self,
+        x: Tensor,
+        jet_at: Callable[[Sequence[Pair]], HessianJet],
+        pairs: Sequence[Pair],
+        higher_at: Optional[Callable[[int, int], Tensor]] = None,
+    ):
+        self.x, self._jet_at, self._higher_at = x, jet_at, higher_at
         self._pairs = tuple(pairs)
         self.jet = jet_at(self._pairs)
         self._full: Optional[HessianJet] = None
         self.asked: Set[Pair] = set()
-        self.order = 0
+        # what each tensor handed out is: ("value",), ("row", c, dims): the (N, d) gradient of
+        # the derivative of u_c along dims, ("deriv", c, dims): that derivative, (N, 1)
         self._kinds: Dict[int, tuple] = {id(self.jet.value): ("value",)}
         self._alive: List[Tensor] = [self.jet.value]
 
@@ -127,7 +136,6 @@ class Answers:
 
     def jacobian(self, ys: Tensor, xs: Tensor, i: Optional[int] = None, j: Optional[int] = None):
         kind = self._kind(ys, xs, "jacobian")
-        d = self.x.shape[1]
         if i is None:
             if ys.shape[1] > 1:
                 raise NotImplementedError(
@@ -136,32 +144,52 @@ class Answers:
                 )
             i = 0
         if kind[0] == "value":
-            self.order = max(self.order, 1)
-            row = self.jet.gradient[:, i, :]
-            if j is None or d == 1:
-                return self._keep(row, ("gradient", i))
-            return self._keep(row[:, j : j + 1], ("partial", i, j))
-        if kind[0] == "gradient":  # d/dx of the gradient of component c: a row of its Hessian
-            c, k = kind[1], i
-        else:  # "partial": the derivative of du_c/dx_k
+            c, dims = i, ()
+        elif kind[0] == "row":  # component i of a gradient: one more coordinate
+            c, dims = kind[1], kind[2] + (i,)
+        else:
             if i != 0:
                 raise NotImplementedError("dde.grad.jacobian of a (N, 1) derivative takes i=0")
-            c, k = kind[1], kind[2]
-        if j is None or d == 1:
-            return torch.cat([self._second(c, k, col) for col in range(d)], dim=1)
-        return self._second(c, k, j)
+            c, dims = kind[1], kind[2]
+        if j is None or self.x.shape[1] == 1:
+            return self._row(c, dims)
+        return self._derivative(c, dims + (j,))
 
     def hessian(self, ys: Tensor, xs: Tensor, component: int = 0, i: int = 0, j: int = 0):
         kind = self._kind(ys, xs, "hessian")
-        if kind[0] != "value":
+        if kind[0] == "value":
+            return self._derivative(component, (i, j))
+        if kind[0] == "deriv" and component == 0:
+            return self._derivative(kind[1], kind[2] + (i, j))
+        raise NotImplementedError(
+            "torch_sgn.deepxde answers dde.grad.hessian of the network's output or of a (N, 1) "
+            "derivative of it (component=0)"
+        )
+
+    def _row(self, c: int, dims: tuple) -> Tensor:
+        d = self.x.shape[1]
+        if not dims:
+            row = self.jet.gradient[:, c, :]
+        else:
+            row = torch.cat([self._derivative(c, dims + (k,), keep=False) for k in range(d)], 1)
+        return self._keep(row, ("row", c, dims))
+
+    def _derivative(self, c: int, dims: tuple, keep: bool = True) -> Tensor:
+        """``d^n u_c / dx_dims`` at the points, ``(N, 1)``."""
+        if len(dims) == 1:
+            out = self.jet.gradient[:, c, dims[0] : dims[0] + 1]
+        elif len(dims) == 2:
+            out = self._second(c, dims[0], dims[1])
+        elif len(set(dims)) == 1 and len(dims) <= 4 and self._higher_at is not None:
+            out = self._higher_at(dims[0], len(dims))[:, c : c + 1]
+        else:
             raise NotImplementedError(
-                "torch_sgn.deepxde answers dde.grad.hessian of the network's output; for a "
-                "derivative's derivative use dde.grad.jacobian of it"
+                f"torch_sgn.deepxde answers derivatives to the second order, and of order 3 and "
+                f"4 along one coordinate; this function asks for d/dx{list(dims)}"
             )
-        return self._second(component, i, j)
+        return self._keep(out, ("deriv", c, tuple(dims))) if keep else out
 
     def _second(self, c: int, k: int, j: int) -> Tensor:
-        self.order = 2
         pair = (min(k, j), max(k, j))
         self.asked.add(pair)
         source = self.jet
@@ -182,9 +210,9 @@ class Answers:
         if kind is None:
             raise NotImplementedError(
                 f"torch_sgn.deepxde answers dde.grad.{what}(ys, xs) for ys the network's output "
-                "(or a first derivative of it that dde.grad returned), up to second order; "
-                "this PDE differentiates another tensor. Write that term from the output's "
-                "derivatives (a product rule), or train this model with DeepXDE's optimizers"
+                "or a derivative of it that dde.grad returned; this function differentiates "
+                "another tensor. Write that term from the output's derivatives (a product rule), "
+                "or train this model with DeepXDE's optimizers"
             )
         return kind
 

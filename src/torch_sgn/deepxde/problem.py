@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from ..pinn.operators import derivative
 from ..pinn.residuals import Residual, Residuals
 from .derivatives import Answers, answering, chain_of, network_jet
 
@@ -91,7 +92,20 @@ class Network(nn.Module):
         return self.net(x)
 
     def jet(self, x: Tensor, pairs: Sequence[Tuple[int, int]]):
+        """The network's value, gradient and second partials ``pairs`` at ``x``."""
         return network_jet(self.net, self.chain, x, pairs)
+
+    def along(self, x: Tensor, dim: int, order: int) -> Tensor:
+        """The network's derivative of ``order`` (3 or 4) along coordinate ``dim`` at ``x``:
+        forward through the chain where there is one and no output transform, else by
+        ``torch.func``."""
+        if self.chain is not None and getattr(self.net, "_output_transform", None) is None:
+            return derivative(self.chain, x, dim, order)
+        return derivative(self.net, x, dim, order, method="func")
+
+    def answers(self, x: Tensor, pairs: Sequence[Tuple[int, int]]) -> Answers:
+        """:class:`~torch_sgn.deepxde.derivatives.Answers` at ``x`` from this network's jets."""
+        return Answers(x, lambda p: self.jet(x, p), sorted(pairs), lambda d, k: self.along(x, d, k))
 
     def substituted(self):
         """A context in which the variables' references read :attr:`variables`."""
@@ -202,7 +216,7 @@ class Problem:
         it asked for before; the PDE's components share them)."""
         network = self.network
         pairs = self._pairs.setdefault("pde", set())
-        answers = Answers(x, lambda p: network.jet(x, p), sorted(pairs))
+        answers = network.answers(x, pairs)
         with network.substituted(), answering(answers):
             if aux is None:
                 f = self.data.pde(x, answers.value)
@@ -220,9 +234,6 @@ class Problem:
     def _bc_fn(self, name: str, bc) -> Callable:
         kind = type(bc).__name__
         pairs = self._pairs.setdefault(name, set())
-
-        def answers_at(u: Network, x: Tensor) -> Answers:
-            return Answers(x, lambda p: u.jet(x, p), sorted(pairs))
 
         def component(y: Tensor) -> Tensor:
             c = bc.component
@@ -260,7 +271,7 @@ class Problem:
             return periodic
 
         def operator(u: Network, x: Tensor, *v: Tensor) -> Tensor:  # OperatorBC, PointSet...
-            answers = answers_at(u, x)
+            answers = u.answers(x, pairs)
             with u.substituted(), answering(answers):
                 r = bc.func(x, answers.value, _numpy(x))
             pairs.update(answers.asked)
