@@ -69,7 +69,9 @@ NESTED_NOTICE = (
     "this model's forward differentiates its output by torch.autograd.grad: SGN steps by "
     "preconditioned conjugate gradient through the nested graph. Written with torch_sgn.pinn "
     "(Residuals and its operators: laplacian, gradient, hessian, derivative), the same problem "
-    "takes exact Gauss-Newton steps: STEPS, ERROR (docs/PINN.md#autograd-in-forward)"
+    "takes exact Gauss-Newton steps: on a nonlinear Poisson problem each cost 1/7 of these, and "
+    "in the same 40 CPU seconds its error ended 12,000 times lower "
+    "(docs/PINN.md#autograd-in-forward)"
 )
 #: CG's absolute tolerance where ``cg_tol=None`` (the default) on float32 parameters: the
 #: original's and the paper's ``CG_TOL``, near the rounding of a float32 loss's gradient.
