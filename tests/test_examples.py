@@ -63,3 +63,11 @@ def test_pinn_poisson_quick(capsys):
     assert len(rows) >= 2 and all(solver == "direct" for _, _, solver in rows)
     errors = [float(e) for _, e, _ in rows]
     assert errors[-1] < 0.1 * errors[0] and errors[-1] < 2e-2
+
+
+@pytest.mark.slow
+def test_deepxde_poisson_quick(capsys):
+    pytest.importorskip("deepxde")
+    out = _quick_output("deepxde_poisson", capsys)
+    (error,) = re.findall(r"rel\. L2 error (\S+) after 40 iterations", out)
+    assert float(error) < 1e-4
