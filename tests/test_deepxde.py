@@ -44,7 +44,8 @@ def _poisson(net=None, bcs=None, num_domain=40, num_boundary=16, **kw):
 
 
 def _their_loss_and_grad(model, params):
-    """DeepXDE's training loss (its MSE, its nested autograd) and its gradient."""
+    """DeepXDE's training loss terms (its MSE, its nested autograd, weighted by its
+    loss_weights), their sum and its gradient."""
     for p in params:
         p.grad = None
     _, losses = model.outputs_losses_train(
@@ -52,7 +53,8 @@ def _their_loss_and_grad(model, params):
     )
     total = losses.sum()
     total.backward()
-    return float(total.detach()), torch.cat([p.grad.reshape(-1) for p in params])
+    grad = torch.cat([p.grad.reshape(-1) for p in params])
+    return float(total.detach()), grad, losses.detach().tolist()
 
 
 def _our_loss_and_grad(opt):
@@ -76,9 +78,16 @@ def _compiled(model, **compile_kw):
 def _assert_same_loss_and_gradient(model, opt):
     ours, our_grad = _our_loss_and_grad(opt)
     params = list(opt.problem.residuals.parameters())
-    theirs, their_grad = _their_loss_and_grad(model, params)
+    theirs, their_grad, their_terms = _their_loss_and_grad(model, params)
     assert theirs > 1e-6
     assert ours == pytest.approx(theirs, rel=1e-12)
+    # each block's weighted mean square is DeepXDE's loss term
+    residuals = opt.problem.residuals
+    our_terms = [
+        residuals.losses()[name] * block.weight
+        for name, block in zip(residuals.names, residuals.blocks)
+    ]
+    assert our_terms == pytest.approx(their_terms, rel=1e-12, abs=1e-300)
     torch.testing.assert_close(our_grad, their_grad, rtol=1e-9, atol=1e-12)
 
 
