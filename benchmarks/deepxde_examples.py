@@ -36,7 +36,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,7 +49,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from measuring import environment  # noqa: E402
+from measuring import run_missing, write_record  # noqa: E402
 
 #: example: (folder, reference, true values of the inverse problem's variables). The reference:
 #: ``"solution"``: the data's exact solution on its test points; ``"testdata"``: the example's
@@ -280,21 +279,15 @@ def main(argv=None) -> None:
         parser.error("--examples is needed to run")
     if args.one:
         example, method = args.one.split(":")
-        result = run(example, method, args)
-        result["environment"] = environment()
-        path = out / f"{example}_{method}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        tmp.replace(path)  # only a finished run leaves its file
+        write_record(out / f"{example}_{method}.json", run(example, method, args))
         return
-    for example in args.only.split(","):
-        for method in args.methods.split(","):
-            if (out / f"{example}_{method}.json").exists():
-                continue
-            child = [*(argv if argv is not None else sys.argv[1:]), "--one", f"{example}:{method}"]
-            log = out / f"{example}_{method}.log"
-            with open(log, "w") as f:
-                subprocess.run([sys.executable, __file__, *child], stdout=f, stderr=f)
+    runs = [
+        (f"{example}:{method}", out / f"{example}_{method}.json")
+        for example in args.only.split(",")
+        for method in args.methods.split(",")
+    ]
+    argv = argv if argv is not None else sys.argv[1:]
+    run_missing(__file__, argv, runs, log=lambda path: path.with_suffix(".log"))
     print(table(out))
 
 

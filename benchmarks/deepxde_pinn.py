@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,7 +42,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from measuring import environment  # noqa: E402
+from measuring import run_missing, write_record  # noqa: E402
 
 PI = np.pi
 METHODS = ("sgn", "adam", "adam+lbfgs", "lbfgs")
@@ -248,25 +247,18 @@ def main(argv=None) -> None:
         return
     if args.one:
         method, seed = args.one.split(":")
-        result = train(method, int(seed), args)
-        result["environment"] = environment()
-        path = out / f"train_{method}_{seed}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        tmp.replace(path)  # only a finished run leaves its file
+        write_record(out / f"train_{method}_{seed}.json", train(method, int(seed), args))
         return
     if args.task == "cost":
-        result = cost(args)
-        result["environment"] = environment()
-        (out / "cost.json").write_text(json.dumps(result, indent=1))
+        write_record(out / "cost.json", cost(args))
         print(table(out))
         return
-    for seed in args.seeds.split(","):
-        for method in args.methods.split(","):
-            if (out / f"train_{method}_{seed}.json").exists():
-                continue
-            argv_child = [a for a in (argv or sys.argv[1:])] + ["--one", f"{method}:{seed}"]
-            subprocess.run([sys.executable, __file__, *argv_child], check=True)
+    runs = [
+        (f"{method}:{seed}", out / f"train_{method}_{seed}.json")
+        for seed in args.seeds.split(",")
+        for method in args.methods.split(",")
+    ]
+    run_missing(__file__, argv if argv is not None else sys.argv[1:], runs)
     print(table(out))
 
 

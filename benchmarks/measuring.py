@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import platform
 import subprocess
+import sys
 import time
-from typing import Callable, Dict
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["environment", "peak_mib", "sync", "timed"]
+__all__ = ["environment", "peak_mib", "run_missing", "sync", "timed", "write_record"]
 
 
 def sync(device: torch.device) -> None:
@@ -75,3 +78,36 @@ def environment() -> Dict[str, str]:
     except OSError:
         pass
     return env
+
+
+def write_record(path: Path, result: dict) -> None:
+    """``result`` with the :func:`environment`, as JSON at ``path``, written whole (a ``.tmp``
+    file renamed): only a finished run leaves its file, so a resumed benchmark runs it again."""
+    result = {**result, "environment": environment()}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(path)
+
+
+def run_missing(
+    script: str,
+    argv: Sequence[str],
+    runs: Iterable[Tuple[str, Path]],
+    log: Optional[Callable[[Path], Path]] = None,
+) -> List[str]:
+    """Runs ``script`` with ``argv`` plus ``--one SPEC`` in a process of its own for each
+    ``(SPEC, record path)`` whose record does not exist yet (a resumed benchmark keeps its
+    finished runs); with ``log``, each child's output goes to ``log(record path)`` and a
+    failing child does not stop the others. Returns the specs run."""
+    done = []
+    for spec, path in runs:
+        if path.exists():
+            continue
+        command = [sys.executable, script, *argv, "--one", spec]
+        if log is None:
+            subprocess.run(command, check=True)
+        else:
+            with open(log(path), "w") as f:
+                subprocess.run(command, stdout=f, stderr=f)
+        done.append(spec)
+    return done

@@ -28,7 +28,6 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from measuring import environment  # noqa: E402
+from measuring import run_missing, write_record  # noqa: E402
 
 METHODS = ("sgn", "sgn-cg10", "lbfgs", "adam", "sgn-pinn")
 PI = math.pi
@@ -219,19 +218,14 @@ def main(argv=None) -> None:
         return
     if args.one:
         method, seed = args.one.split(":")
-        result = run(method, int(seed), args.budget, args.every)
-        result["environment"] = environment()
-        path = out / f"{method}_{seed}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        tmp.replace(path)  # only a finished run leaves its file
+        write_record(out / f"{method}_{seed}.json", run(method, int(seed), args.budget, args.every))
         return
-    for seed in args.seeds.split(","):
-        for method in args.methods.split(","):
-            if (out / f"{method}_{seed}.json").exists():
-                continue
-            child = [*(argv if argv is not None else sys.argv[1:]), "--one", f"{method}:{seed}"]
-            subprocess.run([sys.executable, __file__, *child], check=True)
+    runs = [
+        (f"{method}:{seed}", out / f"{method}_{seed}.json")
+        for seed in args.seeds.split(",")
+        for method in args.methods.split(",")
+    ]
+    run_missing(__file__, argv if argv is not None else sys.argv[1:], runs)
     print(table(out))
 
 
