@@ -29,6 +29,14 @@ def main(argv=None) -> None:
 
     import deepxde as dde
 
+    dtype = torch.get_default_dtype()
+    try:
+        _train(dde, args)
+    finally:  # DeepXDE's float setting is torch's default dtype: leave it as it was
+        dde.config.set_default_float(str(dtype).replace("torch.", ""))
+
+
+def _train(dde, args) -> None:
     import torch_sgn.deepxde
 
     dde.config.set_default_float("float64")

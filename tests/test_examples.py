@@ -67,7 +67,18 @@ def test_pinn_poisson_quick(capsys):
 
 @pytest.mark.slow
 def test_deepxde_poisson_quick(capsys):
+    import random
+
+    import numpy as np
+
     pytest.importorskip("deepxde")
-    out = _quick_output("deepxde_poisson", capsys)
+    np_state, py_state = np.random.get_state(), random.getstate()
+    dtype = torch.get_default_dtype()
+    try:
+        out = _quick_output("deepxde_poisson", capsys)
+    finally:  # the example seeds NumPy's and Python's generators (DeepXDE's set_random_seed)
+        np.random.set_state(np_state)
+        random.setstate(py_state)
+    assert torch.get_default_dtype() == dtype
     (error,) = re.findall(r"rel\. L2 error (\S+) after 40 iterations", out)
     assert float(error) < 1e-4
