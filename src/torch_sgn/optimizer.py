@@ -84,9 +84,10 @@ class SGN(torch.optim.Optimizer):
             an exact fit short of the precision it can reach (``docs/SOLVERS.md``).
         cg_iters: CG iterations per step, :math:`k_{\max}` (``MAX_CG_ITERS``). Default 10, the
             original's default and the paper's best setting on CIFAR-10. With
-            ``solver="auto"``, a run that fits one batch and has no exact route takes at least
-            100, to ``cg_rtol`` 1e-3 where none is set, with the Nystrom preconditioner where
-            none is set (:func:`~torch_sgn.solve.auto.cg_settings`).
+            ``solver="auto"``, a run that fits one batch with a forward that differentiates
+            itself by ``torch.autograd.grad`` takes at least 100, to ``cg_rtol`` 1e-3 where none
+            is set, with the Nystrom preconditioner on float64 parameters where none is set
+            (:func:`~torch_sgn.solve.auto.cg_settings`).
         cg_tol: CG stops early once the largest absolute residual entry is at most this
             (``CG_TOL``). Default ``None``: the original's and the paper's ``1e-6``
             (:meth:`paper`) on float32 parameters, near the rounding of their loss's gradient;

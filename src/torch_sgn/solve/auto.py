@@ -59,8 +59,8 @@ WINDOW = 20
 #: The relative fall of the windows' mean loss above which it is not a stall.
 STALL = 0.1
 
-#: CG's iterations at least, and its relative residual, on a run of one batch without an exact
-#: route (:func:`cg_settings`).
+#: CG's iterations at least, and its relative residual, on a run of one batch whose forward
+#: differentiates itself (:func:`cg_settings`).
 ONE_BATCH_CG_ITERS = 100
 ONE_BATCH_CG_RTOL = 1e-3
 #: What SGN says once where it takes such CG steps (figures from ``benchmarks/pinn_autograd.py``'s
