@@ -43,19 +43,23 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable, Dict, List
 
 import torch
 from torch import nn
 
+from torch_sgn.batch import Batch
 from torch_sgn.engines.functional import FunctionalEngine
-from torch_sgn.linearization import Batch
 from torch_sgn.losses import resolve_loss
 from torch_sgn.model.flat_model import FunctionalModel
 from torch_sgn.model.forward_mode import kernels
+
+sys.path.insert(0, str(Path(__file__).parent))
+from measuring import environment  # noqa: E402
 
 
 @dataclass
@@ -187,9 +191,7 @@ def main() -> None:
     cfg = Config(**vars(parser.parse_args()))
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    commit = environment().get("commit", "")
     header = dict(
         torch=torch.__version__, python=platform.python_version(), machine=platform.machine(),
         processor=platform.processor(), threads=torch.get_num_threads(), commit=commit,

@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from pinn import PROBLEMS, network  # noqa: E402
 
+from torch_sgn.batch import Batch  # noqa: E402
 from torch_sgn.engines.jacobian import jacobian_rows  # noqa: E402
-from torch_sgn.linearization import Batch  # noqa: E402
 from torch_sgn.model.flat_model import FunctionalModel  # noqa: E402
 from torch_sgn.pinn import Residuals  # noqa: E402
 

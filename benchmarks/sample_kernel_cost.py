@@ -27,19 +27,23 @@ import copy
 import json
 import platform
 import statistics
-import subprocess
+import sys
 import time
 from functools import partial
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from torch_sgn import SGN
+from torch_sgn.batch import Batch
 from torch_sgn.engines.layerwise import engine as layerwise
 from torch_sgn.engines.selection import select_engine
-from torch_sgn.linearization import Batch
 from torch_sgn.losses import resolve_loss
 from torch_sgn.model.flat_model import FunctionalModel
+
+sys.path.insert(0, str(Path(__file__).parent))
+from measuring import environment  # noqa: E402
 
 # name -> (model maker, batch size, input features)
 MODELS = {
@@ -125,9 +129,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    commit = environment().get("commit", "")
     print(f"torch {torch.__version__}, 1 thread, {platform.machine()}, commit {commit}")
     print(
         "| model | P | R | step, pairs (s) | step, at once (s) | speed-up | J J^T, pairs (s) "

@@ -540,7 +540,7 @@ def test_captured_cuda_dropout_steps_match_eager_cuda_steps(name):
     expected, _ = _run(reference, "mse", batches, engine="traced")
     assert torch.equal(state, torch.cuda.get_rng_state())
     traced = opt._engine.engines[0]
-    assert len([t for t in traced._cache.values() if t.replayed is not None]) == 2
+    assert len(traced._replays) == 2
     for a, b in zip(infos, expected):
         assert a.iterations == b.iterations
         assert a.loss == pytest.approx(b.loss, rel=1e-10)
@@ -550,8 +550,8 @@ def test_captured_cuda_dropout_steps_match_eager_cuda_steps(name):
 
 
 def test_traced_graphs_draw_from_the_random_state_the_step_replays(cpu_graph_captures):
+    from torch_sgn.batch import Batch
     from torch_sgn.engines.selection import select_engine
-    from torch_sgn.linearization import Batch
     from torch_sgn.losses import resolve_loss
     from torch_sgn.model.flat_model import FunctionalModel
 
@@ -628,8 +628,8 @@ def test_draws_taken_out_of_a_graph_are_those_it_would_draw(op):
 
 
 def test_traced_products_of_a_replaced_point_raise(cpu_graph_captures):
+    from torch_sgn.batch import Batch
     from torch_sgn.engines.selection import select_engine
-    from torch_sgn.linearization import Batch
     from torch_sgn.losses import resolve_loss
     from torch_sgn.model.flat_model import FunctionalModel
 
@@ -694,8 +694,7 @@ def test_captured_traced_cuda_steps_match_eager_cuda_steps(name):
     assert [str(w.message) for w in record if "CUDA graphs" in str(w.message)
             or "cuda_graphs" in str(w.message)] == []  # fmt: skip
     eager_infos, _ = _run(eager_model, "cross_entropy", batches, engine="traced")
-    replayed = [t for t in opt._engine.engines[0]._cache.values() if t.replayed is not None]
-    assert len(replayed) == 2  # one per batch shape
+    assert len(opt._engine.engines[0]._replays) == 2  # one per batch shape
     for a, b in zip(graph_infos, eager_infos):
         assert a.iterations == b.iterations
         assert a.loss == pytest.approx(b.loss, rel=1e-10)

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from torch_sgn import GGN, SGN
+from torch_sgn.batch import Batch
 from torch_sgn.engines.jacobian import jacobian_rows, per_sample, with_jacobian
-from torch_sgn.linearization import Batch
 from torch_sgn.losses import resolve_loss
 from torch_sgn.model.flat_model import FunctionalModel
 from torch_sgn.pinn import Residual, Residuals, laplacian

@@ -13,11 +13,13 @@ import torch
 from torch import nn
 
 from torch_sgn import SGN, many_rows
+from torch_sgn.batch import Batch
 from torch_sgn.engines.jacobian import by_factors, jacobian_rows
-from torch_sgn.linearization import Batch
+from torch_sgn.linearization import RowSample
 from torch_sgn.model.flat_model import FunctionalModel
 from torch_sgn.pinn import Residual, Residuals, laplacian
 from torch_sgn.solve import sampled
+from torch_sgn.solve.state import StepState
 
 D = torch.float64
 
@@ -131,7 +133,7 @@ def test_all_rows_linearization_matches_dense_float64():
 def test_preconditioner_is_the_inverse_of_the_damped_sample_matrix(damping):
     g = torch.Generator().manual_seed(0)
     jt = torch.randn(7, 15, generator=g, dtype=D)
-    sample = sampled.RowSample(
+    sample = RowSample(
         kernel=jt @ jt.T, jvp=lambda v: jt @ v, vjp=lambda w: jt.T @ w, hessian=2.0, points=[7]
     )
     precond = sampled.SampledPreconditioner(sample)
@@ -153,6 +155,21 @@ def test_a_problem_that_fits_an_exact_step_keeps_its_route():
     opt = SGN(problem, problem.loss)
     info = opt.step(*problem.batch())
     assert info.solver == "direct" and info.sample is None
+
+
+def test_many_rows_per_parameter_take_the_stages_where_the_matrix_fits():
+    """105 parameters, within ``direct_max_params``: 440 rows (< 16 per parameter) keep the
+    exact route on every row; 1,760 rows (>= 16 per parameter, above the limit) are sampled."""
+    max_params = 400
+    fewer, more = _poisson(400, 40), _poisson(1600, 160)
+    numel = sum(p.numel() for p in fewer.parameters())
+    assert 440 < sampled.ROWS_PER_PARAMETER * numel <= 1760
+    state = StepState(step=0, damping=1e-4)
+    assert many_rows.stage(fewer, Batch(*fewer.batch()), numel, max_params, state) is None
+    assert many_rows.stage(more, Batch(*more.batch()), numel, max_params, state) == sampled.SAMPLE
+    info = SGN(more, more.loss, direct_max_params=max_params).step(*more.batch())
+    assert info.sample == tuple(sampled.allocate([1600, 160], min(sampled.POINTS, max_params)))
+    assert info.taken and info.loss_after < info.loss
 
 
 def test_many_rows_take_sampled_exact_steps_then_all_rows():

@@ -9,7 +9,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .linearization import Batch, Inputs, Linearization
+from .batch import Batch, Inputs
+from .linearization import Linearization
 from .losses import OutputLoss
 
 __all__ = ["all_finite", "check_batch", "finite_loss"]

@@ -53,7 +53,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .linearization import Batch, Engine, Linearization, linearize
+from .batch import Batch
+from .linearization import Engine, Linearization, linearize
 from .losses import OutputLoss
 from .model.flat_model import FunctionalModel
 

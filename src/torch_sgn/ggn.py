@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .batch import Batch, Inputs
 from .engines.selection import select_engine
-from .linearization import Batch, Inputs, check_loss_parameters
+from .linearization import check_loss_parameters
 from .losses import LossSpec, resolve_loss
 from .model.flat_model import FunctionalModel
 

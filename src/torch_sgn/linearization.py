@@ -11,22 +11,21 @@ CG, the data-parallel communicator and the CUDA-graph capture consume it; the en
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Callable, Optional, Protocol, Tuple, Union
+from typing import TYPE_CHECKING, Callable, List, Optional, Protocol, Tuple
 
 import torch
 from torch import Tensor
 
+from .batch import Batch
 from .losses import OutputLoss
 
 if TYPE_CHECKING:
     from .model.flat_model import FunctionalModel
-    from .solve.sampled import RowSample
 
 __all__ = [
-    "Batch",
     "Engine",
-    "Inputs",
     "Linearization",
+    "RowSample",
     "SampleSpace",
     "check_loss_parameters",
     "ggn_matrix",
@@ -35,30 +34,29 @@ __all__ = [
     "weight_penalty",
 ]
 
-Inputs = Union[Tensor, Tuple[Tensor, ...]]
-
 
 @dataclass(frozen=True)
-class Batch:
-    """One mini-batch: the model's ``inputs`` (a tensor, or a tuple passed positionally) and the
-    loss's ``targets``."""
+class RowSample:
+    r"""The weighted rows :math:`\tilde J = D^{1/2} J_S` of a sample of a residual problem's rows
+    (:mod:`torch_sgn.solve.sampled`).
 
-    inputs: Inputs
-    targets: Tensor
+    Attributes:
+        kernel: :math:`\tilde K = \tilde J \tilde J^\top`, ``m x m``, float64.
+        jvp: flat ``v -> \tilde J v`` (``m``, float64).
+        vjp: ``w -> \tilde J^\top w`` for ``w`` of ``m`` entries (flat, the parameters' dtype).
+        hessian: ``h``, the loss's output-space Hessian ``h I``.
+        points: the points drawn from each block.
+    """
+
+    kernel: Tensor
+    jvp: Callable[[Tensor], Tensor]
+    vjp: Callable[[Tensor], Tensor]
+    hessian: float
+    points: List[int]
 
     @property
-    def args(self) -> Tuple[Tensor, ...]:
-        """The inputs as the tuple of positional arguments of the model's forward."""
-        return self.inputs if isinstance(self.inputs, tuple) else (self.inputs,)
-
-    def __len__(self) -> int:
-        """The number of samples (the leading dimension of the first input)."""
-        return self.args[0].shape[0]
-
-    def subset(self, index: Tensor) -> Batch:
-        """The samples at ``index`` (along the leading dimension of inputs and targets)."""
-        xs = tuple(x[index] for x in self.args)
-        return Batch(xs if isinstance(self.inputs, tuple) else xs[0], self.targets[index])
+    def size(self) -> int:
+        return self.kernel.shape[0]
 
 
 @dataclass
@@ -127,7 +125,7 @@ class Linearization:
             (chains of linear layers and activations); ``None`` otherwise. Anything that
             changes ``G`` or the gradient (a subset, a mask, an all-reduce) must drop it.
         rows: ``seed -> sample``, a random sample of ``J``'s rows weighted to estimate ``G``
-            (:class:`~torch_sgn.solve.sampled.RowSample`), where the engine can draw one
+            (:class:`RowSample`), where the engine can draw one
             without forming ``J`` (a residual problem on more rows than an exact step takes);
             ``None`` otherwise. A mask of the parameters drops it.
     """

@@ -2,8 +2,10 @@
 
 A residual problem (:class:`torch_sgn.pinn.Residuals`, zero targets) whose residuals ``R`` and
 parameters ``P`` both exceed ``SGN(direct_max_params)`` fits neither the ``R x R`` Gram matrix
-nor the ``P x P`` matrix of an exact step. ``solver="auto"`` then takes it in stages, by a rule
-on sizes, memory and the losses, never on timings:
+nor the ``P x P`` matrix of an exact step. One with more than ``direct_max_params`` rows and at
+least :data:`~torch_sgn.solve.sampled.ROWS_PER_PARAMETER` rows per parameter fits the ``P x P``
+matrix, but forming it from every row costs ``R P^2``. ``solver="auto"`` takes both in stages,
+by a rule on sizes, memory and the losses, never on timings:
 
 1. ``SAMPLE``: exact steps on a sample of the points (:data:`~torch_sgn.solve.sampled.POINTS`
    at first, never more rows than ``direct_max_params``), drawn anew at each step by a
@@ -30,8 +32,9 @@ from typing import List, Optional, Tuple
 
 from torch import Tensor, nn
 
+from .batch import Batch
 from .engines.jacobian import by_factors
-from .linearization import Batch, Linearization
+from .linearization import Linearization, RowSample
 from .losses import OutputLoss
 from .model.flat_model import FunctionalModel
 from .solve import sampled
@@ -47,14 +50,13 @@ logger = logging.getLogger("torch_sgn")
 def stage(
     model: nn.Module, batch: Batch, numel: int, max_params: int, state: StepState
 ) -> Optional[str]:
-    """``SAMPLE`` or ``ALL`` for a residual problem too large for an exact step (see the
-    module's docstring), ``None`` for any other problem or batch."""
-    if (
-        not hasattr(model, "layer_factors")
-        or numel <= max_params
-        or model.count(batch.args) <= max_params
-        or bool(batch.targets.any())
-    ):
+    """``SAMPLE`` or ``ALL`` for a residual problem too large for an exact step, or with at
+    least :data:`~torch_sgn.solve.sampled.ROWS_PER_PARAMETER` times as many rows as parameters
+    (see the module's docstring), ``None`` for any other problem or batch."""
+    if not hasattr(model, "layer_factors") or bool(batch.targets.any()):
+        return None
+    rows = model.count(batch.args)
+    if rows <= max_params or (numel <= max_params and rows < sampled.ROWS_PER_PARAMETER * numel):
         return None
     return sampled.SAMPLE if sample_points(model, batch, max_params, state.stalls) else sampled.ALL
 
@@ -118,9 +120,7 @@ def next_state(
     return replace(state, sampled_losses=losses)
 
 
-def points_used(
-    sample: Optional[sampled.RowSample], drawn: Optional[List[Tensor]]
-) -> Optional[tuple]:
+def points_used(sample: Optional[RowSample], drawn: Optional[List[Tensor]]) -> Optional[tuple]:
     """:attr:`StepInfo.sample <torch_sgn.StepInfo.sample>`: the points drawn from each block,
     by the step's sample (``SAMPLE``) or its preconditioner's (``ALL``)."""
     if sample is not None:

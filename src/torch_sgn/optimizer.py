@@ -11,12 +11,13 @@ import torch
 from torch import Tensor, nn
 
 from . import many_rows
+from .batch import Batch, Inputs
 from .checks import check_batch, finite_loss
 from .diagnostics import warn
 from .distributed import ProcessGroup, SingleProcess, communicator
 from .engines.jacobian import per_sample, with_jacobian
 from .engines.selection import curvature_subset, engine_name, select_engine
-from .linearization import Batch, Inputs, Linearization, check_loss_parameters, weight_penalty
+from .linearization import Linearization, RowSample, check_loss_parameters, weight_penalty
 from .losses import LossSpec, resolve_loss
 from .model.flat_model import FunctionalModel
 from .options import KEYS, PAPER_OPTIONS, check_arguments, check_loaded_state, check_options
@@ -610,7 +611,7 @@ class SGN(torch.optim.Optimizer):
         theta: Tensor,
         batch: Batch,
         trainable: Optional[Tensor],
-        sample: Optional[sampled.RowSample] = None,
+        sample: Optional[RowSample] = None,
     ) -> Outcome:
         """The step by ``phase``'s route: its descent's damping attempts and the line search."""
         group, route = self.param_groups[0], phase.route
@@ -630,7 +631,7 @@ class SGN(torch.optim.Optimizer):
         rhs: Tensor,
         state: StepState,
         route: str,
-        sample: Optional[sampled.RowSample] = None,
+        sample: Optional[RowSample] = None,
         one_batch: bool = False,
     ) -> Descent:
         r"""``damping -> solution`` of :math:`(G + \rho I) d = -\hat m` for this step's

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from .linearization import Inputs
+from .batch import Inputs
 
 _WHY = (
     "SGN.step takes the mini-batch, opt.step(inputs, targets), not a closure: SGN needs the "

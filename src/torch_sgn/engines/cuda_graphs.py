@@ -32,8 +32,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch import Tensor
 
+from ..batch import Batch
 from ..diagnostics import warn
-from ..linearization import Batch, Linearization
+from ..linearization import Linearization
 from ..losses import OutputLoss
 from ..model.flat_model import FunctionalModel
 

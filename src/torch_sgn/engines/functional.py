@@ -14,8 +14,9 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch import Tensor
 
+from ..batch import Batch
 from ..diagnostics import warn
-from ..linearization import Batch, Linearization, loss_and_output_gradient
+from ..linearization import Linearization, loss_and_output_gradient
 from ..losses import OutputLoss
 from ..model.flat_model import FunctionalModel, check_depends
 from ..model.forward_mode import (

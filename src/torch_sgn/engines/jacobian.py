@@ -33,11 +33,12 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..linearization import Batch, Linearization, SampleSpace, loss_and_output_gradient
+from ..batch import Batch
+from ..linearization import Linearization, RowSample, SampleSpace, loss_and_output_gradient
 from ..losses import OutputLoss
 from ..model.flat_model import FunctionalModel
 from ..model.forward_mode import backward_hooks
-from ..solve.sampled import RowSample, draw
+from ..solve.sampled import draw
 
 __all__ = ["JacobianBlock", "by_factors", "jacobian_rows", "per_sample", "with_jacobian"]
 

@@ -23,8 +23,9 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from ..batch import Batch
 from ..diagnostics import WarnOnce, warn
-from ..linearization import Batch, Engine, Linearization
+from ..linearization import Engine, Linearization
 from ..losses import OutputLoss
 from ..model.flat_model import FunctionalModel
 from .functional import FunctionalEngine

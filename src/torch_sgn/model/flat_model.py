@@ -14,8 +14,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from ..batch import Inputs
 from ..diagnostics import warn
-from ..linearization import Inputs
 from .attributes import changed_attributes, model_attributes
 from .composites import Composites, composite_modules, scripted_stop
 from .forward_mode import backward_hooks, inspect_pass, kernels, load_decompositions

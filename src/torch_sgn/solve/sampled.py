@@ -54,16 +54,16 @@ ones.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Callable, List, Sequence
 
 import torch
 from torch import Tensor, nn
 
+from ..linearization import RowSample
 from .direct import available_memory
 
 __all__ = [
-    "ALL", "ITERATIONS", "POINTS", "RTOL", "SAMPLE", "STALL", "WINDOW", "RowSample",
+    "ALL", "ITERATIONS", "POINTS", "ROWS_PER_PARAMETER", "RTOL", "SAMPLE", "STALL", "WINDOW",
     "SampledPreconditioner", "all_rows_fit", "allocate", "draw", "stalled",
 ]  # fmt: skip
 
@@ -80,33 +80,15 @@ STALL = 0.01
 #: preconditioner. Its ``m x m`` matrix costs ``2 m^2`` products of a row with a row, and its
 #: factorization ``m^3 / 3``; never more rows than ``SGN(direct_max_params)``.
 POINTS = 1024
+#: Rows per parameter from which a problem whose ``P x P`` matrix fits takes the stages too:
+#: forming ``G`` from all ``R`` rows costs ``R P^2``, ``R / P`` times its factorization, for a
+#: step that a sample of the rows estimates well (DeepXDE's Klein_Gordon example, 33,000 rows
+#: for 1,801 parameters: 7 s a step on all rows; ``docs/PINN.md#many-points``).
+ROWS_PER_PARAMETER = 16
 #: Conjugate gradient's iterations on all the rows, at most, per solve.
 ITERATIONS = 20
 #: ... and its relative residual: ``||(G + rho I) d + g|| <= RTOL ||g||`` ends it.
 RTOL = 1e-3
-
-
-@dataclass(frozen=True)
-class RowSample:
-    r"""The weighted rows :math:`\tilde J = D^{1/2} J_S` of a sample.
-
-    Attributes:
-        kernel: :math:`\tilde K = \tilde J \tilde J^\top`, ``m x m``, float64.
-        jvp: flat ``v -> \tilde J v`` (``m``, float64).
-        vjp: ``w -> \tilde J^\top w`` for ``w`` of ``m`` entries (flat, the parameters' dtype).
-        hessian: ``h``, the loss's output-space Hessian ``h I``.
-        points: the points drawn from each block.
-    """
-
-    kernel: Tensor
-    jvp: Callable[[Tensor], Tensor]
-    vjp: Callable[[Tensor], Tensor]
-    hessian: float
-    points: List[int]
-
-    @property
-    def size(self) -> int:
-        return self.kernel.shape[0]
 
 
 def allocate(counts: Sequence[int], total: int) -> List[int]:

@@ -51,8 +51,9 @@ from typing import Dict, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from ...batch import Batch
 from ...diagnostics import WarnOnce
-from ...linearization import Batch, Linearization
+from ...linearization import Linearization
 from ...losses import OutputLoss
 from ...model.attributes import (
     changed_attributes,
@@ -117,6 +118,8 @@ class TracedEngine:
         self._cache: OrderedDict[tuple, object] = OrderedDict()
         self._warn = WarnOnce()
         self._capture_failed: Optional[str] = None
+        # Each cached trace's captured graphs (cuda_graphs=True), dropped with it.
+        self._replays: Dict[Traced, Replayed] = {}
         self._attributes: Optional[tuple] = None  # the model's attributes at the last call
         self._retraces: Dict[str, int] = {}  # traces each attribute's change called for
         self._changing: Optional[str] = None  # the attribute that keeps changing, if one does
@@ -166,7 +169,7 @@ class TracedEngine:
                 key = (key[0], attributes)
             self._cache[key] = traced
             if len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+                self._replays.pop(self._cache.popitem(last=False)[1], None)
         else:
             self._cache.move_to_end(key)
         if isinstance(traced, Untraceable):
@@ -243,8 +246,8 @@ class TracedEngine:
         flat, buffers, frozen, args, targets = inputs
         if not self.cuda_graphs or self._capture_failed is not None:  # (reported when it failed)
             return None
-        if traced.replayed is not None:
-            return traced.replayed
+        if traced in self._replays:
+            return self._replays[traced]
         if traced.not_captured is None:  # decided once per trace: it reads the whole graph
             training = self.fmodel.model.training
             why = graphs.device_obstacle(flat.device) or capture_obstacle(traced, inputs, training)
@@ -257,18 +260,16 @@ class TracedEngine:
             return None
         try:
             value = trace_value(self.fmodel, self.loss, inputs)
-            traced.replayed = Replayed(traced, value, inputs, self.fmodel)
+            self._replays[traced] = Replayed(traced, value, inputs, self.fmodel)
         except (RuntimeError, Untraceable) as error:  # an operation that cannot be captured
             self._capture_failed = reason(error)
-            for other in self._cache.values():  # frees the graphs captured before
-                if isinstance(other, Traced):
-                    other.replayed = None
+            self._replays.clear()  # frees the graphs captured before
             self._warn(
                 f"capturing the traced engine's work as CUDA graphs failed "
                 f"({self._capture_failed}); running eagerly from now on"
             )
             return None
-        return traced.replayed
+        return self._replays[traced]
 
     def _attributes_now(self) -> tuple:
         """The model's settings (:meth:`~torch_sgn.model.flat_model.FunctionalModel.settings`) and

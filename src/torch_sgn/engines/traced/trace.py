@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -25,9 +25,6 @@ from ...model.forward_mode import NESTED_FORWARD, missing_rule
 from .jvp_rules import TangentRules
 from .opaque_loss import OpaqueLoss, value_and_grad
 from .passes import views_as_reshapes
-
-if TYPE_CHECKING:
-    from .replay import Replayed
 
 __all__ = [
     "ROUTES",
@@ -50,7 +47,7 @@ class Untraceable(Exception):
     """The model cannot be traced into one graph; the message says why."""
 
 
-@dataclass
+@dataclass(eq=False)  # (compared and hashed by identity: the engine keys its replays by it)
 class Traced:
     """A product split in two graphs, with what it needs to be called."""
 
@@ -59,7 +56,6 @@ class Traced:
     double_backward: bool  # J v through the reverse pass (an operator has no forward rule)
     declined: Optional[str] = None  # why the tangent rules were not used, where they failed
     missing: Optional[str] = None  # the operator without a forward-mode rule (double backward)
-    replayed: Optional[Replayed] = None  # the graphs captured (cuda_graphs=True)
     compiled: Optional[Tuple[Callable, Callable]] = None  # set-up and product (compile=True)
     not_captured: Optional[str] = None  # why graphs do not apply ("": they do; None: not asked)
     route: str = "forward"  # how J v was traced (one of ROUTES)
