@@ -38,6 +38,9 @@ from torch_sgn import SGN
 from torch_sgn.experiments.models import PRESETS
 from torch_sgn.experiments.runner import RunConfig, evaluate, load_data
 
+sys.path.insert(0, str(Path(__file__).parent))
+from measuring import environment  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {
     "paper": SGN.paper,
@@ -181,9 +184,7 @@ def main(argv=None) -> None:
                 )
     fashion = fashion_identical(args.fashion_steps)
     print("fashion_mnist:", {k: v for k, v in fashion.items() if k != "losses"})
-    commit = subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
+    commit = environment().get("commit", "")
     dirty = bool(
         subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],

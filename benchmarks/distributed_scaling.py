@@ -125,6 +125,9 @@ def main() -> None:
 
     import torch
 
+    sys.path.insert(0, str(Path(__file__).parent))
+    from measuring import environment
+
     counts = [int(c) for c in args.procs.split(",")]
     configs = [(f"{c} proc{'s' if c > 1 else ''} x 1 thread", c, 1) for c in counts]
     scratch = Path(args.out).with_suffix(".run.json")
@@ -136,9 +139,7 @@ def main() -> None:
         torch=torch.__version__,
         python=platform.python_version(),
         machine=f"{platform.machine()}, {os.cpu_count()} cores",
-        commit=subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip(),
+        commit=environment().get("commit", ""),
         results={},
     )
     for work in WORKLOADS:

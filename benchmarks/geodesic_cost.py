@@ -20,7 +20,6 @@ import datetime
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,9 @@ import torch
 from torch import nn
 
 from torch_sgn import SGN
+
+sys.path.insert(0, str(Path(__file__).parent))
+from measuring import environment  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,9 +105,7 @@ def main(argv=None) -> None:
                 f"{r['accelerated_steps']} of {r['steps_with']} |",
                 flush=True,
             )
-    commit = subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
+    commit = environment().get("commit", "")
     out = Path(args.out) / f"{datetime.date.today():%Y-%m-%d}_{args.name}"
     out.mkdir(parents=True, exist_ok=True)
     record = {

@@ -32,7 +32,7 @@ import datetime
 import json
 import platform
 import statistics
-import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -40,6 +40,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).parent))
+from measuring import environment  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -139,9 +142,7 @@ def main() -> None:
     if args.name:
         out = ROOT / "benchmarks" / "results" / f"{datetime.date.today()}_{args.name}"
         out.mkdir(parents=True, exist_ok=True)
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT
-        ).stdout.strip()
+        commit = environment().get("commit", "")
         record = {
             "command": "PYTHONPATH=src python benchmarks/loss_hessian_cost.py "
             f"--threads {args.threads} --repeats {args.repeats} --products {args.products} "

@@ -43,7 +43,6 @@ import math
 import platform
 import re
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -58,6 +57,7 @@ from torch_sgn.fitting import least_squares
 from torch_sgn.pinn import Residual, Residuals
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measuring import environment  # noqa: E402
 from old_version import import_old  # noqa: E402
 
 #: ``least_squares`` of the version ``--old-src`` names (method ``sgn-old``).
@@ -391,12 +391,7 @@ def summarize(rows: List[dict]) -> None:
 def versions() -> dict:
     import scipy
 
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except Exception:
-        commit = None
+    commit = environment().get("commit") or None
     return dict(
         python=platform.python_version(),
         torch=torch.__version__,

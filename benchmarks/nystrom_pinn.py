@@ -33,7 +33,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -45,6 +44,9 @@ from torch import Tensor, nn
 
 from torch_sgn import GGN, conjugate_gradient, nystrom
 from torch_sgn.pinn import laplacian
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from measuring import environment  # noqa: E402
 
 D = torch.float64
 
@@ -216,15 +218,6 @@ def run_net(spec: str, cfg: Config) -> dict:
     return record
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv=None) -> None:
     defaults = Config()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -241,7 +234,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     meta = {
         "config": asdict(cfg),
-        "commit": _commit(),
+        "commit": environment().get("commit") or "unknown",
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "platform": platform.platform(),

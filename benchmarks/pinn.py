@@ -42,7 +42,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -53,6 +52,9 @@ from torch import Tensor, nn
 
 from torch_sgn import SGN
 from torch_sgn.pinn import Residual, Residuals, laplacian, time_derivative
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from measuring import environment  # noqa: E402
 
 D = torch.float64
 
@@ -352,9 +354,7 @@ def main(argv: List[str] | None = None) -> None:
         "processor": platform.processor(),
         "cpus": os.cpu_count(),
         "threads": args.threads,
-        "commit": subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True
-        ).stdout.strip(),
+        "commit": environment().get("commit", ""),
     }
     rows = []
     for seed in args.seeds:

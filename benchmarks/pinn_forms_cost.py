@@ -54,10 +54,11 @@ import json
 import math
 import platform
 import statistics
-import subprocess
+import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable, Dict
 
 import torch
@@ -65,6 +66,9 @@ from torch import Tensor, nn
 from torch.func import hessian, jacfwd, jacrev, vmap
 
 from torch_sgn import SGN
+
+sys.path.insert(0, str(Path(__file__).parent))
+from measuring import environment  # noqa: E402
 
 
 @dataclass
@@ -177,9 +181,7 @@ def main() -> None:
         parser.add_argument(f"--{name}", type=type(default), default=default)
     cfg = Config(**vars(parser.parse_args()))
     torch.set_num_threads(cfg.threads)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    commit = environment().get("commit", "")
     header = dict(
         torch=torch.__version__, python=platform.python_version(), machine=platform.machine(),
         processor=platform.processor(), threads=torch.get_num_threads(), commit=commit,

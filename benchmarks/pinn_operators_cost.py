@@ -42,14 +42,18 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from torch_sgn.pinn.operators import laplacian
+
+sys.path.insert(0, str(Path(__file__).parent))
+from measuring import environment  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -122,16 +126,13 @@ def main(config: Config) -> dict:
     for mode, row in times.items():
         for name, ms in row.items():
             print(f"{mode:8} {name:9} {ms:9.1f}   {ms / row['forward']:9.1f}")
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
     record = {
         "config": asdict(config),
+        # measuring's environment (python, torch, threads, cpu, commit), and the processor key
+        # of the earlier records
         "environment": {
-            "torch": torch.__version__,
-            "python": platform.python_version(),
+            **environment(),
             "processor": platform.processor() or platform.machine(),
-            "commit": commit,
         },
         "median_ms": times,
     }

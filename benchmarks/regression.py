@@ -96,6 +96,9 @@ from torch_sgn.experiments.data import batches
 from torch_sgn.experiments.models import PRESETS, mlp
 from torch_sgn.experiments.runner import RunConfig, load_data
 
+sys.path.insert(0, str(Path(__file__).parent))
+import measuring  # noqa: E402  (the git commit of the record's environment)
+
 ROOT = Path(__file__).resolve().parents[1]
 LEVELS = [10.0**-k for k in range(4, 11)]
 ADAM_LRS = [1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2]
@@ -472,7 +475,7 @@ def environment(threads: int) -> dict:
         pass
     tlm, _ = _lm_module()
     return {
-        "git_commit": git("rev-parse", "HEAD"),
+        "git_commit": measuring.environment().get("commit") or None,
         "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
         "torch": torch.__version__,
         "torch_levenberg_marquardt": getattr(tlm, "__version__", None),

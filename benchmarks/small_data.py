@@ -38,7 +38,6 @@ import copy
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -49,6 +48,9 @@ import torch
 from torch import Tensor, nn
 
 from torch_sgn import SGN
+
+sys.path.insert(0, str(Path(__file__).parent))
+from measuring import environment  # noqa: E402
 
 #: SGN's small-data recipe: the penalized objective MSE + (lambda / 2) ||w||^2, and steps that
 #: average over mini-batches rather than solve each one (a fixed damping of 1, no trust region,
@@ -323,9 +325,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         import sklearn
 
         args.out.mkdir(parents=True, exist_ok=True)
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
+        commit = environment().get("commit", "")
         record = dict(
             config=asdict(config),
             summary={name: summary(runs) for name, runs in out["results"].items()},

@@ -27,7 +27,6 @@ import datetime
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,6 +38,9 @@ from torch import nn
 from torch_sgn import SGN
 from torch_sgn.experiments import data as datasets
 from torch_sgn.experiments.models import mlp
+
+sys.path.insert(0, str(Path(__file__).parent))
+from measuring import environment  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -144,9 +146,7 @@ def main(argv=None) -> None:
             f"{r['resolved_steps']} | {r['rejected_steps']} | {r['last_batch_loss']:.4g} | "
             f"{r['train_loss']:.4g} | {r['median_step_s']:.3g} |"
         )
-    commit = subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
+    commit = environment().get("commit", "")
     out = Path(args.out) / f"{datetime.date.today():%Y-%m-%d}_{args.name}"
     out.mkdir(parents=True, exist_ok=True)
     record = {
