@@ -15,6 +15,7 @@ differentiate.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 from typing import Callable, Union
 
@@ -23,6 +24,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.functional import hessian
 from torch.func import functional_call
+
+from torch_sgn import SGN
+from torch_sgn.options import ARGUMENT_NAMES, KEYS, Options
 
 D = torch.float64
 
@@ -523,3 +527,11 @@ class SineWithoutJvp(torch.autograd.Function):
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
         return g * x.cos()
+
+
+def sgn_options(**changes) -> Options:
+    """SGN's default options (:class:`~torch_sgn.options.Options`, by their param-group keys),
+    with ``changes``; read from :class:`~torch_sgn.SGN`'s signature."""
+    params = inspect.signature(SGN.__init__).parameters
+    base = {key: params[ARGUMENT_NAMES.get(key, key)].default for key in KEYS}
+    return Options.of({**base, **changes})

@@ -13,6 +13,7 @@ from torch import nn
 from torch_sgn import SGN, curve_steps, fitting
 from torch_sgn.curve_steps import CurveSteps
 from torch_sgn.fitting import least_squares
+from torch_sgn.options import Options
 from torch_sgn.pinn import Residual, Residuals
 from torch_sgn.solve import geodesic
 from torch_sgn.solve import step as step_module
@@ -209,10 +210,10 @@ def _flat(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 
 
-def _group(module: nn.Module, fn, **options) -> dict:
+def _group(module: nn.Module, fn, **options) -> Options:
     problem = Residuals(module, {"residuals": Residual(fn)})
     opt = SGN(problem, Residuals.loss, solver="direct", engine="functional", **options)
-    return opt.param_groups[0]
+    return Options.of(opt.param_groups[0])
 
 
 def _spy(monkeypatch) -> list:

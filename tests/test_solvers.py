@@ -625,7 +625,7 @@ def test_the_damping_floor_follows_the_solver():
     assert floors["cg"] == pytest.approx(1e-6)
     assert floors["direct"] < 1e-12
     paper = SGN.paper(nn.Linear(3, 1).double(), "mse")
-    assert paper.param_groups[0]["damping_min"] == 1e-6 and paper._solver == "cg"
+    assert paper.param_groups[0]["damping_min"] == 1e-6 and paper._setup.solver == "cg"
 
 
 def test_state_dict_round_trip_continues_bit_identically():

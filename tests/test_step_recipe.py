@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from cases import sgn_options
 from torch_sgn import SGN
 from torch_sgn.solve.descents import CGDescent, MatrixDescent
 from torch_sgn.solve.state import KEYS, StepState
@@ -39,7 +40,7 @@ def test_a_huge_damping_steps_along_minus_the_gradient_over_the_damping():
         return float(g @ s + 0.5 * s @ G @ s)
 
     rho = 1e10
-    group = dict(
+    group = sgn_options(
         trust_region=True, damping_update="threshold", damping_min=None, attempts=3,
         damping_schedule="constant", damping=rho, damping_decay_steps=10,
         lr=1.0, line_search=True, ls_c=1e-4, ls_shrink=0.5, ls_max_evals=10, reject_uphill=True,

@@ -2,11 +2,13 @@
 
 import copy
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
 from torch import nn
 
+from cases import sgn_options
 from torch_sgn import SGN
 from torch_sgn.solve import auto as switching
 
@@ -166,7 +168,7 @@ def test_explicit_solvers_never_switch(solver):
 
 
 def test_cg_settings_of_a_one_batch_run_whose_forward_differentiates_itself():
-    group = dict(
+    group = sgn_options(
         cg_iters=10, cg_tol=None, cg_rtol=0.0, preconditioner=False, warmup_cg_iters=None,
         warmup_steps=10,
     )  # fmt: skip
@@ -181,11 +183,11 @@ def test_cg_settings_of_a_one_batch_run_whose_forward_differentiates_itself():
     assert nested64.rtol == switching.ONE_BATCH_CG_RTOL and nested64.preconditioner == "nystrom"
     assert switching.cg_settings(group, 5, True, torch.float32).preconditioner is False
     mine = switching.cg_settings(
-        {**group, "cg_iters": 300, "cg_rtol": 1e-6, "preconditioner": "diagonal"}, 5, True,
+        replace(group, cg_iters=300, cg_rtol=1e-6, preconditioner="diagonal"), 5, True,
         torch.float64,
     )  # fmt: skip
     assert (mine.iters, mine.rtol, mine.preconditioner) == (300, 1e-6, "diagonal")
-    assert switching.cg_settings({**group, "cg_tol": 1e-3}, 5, False, torch.float64).tol == 1e-3
+    assert switching.cg_settings(replace(group, cg_tol=1e-3), 5, False, torch.float64).tol == 1e-3
 
 
 class _AutogradResiduals(nn.Module):

@@ -3,12 +3,14 @@ the batch's starting loss is solved again with more damping, or not taken; ``SGN
 it, as the original does."""
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cases import sgn_options
 from torch_sgn import SGN
 from torch_sgn.options import PAPER_OPTIONS
 from torch_sgn.solve.descents import CGDescent
@@ -138,13 +140,13 @@ def test_a_resolved_step_hands_on_the_first_solves_damping(update):
 def test_raised_damping_covers_the_line_search(update):
     """A re-solve raises the damping by the rule for a failed attempt, and at least by the
     inverse of the line search's last factor."""
-    group = dict(
+    group = sgn_options(
         trust_region=True, damping_update=update, damping_min=1e-6, attempts=1,
         damping_schedule="constant", damping=1e-4, damping_decay_steps=10, reject_uphill=True,
     )  # fmt: skip
     rule = DampingRule.of(group, exact=False)
     assert rule.uphill_resolves == UPHILL_RESOLVES
-    assert DampingRule.of({**group, "reject_uphill": False}, exact=False).uphill_resolves is None
+    assert DampingRule.of(replace(group, reject_uphill=False), exact=False).uphill_resolves is None
     by_rule = 1.5 if update == "threshold" else 2.0
     damping, growth = rule.raised(1e-3, 2.0, 0.5**9)
     assert damping == pytest.approx(1e-3 * 512)
@@ -177,7 +179,7 @@ def _linear_step(rhs_sign, loss_at, reject_uphill=True):
         dampings.append(damping)
         return descent(damping)
 
-    group = dict(
+    group = sgn_options(
         trust_region=True, damping_update="threshold", damping_min=1e-6, attempts=1,
         damping_schedule="constant", damping=1e-4, damping_decay_steps=10,
         reject_uphill=reject_uphill, lr=1.0, line_search=True, ls_c=1e-4, ls_shrink=0.5,

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Callable, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -50,6 +50,9 @@ from .solve.scaled_trust_region import ACCEPT, Radius, Scaled, update
 from .solve.state import StepState
 from .solve.step import DampingRule, LineSearch, Problem, damped_step
 from .step_info import StepInfo, step_info
+
+if TYPE_CHECKING:
+    from .options import Options
 
 __all__ = ["CurveSteps", "SCALED_TRIALS", "SHARED_FORWARD_SIZE", "UNSUPPORTED"]
 
@@ -80,7 +83,7 @@ class CurveSteps:
         module: the module; its trainable parameters ``params`` are written in place at each
             evaluation (:meth:`write` the point to keep at the end).
         params: the module's trainable parameters, in the order of the flat vector.
-        group: SGN's options (an :class:`~torch_sgn.SGN` param group, checked).
+        options: SGN's options (:class:`~torch_sgn.options.Options`).
         check: ``(residuals, grads) -> None``, called once with the residuals at the first
             point (with their graph) and the gradients of one product of them with a random
             vector (``None`` for a parameter they do not reach); it raises on what it refuses.
@@ -94,20 +97,20 @@ class CurveSteps:
         fn: Callable[[nn.Module], Tensor],
         module: nn.Module,
         params: List[nn.Parameter],
-        group: Mapping,
+        options: Options,
         check: Optional[Callable[[Tensor, List[Optional[Tensor]]], None]] = None,
     ):
         self.fn, self.module, self.params, self.check = fn, module, params, check
         self.sizes = [p.numel() for p in params]
         names = {id(p): n for n, p in module.named_parameters()}
         self.names = [names[id(p)] for p in params]
-        self.rule = DampingRule.of(group, exact=True)
+        self.rule = DampingRule.of(options, exact=True)
         # Backtracking stops at the loss's rounding: a fit to the last digits reaches it, and
         # comparisons of losses there would pick a step by the noise.
-        self.search = replace(LineSearch.of(group), above_rounding=True)
-        self.lr = float(group["lr"])
-        self.accelerate = geodesic.wanted(group["geodesic_acceleration"], params[0].dtype)
-        self.state = StepState.first(group)
+        self.search = replace(LineSearch.of(options), above_rounding=True)
+        self.lr = float(options.lr)
+        self.accelerate = geodesic.wanted(options.geodesic_acceleration, params[0].dtype)
+        self.state = StepState.first(options)
         self.region: Optional[Radius] = None  # the scaled trust region's, once it runs
         self.broadcast: Optional[bool] = None  # J by broadcast copies: decided at the first J
         self._shape: Tuple[int, ...] = ()  # the residuals' shape, where broadcast

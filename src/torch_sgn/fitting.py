@@ -52,6 +52,7 @@ from torch import Tensor, nn
 from .curve_steps import UNSUPPORTED, CurveSteps
 from .model.flat_model import flat_gradient
 from .optimizer import SGN, StepInfo
+from .options import Options
 from .pinn.residuals import Residual, Residuals
 from .solve.direct import DEFAULT_DIRECT_MAX_PARAMS
 
@@ -248,7 +249,7 @@ def _run(
         if _takes_curve_steps({**group, **sgn_options}, solver, params):
             names = _names(problem, params)
             lean = CurveSteps(
-                curve[0], curve[1], params, group,
+                curve[0], curve[1], params, Options.of(group),
                 check=lambda r, reached: _check_start(r, names, reached),
             )  # fmt: skip
             run = _run_curve(lean, params, xtol, ftol, gtol, max_steps, group["lr"])

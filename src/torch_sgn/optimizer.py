@@ -16,11 +16,11 @@ from .checks import check_batch, finite_loss
 from .diagnostics import warn
 from .distributed import ProcessGroup, SingleProcess, communicator
 from .engines.jacobian import per_sample, with_jacobian
-from .engines.selection import curvature_subset, engine_name, select_engine
-from .linearization import Linearization, RowSample, check_loss_parameters, weight_penalty
+from .engines.selection import curvature_subset, select_engine
+from .linearization import Engine, Linearization, RowSample, check_loss_parameters, weight_penalty
 from .losses import LossSpec, resolve_loss
 from .model.flat_model import FunctionalModel
-from .options import KEYS, PAPER_OPTIONS, check_arguments, check_loaded_state, check_options
+from .options import ARGUMENT_NAMES, KEYS, PAPER_OPTIONS, Options, Setup, check_loaded_state
 from .solve import auto, direct, geodesic, sampled
 from .solve.descents import (
     CG,
@@ -328,37 +328,22 @@ class SGN(torch.optim.Optimizer):
         solver: str = "auto",
         direct_max_params: int = direct.DEFAULT_DIRECT_MAX_PARAMS,
     ):
-        defaults = dict(
-            lr=lr, damping=damping, damping_min=damping_min, cg_iters=cg_iters, cg_tol=cg_tol,
-            cg_rtol=cg_rtol, cg_progress_tol=cg_progress_tol, attempts=attempts,
-            damping_update=damping_update, line_search=line_search, trust_region=trust_region,
-            gradient_averaging=momentum, warmup_cg_iters=warmup_cg_iters,
-            warmup_steps=warmup_steps, damping_schedule=damping_schedule,
-            damping_decay_steps=damping_decay_steps, preconditioner=preconditioner,
-            preconditioner_exponent=preconditioner_exponent,
-            preconditioner_rank=preconditioner_rank, preconditioner_every=preconditioner_every,
-            warm_start=warm_start, ls_c=ls_c,
-            ls_shrink=ls_shrink, ls_max_evals=ls_max_evals, keep_grad=keep_grad,
-            geodesic_acceleration=geodesic_acceleration, reject_uphill=reject_uphill,
-            weight_decay=weight_decay,
-            step_rule=step_rule,
-        )  # fmt: skip
-        assert set(defaults) == set(KEYS)
-        check_options(defaults)
-        check_arguments(engine, compile, cuda_graphs, curvature_fraction, solver, direct_max_params)
-        engine = engine_name(engine)
+        given = locals()  # the options kept in param_groups, by their keys (options.KEYS)
+        defaults = {key: given[ARGUMENT_NAMES.get(key, key)] for key in KEYS}
+        self._options = Options.of(defaults)  # the options of the step in progress
+        self._setup = setup = Setup.of(
+            engine, cuda_graphs, compile, curvature_fraction, solver, direct_max_params
+        )
 
         if isinstance(model, nn.parallel.DistributedDataParallel) and process_group is None:
             process_group = model.process_group  # (FunctionalModel takes the module it wraps)
-        if curvature_fraction < 1 and hasattr(model, "jacobian_blocks"):
+        if setup.curvature_fraction < 1 and hasattr(model, "jacobian_blocks"):
             raise ValueError(
                 f"curvature_fraction={curvature_fraction}: a Residuals problem's points belong "
                 "to its blocks, not to one batch of samples to draw a subset from; use "
                 "curvature_fraction=1 (exact steps form G from every residual)"
             )
         self._fmodel = FunctionalModel(model)
-        self._solver = solver
-        self._direct_max_params = direct_max_params
         self._loss = resolve_loss(loss)
         self._comm = communicator(self._fmodel, self._loss, process_group)
         super().__init__(self._fmodel.params, defaults)
@@ -367,19 +352,17 @@ class SGN(torch.optim.Optimizer):
         self._step_supports_amp_scaling = True
         if len(self.param_groups) != 1:  # pragma: no cover - guarded by add_param_group
             raise ValueError("SGN doesn't support per-parameter options (parameter groups)")
-        if cuda_graphs and not isinstance(self._comm, SingleProcess):
+        if setup.cuda_graphs and not isinstance(self._comm, SingleProcess):
             raise ValueError(
                 "cuda_graphs=True is not supported in a data-parallel group of several "
                 "processes (shards may differ in shape); leave it off there"
             )
-        self._engine = select_engine(self._fmodel, self._loss, engine, cuda_graphs, compile)
-        self._engine_options = (engine, cuda_graphs, compile)  # a copy builds its own engine
+        self._engine = self._selected_engine()
         self._per_sample: dict = {}  # batch shapes -> whether the model is per-sample on them
         self._last_inputs = auto.BatchMemory()  # the last step's inputs (see _fits_one_batch)
-        self._curvature_fraction = curvature_fraction
         self._nystrom = NystromCache()  # CG's preconditioner="nystrom"
         self._nested_warned = False  # the notice of auto.NESTED_NOTICE given
-        if solver == "direct" and not self._may_solve_through_outputs():
+        if setup.solver == "direct" and not self._may_solve_through_outputs():
             # before anything of the matrix's size is allocated
             fm = self._fmodel
             direct.check_direct_fits(fm.numel, torch.float64, fm.device)
@@ -436,8 +419,7 @@ class SGN(torch.optim.Optimizer):
                 "SGN built on each rank"
             )
         state = super().__getstate__()
-        own = ("_fmodel", "_loss", "_curvature_fraction", "_engine_options", "_solver")
-        own += ("_direct_max_params",)
+        own = ("_fmodel", "_loss", "_setup", "_options")
         state.update({k: self.__dict__[k] for k in own})
         return state
 
@@ -450,14 +432,14 @@ class SGN(torch.optim.Optimizer):
         self._last_inputs = auto.BatchMemory()
         with warnings.catch_warnings():  # the original already warned about its engine
             warnings.simplefilter("ignore")
-            self._engine = select_engine(self._fmodel, self._loss, *self._engine_options)
+            self._engine = self._selected_engine()
 
     def _global_state(self) -> dict:
         """SGN's state (:class:`~torch_sgn.solve.state.StepState` as a dict), kept on the first
         parameter so that load_state_dict casts it."""
         stored = self.state[self._fmodel.params[0]]
         if not stored:
-            StepState.first(self.param_groups[0]).write(stored)
+            StepState.first(self._options).write(stored)
         return stored
 
     # --- one step ----------------------------------------------------------------------------
@@ -501,12 +483,13 @@ class SGN(torch.optim.Optimizer):
         """
         refuse_grad_scaler(self)
         inputs, targets = batch_of_call(inputs, targets, closure)
-        check_options(self.param_groups[0], in_step=True)  # a scheduler may have changed them
+        # Read once, checked: a user or a scheduler may have changed them since the last step.
+        self._options = options = Options.of(self.param_groups[0], in_step=True)
         check_batch(inputs, targets)
         batch, stored = Batch(inputs, targets), self._global_state()
         state, theta, buffers = StepState.of(stored), self._fmodel.flat(), {}
         # More rows than an exact step takes: exact steps on a sample of them, then on all.
-        stage, most = self._rows_stage(batch, state), self._direct_max_params
+        stage, most = self._rows_stage(batch, state), self._setup.direct_max_params
         batch, drawn = many_rows.sampled_batch(stage, self._fmodel.model, batch, most, state)
         trainable = self._fmodel.trainable_mask()
         self._fmodel.warn_unfrozen()
@@ -540,19 +523,19 @@ class SGN(torch.optim.Optimizer):
         if run.moved:
             self._fmodel.write(theta + run.trial.displacement(run.step_factor))
         self._fmodel.write_buffers(buffers)
-        if self.param_groups[0]["keep_grad"]:
+        if options.keep_grad:
             self._fmodel.write_grad(lin.grad)
         after = next_state(
-            self.param_groups[0], self._solver, state, run, route, phase, loss0, candidate,
+            options, self._setup.solver, state, run, route, phase, loss0, candidate,
             momentum_buffer,
         )  # fmt: skip
         if stage is not None:
             after = many_rows.next_state(after, stage, loss0, self._fmodel.model, inputs, most)
         after.write(stored)
         # Report.
-        group = self.param_groups[0]
-        penalty = weight_penalty(theta, group["weight_decay"]) if group["weight_decay"] else 0.0
-        info = step_info(run, loss0, grad_norm, evals, group["lr"], float(penalty))
+        decay = options.weight_decay
+        penalty = weight_penalty(theta, decay) if decay else 0.0
+        info = step_info(run, loss0, grad_norm, evals, options.lr, float(penalty))
         if stage is not None:
             info = replace(info, sample=many_rows.points_used(sample, drawn))
         log_step(state.step, info)
@@ -565,7 +548,7 @@ class SGN(torch.optim.Optimizer):
         """The model and loss linearized at ``theta`` on the batch (reduced over a data-parallel
         group), with a row-batched Jacobian where exact steps take it, and the weight decay's
         penalty; ``all_rows``: by the layers' factors (:mod:`torch_sgn.many_rows`)."""
-        fm, most = self._fmodel, self._direct_max_params
+        fm, most = self._fmodel, self._setup.direct_max_params
         lin = many_rows.linearized(fm, self._loss, theta, batch, most) if all_rows else None
         lin = lin or self._comm.linearize(t, self._step_engine(t), theta, batch, buffers)
         check_loss_parameters(self._loss, self._fmodel, lin, theta, batch)
@@ -573,11 +556,11 @@ class SGN(torch.optim.Optimizer):
             lin = with_jacobian(lin, self._fmodel, self._loss, theta, batch)
         # The L2 penalty, added once here: after the data-parallel reduction (every rank holds
         # the same theta) and before the mask of frozen parameters (which keeps them still).
-        return lin.regularized(self.param_groups[0]["weight_decay"], theta)
+        return lin.regularized(self._options.weight_decay, theta)
 
     def _momentum(self, grad: Tensor, state: StepState) -> tuple[Tensor, Optional[Tensor]]:
         """The right-hand side ``m_hat`` and the new moving average (None without momentum)."""
-        beta = self.param_groups[0]["gradient_averaging"]
+        beta = self._options.gradient_averaging
         if beta == 0:
             return grad, None
         m = state.momentum_buffer
@@ -587,16 +570,16 @@ class SGN(torch.optim.Optimizer):
     def _route(self, lin: Linearization, rhs: Tensor) -> str:
         """How this step may solve (:func:`~torch_sgn.solve.routes.choose_route`)."""
         fm = self._fmodel
-        cg_iters = self.param_groups[0]["cg_iters"]
+        setup, cg_iters = self._setup, self._options.cg_iters
         return choose_route(
-            self._solver, lin, rhs, fm.numel, fm.device, cg_iters, self._direct_max_params
+            setup.solver, lin, rhs, fm.numel, fm.device, cg_iters, setup.direct_max_params
         )
 
     def _phase(
         self, state: StepState, route: str, loss0: float, lin: Linearization, batch: Batch
     ) -> auto.Phase:
         """The route this step takes, and for ``solver="auto"`` its probe and verdict."""
-        if self._solver != "auto":
+        if self._setup.solver != "auto":
             return auto.Phase(route)
         at = lambda point: self._loss_at(lin, point, batch)  # noqa: E731
         one_batch, nested = self._fits_one_batch(batch), self._fmodel.calls_autograd
@@ -614,16 +597,16 @@ class SGN(torch.optim.Optimizer):
         sample: Optional[RowSample] = None,
     ) -> Outcome:
         """The step by ``phase``'s route: its descent's damping attempts and the line search."""
-        group, route = self.param_groups[0], phase.route
+        options, route = self._options, phase.route
         if phase.one_batch and not self._nested_warned:
             self._nested_warned = True
             warn(auto.NESTED_NOTICE)
         descent = self._descent(lin, problem.rhs, state, route, sample, phase.one_batch)
-        if route == CG and group["step_rule"] == "quadratic":
+        if route == CG and options.step_rule == "quadratic":
             descent = QuadraticDescent(descent, lin.ggn_vp, lin.grad, problem.rhs, state.prev_step)
         accelerate = self._accelerator(lin, batch, theta, route, trainable)
-        rule = DampingRule.of(group, exact=route != CG)
-        return damped_step(descent, problem, state, rule, LineSearch.of(group), accelerate)
+        rule = DampingRule.of(options, exact=route != CG)
+        return damped_step(descent, problem, state, rule, LineSearch.of(options), accelerate)
 
     def _descent(
         self,
@@ -645,19 +628,19 @@ class SGN(torch.optim.Optimizer):
             return SampleSpaceDescent(lin.sample_space, lin.grad, lin.ggn_vp)
         if route == MATRIX:
             return MatrixDescent(lin.ggn_matrix, rhs)
-        group = self.param_groups[0]
-        cg = auto.cg_settings(group, state.step, one_batch, rhs.dtype)
+        options = self._options
+        cg = auto.cg_settings(options, state.step, one_batch, rhs.dtype)
         x0 = None
-        if group["warm_start"] > 0 and state.prev_direction is not None:
-            x0 = group["warm_start"] * state.prev_direction
+        if options.warm_start > 0 and state.prev_direction is not None:
+            x0 = options.warm_start * state.prev_direction
         kind = cg.preconditioner
-        exponent = group["preconditioner_exponent"] if kind in (True, "diagonal") else None
+        exponent = options.preconditioner_exponent if kind in (True, "diagonal") else None
         approx = None
         if kind == "nystrom":
-            rank, every = group["preconditioner_rank"], group["preconditioner_every"]
+            rank, every = options.preconditioner_rank, options.preconditioner_every
             approx = self._nystrom.at(lin.ggn_vp, rhs, state.step, rank, every)
         return CGDescent(
-            lin.ggn_vp, rhs, cg.iters, cg.tol, cg.rtol, group["cg_progress_tol"], x0, exponent,
+            lin.ggn_vp, rhs, cg.iters, cg.tol, cg.rtol, options.cg_progress_tol, x0, exponent,
             approx,
         )  # fmt: skip
 
@@ -675,8 +658,8 @@ class SGN(torch.optim.Optimizer):
 
         In a data-parallel group each rank differences its shard's outputs and the shards'
         ``J^T H f_vv`` are reduced as the gradient is, so every rank takes the same step."""
-        group = self.param_groups[0]
-        if route == CG or not geodesic.wanted(group["geodesic_acceleration"], theta.dtype):
+        options = self._options
+        if route == CG or not geodesic.wanted(options.geodesic_acceleration, theta.dtype):
             return None
         outputs_at = lin.outputs_at
         if outputs_at is None:
@@ -689,7 +672,7 @@ class SGN(torch.optim.Optimizer):
         return geodesic.accelerator(
             theta, outputs_at, lambda centre: self._loss.hessian(centre, batch.targets), vjp,
             self._comm.shares, lin.sample_space.size if samples else theta.numel(),
-            0.5 * group["lr"] ** 2, mask,
+            0.5 * options.lr**2, mask,
         )  # fmt: skip
 
     def _trial_loss(self, lin: Linearization, theta: Tensor, batch: Batch) -> Callable[..., float]:
@@ -703,20 +686,28 @@ class SGN(torch.optim.Optimizer):
         return loss_at
 
     # --- helpers -----------------------------------------------------------------------------
+    def _selected_engine(self) -> Engine:
+        """The engine :attr:`_setup` asks for (:func:`~torch_sgn.engines.selection.select_engine`;
+        a copy builds its own)."""
+        s = self._setup
+        return select_engine(self._fmodel, self._loss, s.engine, s.cuda_graphs, s.compile)
+
     def _step_engine(self, t: int):
         """The engine for step ``t``: the curvature subset is drawn from a generator seeded
         with ``t``, so a resumed run, or a step retried after a failure, draws the same one."""
-        if self._curvature_fraction < 1:
-            return curvature_subset(self._engine, self._loss, self._curvature_fraction, seed=t)
+        fraction = self._setup.curvature_fraction
+        if fraction < 1:
+            return curvature_subset(self._engine, self._loss, fraction, seed=t)
         return self._engine
 
     def _rows_stage(self, batch: Batch, state: StepState) -> Optional[str]:
         """:func:`torch_sgn.many_rows.stage`, for ``solver="auto"`` in one process, without
         momentum, CUDA graphs or a curvature subset."""
-        if self._solver != "auto" or self._engine_options[1] or not self._may_solve_exactly():
+        setup = self._setup
+        if setup.solver != "auto" or setup.cuda_graphs or not self._may_solve_exactly():
             return None
         fm = self._fmodel
-        return many_rows.stage(fm.model, batch, fm.numel, self._direct_max_params, state)
+        return many_rows.stage(fm.model, batch, fm.numel, setup.direct_max_params, state)
 
     def _may_solve_through_outputs(self) -> bool:
         """Whether steps may go through the batch's outputs (the engine and the options allow
@@ -732,8 +723,8 @@ class SGN(torch.optim.Optimizer):
         """One process, no momentum, no curvature subset: an exact step's conditions."""
         return (
             isinstance(self._comm, SingleProcess)
-            and self.param_groups[0]["gradient_averaging"] == 0
-            and self._curvature_fraction == 1
+            and self._options.gradient_averaging == 0
+            and self._setup.curvature_fraction == 1
         )
 
     def _fits_one_batch(self, batch: Batch) -> bool:
@@ -753,13 +744,13 @@ class SGN(torch.optim.Optimizer):
         once per shape and mode). ``solver="auto"`` keeps its cost rule on other models."""
         residual_problem = hasattr(self._fmodel.model, "jacobian_blocks")
         if (
-            self._solver == "cg"
-            or (self._solver == "auto" and not residual_problem)
-            or self._engine_options[1]  # cuda_graphs: the captured products are the route
+            self._setup.solver == "cg"
+            or (self._setup.solver == "auto" and not residual_problem)
+            or self._setup.cuda_graphs  # the captured products are the route
             or lin.dense_ggn is not None
             or lin.sample_space is not None
             or not isinstance(self._comm, SingleProcess)
-            or self._curvature_fraction != 1
+            or self._setup.curvature_fraction != 1
         ):
             return False
         key = (
@@ -776,7 +767,7 @@ class SGN(torch.optim.Optimizer):
         (in ``lin.value_at`` where the engine has one)."""
         if lin.value_at is not None:
             return self._comm.loss_value(lambda: lin.value_at(flat))
-        weight_decay = self.param_groups[0]["weight_decay"]
+        weight_decay = self._options.weight_decay
 
         def value() -> Tensor:
             value = self._loss.value(self._fmodel(flat, batch.inputs), batch.targets)

@@ -12,8 +12,9 @@ key they refuse ``cycle_momentum=True`` with their own error.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, fields
 from types import MappingProxyType
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Optional, Union
 
 from .engines.selection import ENGINE_ALIASES, ENGINES, engine_name
 from .solve.damping import DAMPING_SCHEDULES, DAMPING_UPDATES
@@ -25,20 +26,93 @@ __all__ = [
     "KEYS",
     "PAPER_OPTIONS",
     "PRECONDITIONERS",
+    "Options",
+    "Setup",
     "check_arguments",
     "check_loaded_state",
     "check_options",
 ]
 
+
+@dataclass(frozen=True)
+class Options:
+    """SGN's options as one step reads them: the keys of its parameter group besides
+    ``"params"`` (:data:`KEYS`), read once per step by :meth:`of`, which checks them. Their
+    defaults and meaning are :class:`~torch_sgn.SGN`'s arguments of the same name
+    (``gradient_averaging``: its ``momentum``, :data:`ARGUMENT_NAMES`)."""
+
+    lr: float
+    damping: float
+    damping_min: Optional[float]
+    cg_iters: int
+    cg_tol: Optional[float]
+    cg_rtol: float
+    cg_progress_tol: float
+    attempts: int
+    damping_update: str
+    line_search: bool
+    trust_region: bool
+    gradient_averaging: float
+    warmup_cg_iters: Optional[int]
+    warmup_steps: int
+    damping_schedule: str
+    damping_decay_steps: int
+    preconditioner: Union[bool, str]
+    preconditioner_exponent: float
+    preconditioner_rank: int
+    preconditioner_every: int
+    warm_start: float
+    ls_c: float
+    ls_shrink: float
+    ls_max_evals: int
+    keep_grad: bool
+    geodesic_acceleration: Union[None, bool, str]
+    reject_uphill: bool
+    weight_decay: float
+    step_rule: str
+
+    @classmethod
+    def of(cls, group: Mapping, in_step: bool = False) -> Options:
+        """The options of ``group`` (a parameter group, or any mapping of :data:`KEYS`),
+        checked (:func:`check_options`; ``in_step``: read at a step, after a user or a
+        scheduler may have changed them)."""
+        check_options(group, in_step)
+        return cls(**{key: group[key] for key in KEYS})
+
+
 #: SGN's options, the keys of its parameter group besides ``"params"``.
-KEYS = (
-    "lr", "damping", "damping_min", "cg_iters", "cg_tol", "cg_rtol", "cg_progress_tol",
-    "attempts", "damping_update", "line_search", "trust_region",
-    "gradient_averaging", "warmup_cg_iters", "warmup_steps", "damping_schedule",
-    "damping_decay_steps", "preconditioner", "preconditioner_exponent", "preconditioner_rank",
-    "preconditioner_every", "warm_start", "ls_c", "ls_shrink", "ls_max_evals", "keep_grad",
-    "geodesic_acceleration", "reject_uphill", "weight_decay", "step_rule",
-)  # fmt: skip
+KEYS = tuple(f.name for f in fields(Options))
+
+
+@dataclass(frozen=True)
+class Setup:
+    """SGN's settings fixed at construction, not kept in ``param_groups`` (see
+    :class:`~torch_sgn.SGN`'s arguments of the same names); :meth:`of` checks them."""
+
+    engine: str  # its canonical name (engine_name)
+    cuda_graphs: bool
+    compile: bool
+    curvature_fraction: float
+    solver: str
+    direct_max_params: int
+
+    @classmethod
+    def of(
+        cls,
+        engine: str,
+        cuda_graphs: bool,
+        compile: bool,
+        curvature_fraction: float,
+        solver: str,
+        direct_max_params: int,
+    ) -> Setup:
+        """The settings, checked (:func:`check_arguments`), the engine's alias resolved."""
+        check_arguments(engine, compile, cuda_graphs, curvature_fraction, solver, direct_max_params)
+        return cls(
+            engine_name(engine), cuda_graphs, compile, curvature_fraction, solver,
+            direct_max_params,
+        )  # fmt: skip
+
 
 #: The values of ``preconditioner``: none, the paper's diagonal, a randomized Nystrom one.
 PRECONDITIONERS = (False, True, "diagonal", "nystrom")

@@ -36,13 +36,16 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import Tensor
 
 from .descents import CG
 from .state import StepState
+
+if TYPE_CHECKING:
+    from ..options import Options
 
 __all__ = [
     "CG_TOL", "KEYS", "MARGIN", "NESTED_NOTICE", "ONE_BATCH_CG_ITERS", "ONE_BATCH_CG_RTOL",
@@ -111,20 +114,20 @@ class CGSettings:
     preconditioner: object
 
 
-def cg_settings(group: Mapping, step: int, one_batch: bool, dtype: torch.dtype) -> CGSettings:
-    """The settings of a CG step ``step`` from SGN's options ``group``: ``warmup_cg_iters``
+def cg_settings(options: Options, step: int, one_batch: bool, dtype: torch.dtype) -> CGSettings:
+    """The settings of a CG step ``step`` from SGN's ``options``: ``warmup_cg_iters``
     during the first ``warmup_steps``; ``cg_tol=None``: :data:`CG_TOL` for parameters of
     ``dtype`` float32 or narrower, off (0) for float64; on a run of one batch without an exact route
     (``solver="auto"``, :attr:`Phase.one_batch`) at least :data:`ONE_BATCH_CG_ITERS` iterations,
     the relative tolerance :data:`ONE_BATCH_CG_RTOL` where none is set, and the Nystrom
     preconditioner where none is set."""
-    iters = group["cg_iters"]
-    if group["warmup_cg_iters"] is not None and step < group["warmup_steps"]:
-        iters = group["warmup_cg_iters"]
-    tol = group["cg_tol"]
+    iters = options.cg_iters
+    if options.warmup_cg_iters is not None and step < options.warmup_steps:
+        iters = options.warmup_cg_iters
+    tol = options.cg_tol
     if tol is None:
         tol = CG_TOL if torch.finfo(dtype).bits <= 32 else 0.0
-    settings = CGSettings(iters, tol, group["cg_rtol"], group["preconditioner"])
+    settings = CGSettings(iters, tol, options.cg_rtol, options.preconditioner)
     if not one_batch:
         return settings
     return CGSettings(

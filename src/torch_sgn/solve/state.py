@@ -10,11 +10,14 @@ dataclass, and writes it back with :meth:`StepState.write` only when it commits.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import List, Mapping, MutableMapping, Optional
+from typing import TYPE_CHECKING, List, MutableMapping, Optional
 
 from torch import Tensor
 
 from .damping import GROWTH_START
+
+if TYPE_CHECKING:
+    from ..options import Options
 
 __all__ = ["KEYS", "StepState"]
 
@@ -57,11 +60,11 @@ class StepState:
     sampled_losses: Optional[List[float]] = None
 
     @classmethod
-    def first(cls, group: Mapping) -> StepState:
+    def first(cls, options: Options) -> StepState:
         """The state before the first step, from SGN's options: the initial damping, and
         Nielsen's growth factor where ``damping_update="nielsen"``."""
-        growth = GROWTH_START if group["damping_update"] == "nielsen" else None
-        return cls(0, float(group["damping"]), growth)
+        growth = GROWTH_START if options.damping_update == "nielsen" else None
+        return cls(0, float(options.damping), growth)
 
     @classmethod
     def of(cls, stored: MutableMapping) -> StepState:

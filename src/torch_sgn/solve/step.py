@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -47,6 +47,9 @@ from .descents import CG, Descent, Result
 from .direct import DirectResult
 from .line_search import LineSearchResult, backtracking
 from .state import StepState
+
+if TYPE_CHECKING:
+    from ..options import Options
 
 __all__ = [
     "DampingRule",
@@ -115,10 +118,10 @@ class LineSearch:
     above_rounding: bool = False
 
     @classmethod
-    def of(cls, group: Mapping) -> LineSearch:
+    def of(cls, options: Options) -> LineSearch:
         return cls(
-            group["lr"], group["line_search"], group["ls_c"], group["ls_shrink"],
-            group["ls_max_evals"],
+            options.lr, options.line_search, options.ls_c, options.ls_shrink,
+            options.ls_max_evals,
         )  # fmt: skip
 
 
@@ -161,14 +164,14 @@ class DampingRule:
     strict_acceleration: bool = False
 
     @classmethod
-    def of(cls, group: Mapping, exact: bool) -> DampingRule:
+    def of(cls, options: Options, exact: bool) -> DampingRule:
         """The rule of a step by an exact route (``exact``) or by CG, from SGN's options."""
         return cls(
-            group["trust_region"], group["damping_update"],
-            damping_floor(group["damping_min"], exact), group["attempts"],
-            group["damping_schedule"], group["damping"], group["damping_decay_steps"],
-            UPHILL_RESOLVES if group["reject_uphill"] else None,
-            group.get("geodesic_acceleration") == "strict",
+            options.trust_region, options.damping_update,
+            damping_floor(options.damping_min, exact), options.attempts,
+            options.damping_schedule, options.damping, options.damping_decay_steps,
+            UPHILL_RESOLVES if options.reject_uphill else None,
+            options.geodesic_acceleration == "strict",
         )  # fmt: skip
 
     def start(self, state: StepState) -> tuple[float, float]:
@@ -443,7 +446,7 @@ def _line_search(
 
 
 def next_state(
-    group: Mapping,
+    options: Options,
     solver: str,
     state: StepState,
     run: Outcome,
@@ -455,20 +458,20 @@ def next_state(
 ) -> StepState:
     """The state the next step starts from, after step ``state.step`` took ``run`` by
     ``route`` (``phase`` and ``candidate``: ``solver="auto"``'s plan and probe point), with SGN's
-    options ``group``."""
+    ``options``."""
     t = state.step
     after = replace(state, step=t + 1, damping=run.next_damping)
     if solver == "auto" and route != CG:
         after, switched = auto.advance(after, t, phase, loss0, candidate)
         if switched is not None:
             logger.info("step %d: solver='auto' switches to exact steps (%s)", t, switched)
-    if group["damping_update"] == "nielsen":
+    if options.damping_update == "nielsen":
         after = replace(after, damping_growth=run.growth)
     if momentum_buffer is not None:
         after = replace(after, momentum_buffer=momentum_buffer)
-    if group["warm_start"] > 0:
+    if options.warm_start > 0:
         after = replace(after, prev_direction=run.trial.result.x)
-    if group["step_rule"] == "quadratic":
+    if options.step_rule == "quadratic":
         moved = run.moved and not isinstance(run.trial.result, DirectResult)
         update = run.trial.displacement(run.step_factor) if moved else None
         after = replace(after, prev_step=update)
