@@ -535,3 +535,10 @@ def sgn_options(**changes) -> Options:
     params = inspect.signature(SGN.__init__).parameters
     base = {key: params[ARGUMENT_NAMES.get(key, key)].default for key in KEYS}
     return Options.of({**base, **changes})
+
+
+def flat_parameters(model: nn.Module, trainable: bool = False) -> Tensor:
+    """A copy of the model's parameters as one flat vector, in ``parameters_to_vector``'s
+    order (``trainable``: those with ``requires_grad`` alone)."""
+    params = [p for p in model.parameters() if p.requires_grad or not trainable]
+    return torch.cat([p.detach().reshape(-1) for p in params])

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from cases import flat_parameters
 from torch_sgn import SGN, curve_steps, fitting
 from torch_sgn.curve_steps import CurveSteps
 from torch_sgn.fitting import least_squares
@@ -206,10 +207,6 @@ CASES = [
 IDS = [c[0] for c in CASES]
 
 
-def _flat(module: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
-
-
 def _group(module: nn.Module, fn, **options) -> Options:
     problem = Residuals(module, {"residuals": Residual(fn)})
     opt = SGN(problem, Residuals.loss, solver="direct", engine="functional", **options)
@@ -235,7 +232,7 @@ def _spy(monkeypatch) -> list:
 def test_jacobian_equals_dense_jacobian_of_the_flat_parameters(name, make, fn, flat_fn, broadcast):
     module = make()
     params = list(module.parameters())
-    start = _flat(module)
+    start = flat_parameters(module)
     steps = CurveSteps(fn, module, params, _group(module, fn, damping_update="nielsen"))
     g = torch.Generator().manual_seed(5)
     try:
@@ -300,10 +297,10 @@ def _sgn_points(make, fn, k: int, **options) -> tuple:
         problem, Residuals.loss, solver="direct", engine="functional", damping_update="nielsen",
         **options,
     )  # fmt: skip
-    points, infos = [_flat(module)], []
+    points, infos = [flat_parameters(module)], []
     for _ in range(k):
         infos.append(opt.step(inputs, targets))
-        points.append(_flat(module))
+        points.append(flat_parameters(module))
     return points, infos
 
 
@@ -462,7 +459,7 @@ def test_fits_with_options_it_does_not_take_run_through_the_optimizer(options, m
     res = least_squares(decay, module, max_steps=4, **OFF, **options)
     assert res.steps == 4 and res.status == 0
     assert res.cost < 0.5 * start
-    torch.testing.assert_close(res.x, _flat(module))
+    torch.testing.assert_close(res.x, flat_parameters(module))
 
 
 def test_options_it_does_not_take_are_refused():
@@ -512,9 +509,9 @@ def test_parameters_own_their_storage_and_hold_x_after_a_fit(monkeypatch):
     res = least_squares(peaks, module, **TIGHT)
     assert len(made) == 1 and res.success
     params = list(module.parameters())
-    assert torch.equal(_flat(module), res.x)
+    assert torch.equal(flat_parameters(module), res.x)
     _own_storage(params)
-    assert torch.equal(_flat(module), res.x)
+    assert torch.equal(flat_parameters(module), res.x)
 
 
 def _counting(fn, at: int):
@@ -532,7 +529,7 @@ def _counting(fn, at: int):
 def _accepted_points(make, fn, steps: int) -> list:
     """The start and the points the fit accepts at each of its first steps (the fit is
     deterministic: one fit of j steps per point)."""
-    points = [_flat(make())]
+    points = [flat_parameters(make())]
     for j in range(1, steps + 1):
         points.append(least_squares(fn, make(), max_steps=j, **OFF).x)
     return points
@@ -559,7 +556,7 @@ def test_an_interrupted_fit_leaves_an_accepted_point_in_own_storage(at, monkeypa
         least_squares(counted, module, max_steps=8, **OFF)
     assert calls[0] == at
     assert made or at <= 2  # past the start's checks, CurveSteps ran
-    point = _flat(module)
+    point = flat_parameters(module)
     assert any(torch.equal(point, a) for a in accepted)
     with torch.no_grad():
         assert float(rational(module).square().sum()) <= float(rational(make()).square().sum())
@@ -637,7 +634,7 @@ def test_tight_tolerances_stop_at_the_noise_floor(case, noise, monkeypatch):
     assert len(made) == 1
     assert res.status > 0 and res.steps < 50
     if NOISE[noise] is None:
-        torch.testing.assert_close(res.x, _flat(exact), rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(res.x, flat_parameters(exact), rtol=1e-10, atol=1e-12)
         assert res.cost < 1e-24
     else:  # where the loss stops telling points apart: x to about sqrt(eps), the cost to eps
 

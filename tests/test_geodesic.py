@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from cases import dense_parts
+from cases import dense_parts, flat_parameters
 from torch_sgn import SGN, optimizer
 from torch_sgn.solve import geodesic
 from torch_sgn.solve import step as step_module
@@ -49,10 +49,6 @@ def _reference_step(model, loss, x, y, rho: float, predicted: list | None = None
     if predicted is not None:
         predicted += [float(g @ d), float(d @ A @ d)]
     return theta, d, a if used else None
-
-
-def _flat(model: nn.Module) -> Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters() if p.requires_grad])
 
 
 # --- the second difference ------------------------------------------------------------------------
@@ -182,7 +178,9 @@ def test_accelerated_step_matches_the_dense_reference(engine, n, loss, route, lr
     info = opt.step(x, y)
     assert routes == [route] and info.solver == "direct" and info.accelerated
     expected = theta + lr * d + 0.5 * lr**2 * a
-    torch.testing.assert_close(_flat(model), expected, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(
+        flat_parameters(model, trainable=True), expected, rtol=1e-8, atol=1e-10
+    )
     # The trust region judges the plain step: its prediction is that of lr d.
     slope, curvature = predicted
     change = lr * slope + 0.5 * lr**2 * curvature
@@ -197,9 +195,13 @@ def test_the_acceleration_is_dropped_where_it_is_large_against_the_step(monkeypa
     monkeypatch.setattr(geodesic, "RATIO", 0.0)  # every acceleration is too large
     info = SGN(model, "mse", damping=rho, **EXACT).step(x, y)
     assert not info.accelerated
-    torch.testing.assert_close(_flat(model), theta + d, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(
+        flat_parameters(model, trainable=True), theta + d, rtol=1e-9, atol=1e-11
+    )
     SGN(plain, "mse", damping=rho, geodesic_acceleration=False, **EXACT).step(x, y)
-    assert torch.equal(_flat(model), _flat(plain))
+    assert torch.equal(
+        flat_parameters(model, trainable=True), flat_parameters(plain, trainable=True)
+    )
 
 
 def test_the_line_search_backtracks_along_the_parabola(monkeypatch):
@@ -217,7 +219,9 @@ def test_the_line_search_backtracks_along_the_parabola(monkeypatch):
     opt = SGN(model, "mse", damping=rho, trust_region=False, lr=1.0, solver="direct")
     info = opt.step(x, y)
     assert info.accelerated and info.step_size == 0.5
-    torch.testing.assert_close(_flat(model), theta + 0.5 * d + 0.125 * a, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(
+        flat_parameters(model, trainable=True), theta + 0.5 * d + 0.125 * a, rtol=1e-8, atol=1e-10
+    )
     assert slopes == [pytest.approx(predicted[0], rel=1e-8)]  # the Armijo slope is d's
 
 
@@ -230,7 +234,9 @@ def test_a_frozen_parameter_stays_frozen_under_the_acceleration():
     frozen = first.detach().clone()
     info = opt.step(x, y)
     assert info.accelerated and torch.equal(first, frozen)
-    torch.testing.assert_close(_flat(model), theta + d + 0.5 * a, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(
+        flat_parameters(model, trainable=True), theta + d + 0.5 * a, rtol=1e-8, atol=1e-10
+    )
 
 
 def test_cg_steps_and_the_paper_take_no_acceleration(monkeypatch):
@@ -264,10 +270,14 @@ def test_strict_rejects_an_attempt_whose_acceleration_is_too_large(monkeypatch):
     options = dict(damping=rho, attempts=2, **EXACT)
     info = SGN(model, "mse", geodesic_acceleration="strict", **options).step(x, y)
     assert info.attempts == 2 and info.accelerated and info.damping == pytest.approx(1.5 * rho)
-    torch.testing.assert_close(_flat(model), theta + d1 + 0.5 * a1, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(
+        flat_parameters(model, trainable=True), theta + d1 + 0.5 * a1, rtol=1e-8, atol=1e-10
+    )
     info = SGN(plain, "mse", geodesic_acceleration=True, **options).step(x, y)
     assert info.attempts == 1 and not info.accelerated
-    torch.testing.assert_close(_flat(plain), theta + d0, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(
+        flat_parameters(plain, trainable=True), theta + d0, rtol=1e-9, atol=1e-11
+    )
 
 
 def test_the_default_accelerates_float64_models_only():

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from cases import LOSSES, MODELS, dense_ggn, loss_fn, make_batch
+from cases import LOSSES, MODELS, dense_ggn, flat_parameters, loss_fn, make_batch
 from torch_sgn import SGN
 from torch_sgn.solve.damping import DAMPING_MAX, nielsen_update, rejected_update
 
@@ -20,10 +20,6 @@ EXACT_LM = dict(
     solver="cg", cg_tol=0.0, cg_rtol=1e-13, line_search=False, lr=1.0, momentum=0.0,
     geodesic_acceleration=False, reject_uphill=False,
 )  # fmt: skip
-
-
-def _flat(model):
-    return nn.utils.parameters_to_vector(model.parameters()).detach().clone()
 
 
 def _loss_at(model, loss, x, y, flat):
@@ -70,9 +66,11 @@ def test_a_rejected_step_is_solved_again_with_more_damping():
     assert info.attempts == len(tried)
     assert info.damping == pytest.approx(tried[-1][0], rel=1e-12)
     # the parameters moved once, by the accepted attempt's step: rejected ones left no trace
-    torch.testing.assert_close(_flat(model), expected, rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(flat_parameters(model), expected, rtol=1e-7, atol=1e-9)
     assert info.loss_after < info.loss == pytest.approx(loss0, rel=1e-12)
-    assert info.loss_after == pytest.approx(_loss_at(model, "mse", x, y, _flat(model)), rel=1e-10)
+    assert info.loss_after == pytest.approx(
+        _loss_at(model, "mse", x, y, flat_parameters(model)), rel=1e-10
+    )
     assert info.loss_evals == len(tried)
 
 
@@ -89,7 +87,7 @@ def test_the_threshold_rule_retries_with_its_own_factor():
     )  # fmt: skip
     info = opt.step(x, y)
     assert info.attempts == len(tried) > 1
-    torch.testing.assert_close(_flat(model), expected, rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(flat_parameters(model), expected, rtol=1e-7, atol=1e-9)
 
 
 def test_attempts_count_the_solves_and_one_attempt_is_the_paper_step():
@@ -218,6 +216,6 @@ def test_paper_equals_the_explicit_paper_configuration():
             assert a.defaults[key] == b.defaults[key], key
         batches = [(x + 0.05 * k, y) for k in range(8)]
         assert [a.step(*xy) for xy in batches] == [b.step(*xy) for xy in batches]
-        assert torch.equal(_flat(model), _flat(twin))
+        assert torch.equal(flat_parameters(model), flat_parameters(twin))
     with pytest.raises(TypeError, match="no_such_option"):
         SGN.paper(model, "mse", no_such_option=1)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cases import LOSS, LOSSES, MODELS, dense_ggn, make_batch
+from cases import LOSS, LOSSES, MODELS, dense_ggn, flat_parameters, make_batch
 from torch_sgn import SGN, StepInfo
 
 pytestmark = pytest.mark.usefixtures("each_engine")  # every test, once per engine
@@ -17,10 +17,6 @@ pytestmark = pytest.mark.usefixtures("each_engine")  # every test, once per engi
 EXACT = dict(
     line_search=False, trust_region=False, lr=1.0, momentum=0.0, cg_tol=0.0, reject_uphill=False
 )
-
-
-def _flat(model):
-    return nn.utils.parameters_to_vector(model.parameters()).detach().clone()
 
 
 def _exact_step(model, loss, x, y, damping):
@@ -48,17 +44,17 @@ def test_exactness_contract(model_case, loss_case):
     n = expected.numel()
     opt = SGN(model, loss, damping=damping, cg_iters=n, **EXACT, solver="cg")
     info = opt.step(x, y)
-    torch.testing.assert_close(_flat(model), expected, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(flat_parameters(model), expected, rtol=1e-8, atol=1e-10)
     assert info.step_size == 1.0 and info.tr_ratio is None
 
 
 def test_huge_damping_gives_a_scaled_gradient_step():
     model, x, y = make_batch(MODELS[0], LOSSES[0])
     _, g, _ = dense_ggn(model, "mse", x, y)
-    theta = _flat(model)
+    theta = flat_parameters(model)
     damping = 1e8
     SGN(model, "mse", damping=damping, cg_iters=3, **EXACT, solver="cg").step(x, y)
-    step = _flat(model) - theta
+    step = flat_parameters(model) - theta
     torch.testing.assert_close(step * damping, -g, rtol=1e-6, atol=1e-12)
 
 
@@ -96,7 +92,7 @@ def test_linear_model_ratio_is_one_for_any_step_size(lr):
 def test_one_preconditioned_cg_iteration_points_along_the_preconditioned_gradient():
     model, x, y = make_batch(MODELS[0], LOSSES[0])
     _, g, _ = dense_ggn(model, "mse", x, y)
-    theta = _flat(model)
+    theta = flat_parameters(model)
     damping, exponent = 1e-3, 0.75
     SGN(
         model,
@@ -108,7 +104,7 @@ def test_one_preconditioned_cg_iteration_points_along_the_preconditioned_gradien
         **EXACT,
         solver="cg",
     ).step(x, y)
-    step = _flat(model) - theta
+    step = flat_parameters(model) - theta
     direction = -(g.square() + damping).pow(-exponent) * g
     cosine = torch.dot(step, direction) / (step.norm() * direction.norm())
     assert cosine.item() == pytest.approx(1.0, abs=1e-12)
@@ -118,7 +114,7 @@ def test_one_preconditioned_cg_iteration_points_along_the_preconditioned_gradien
 def test_armijo_condition_holds_after_line_search(c):
     model, x, y = make_batch(MODELS[0], LOSSES[2])
     expected_full, _, g = _exact_step(model, "cross_entropy", x, y, 1e-3)
-    theta = _flat(model)
+    theta = flat_parameters(model)
     d = expected_full - theta
     lr = 64.0  # far too long: the line search must cut it back
     opt = SGN(
@@ -134,7 +130,9 @@ def test_armijo_condition_holds_after_line_search(c):
     )
     info = opt.step(x, y)
     assert info.line_search_ok and info.step_size < lr and info.loss_evals > 1
-    torch.testing.assert_close(_flat(model), theta + info.step_size * d, rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(
+        flat_parameters(model), theta + info.step_size * d, rtol=1e-7, atol=1e-9
+    )
 
     def loss_at(s):
         torch.nn.utils.vector_to_parameters(theta + s * d, model.parameters())
@@ -217,7 +215,7 @@ def test_momentum_uses_bias_corrected_average_as_right_hand_side():
     opt.step(x, y)
     # first step: m_hat = (1 - beta) g / (1 - beta) = g, so it is the plain step
     expected, _, g1 = _exact_step(twin, "mse", x, y, damping)
-    torch.testing.assert_close(_flat(model), expected, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(flat_parameters(model), expected, rtol=1e-8, atol=1e-10)
     nn.utils.vector_to_parameters(expected, twin.parameters())
     G2, g2, theta2 = dense_ggn(twin, "mse", x2, y)
     m_hat = (beta * (1 - beta) * g1 + (1 - beta) * g2) / (1 - beta**2)
@@ -225,7 +223,7 @@ def test_momentum_uses_bias_corrected_average_as_right_hand_side():
         G2 + damping * torch.eye(len(g2), dtype=G2.dtype), m_hat
     )
     opt.step(x2, y)
-    torch.testing.assert_close(_flat(model), expected2, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(flat_parameters(model), expected2, rtol=1e-8, atol=1e-10)
 
 
 def test_preconditioned_full_cg_keeps_the_exact_step():
@@ -241,12 +239,12 @@ def test_preconditioned_full_cg_keeps_the_exact_step():
         solver="cg",
     )
     opt.step(x, y)
-    torch.testing.assert_close(_flat(model), expected, rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(flat_parameters(model), expected, rtol=1e-7, atol=1e-9)
 
 
 def test_warm_start_starts_cg_from_the_scaled_previous_direction():
     model, x, y = make_batch(MODELS[0], LOSSES[0])
-    theta = _flat(model)
+    theta = flat_parameters(model)
     opt = SGN(
         model,
         "mse",
@@ -261,7 +259,7 @@ def test_warm_start_starts_cg_from_the_scaled_previous_direction():
     opt.step(x, y)
     prev = opt.state[opt.param_groups[0]["params"][0]]["prev_direction"].clone()
     # the CG direction, not the step taken (which is lr times it)
-    torch.testing.assert_close(theta + 0.5 * prev, _flat(model))
+    torch.testing.assert_close(theta + 0.5 * prev, flat_parameters(model))
     calls = []
     from torch_sgn.solve import descents as optmod
 
@@ -394,7 +392,7 @@ def test_dropout_step_equals_exact_step_with_the_same_mask():
     expected, _, _ = _exact_step(twin, "mse", x, y, 1e-2)
     torch.manual_seed(7)
     SGN(model, "mse", damping=1e-2, cg_iters=200, **EXACT, solver="cg").step(x, y)
-    torch.testing.assert_close(_flat(model), expected, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(flat_parameters(model), expected, rtol=1e-8, atol=1e-10)
 
 
 class _FixedMask(nn.Module):
@@ -434,7 +432,9 @@ def test_cuda_step_matches_cpu_step():
     gpu = copy.deepcopy(model).cuda()
     SGN(model, "cross_entropy", cg_iters=3, solver="cg").step(x, y)
     SGN(gpu, "cross_entropy", cg_iters=3, solver="cg").step(x.cuda(), y.cuda())
-    torch.testing.assert_close(_flat(gpu).cpu(), _flat(model), rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(
+        flat_parameters(gpu).cpu(), flat_parameters(model), rtol=1e-8, atol=1e-10
+    )
 
 
 def _pair(options):
@@ -449,9 +449,9 @@ def _pair(options):
 def _same_future(model, opt, twin_model, twin_opt, batches):
     """The copy steps its own model only, and exactly as the original then does."""
     assert twin_model is not model and twin_opt._fmodel.model is twin_model
-    state, before = torch.get_rng_state(), _flat(model)
+    state, before = torch.get_rng_state(), flat_parameters(model)
     copied = _run(twin_model, twin_opt, batches)
-    assert torch.equal(_flat(model), before)
+    assert torch.equal(flat_parameters(model), before)
     torch.set_rng_state(state)
     assert _run(model, opt, batches) == copied
     for p, q in zip(model.parameters(), twin_model.parameters()):
@@ -551,9 +551,9 @@ def test_a_parameter_frozen_mid_run_stays_put_with_averaging_and_warm_start():
     opt.step(x * 0.5, y)  # the averaged gradient and the last direction are non-zero
     model[2].bias.requires_grad_(False)
     frozen = model[2].bias.detach().clone()
-    others = _flat(model)
+    others = flat_parameters(model)
     opt.step(x, y)
-    assert torch.equal(model[2].bias, frozen) and not torch.equal(_flat(model), others)
+    assert torch.equal(model[2].bias, frozen) and not torch.equal(flat_parameters(model), others)
     model[2].bias.requires_grad_(True)  # unfrozen: it trains again
     opt.step(x, y)
     assert not torch.equal(model[2].bias, frozen)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from cases import LOSS, MODELS, dense_ggn, make_batch
+from cases import LOSS, MODELS, dense_ggn, flat_parameters, make_batch
 from torch_sgn import SGN
 from torch_sgn.solve.cg import conjugate_gradient
 from torch_sgn.solve.descents import CGDescent
@@ -78,10 +78,6 @@ def test_quadratic_descent_returns_the_step_with_its_residual_and_predicted_chan
     assert predicted < _model_value(grad, A, d).item()  # better than d alone
 
 
-def _flat(model):
-    return nn.utils.parameters_to_vector(model.parameters()).detach().clone()
-
-
 def test_sgn_step_is_the_dense_minimiser_over_the_direction_and_the_last_update():
     model, x, y = make_batch(MODELS[0], LOSS["cross_entropy"])
     rho = 1e-2
@@ -89,11 +85,11 @@ def test_sgn_step_is_the_dense_minimiser_over_the_direction_and_the_last_update(
         model, "cross_entropy", solver="cg", cg_iters=1, cg_tol=0.0, damping=rho,
         trust_region=False, line_search=False, step_rule="quadratic",
     )  # fmt: skip
-    theta0 = _flat(model)
+    theta0 = flat_parameters(model)
     opt.step(x, y)
-    theta1 = _flat(model)
+    theta1 = flat_parameters(model)
     opt.step(x, y)
-    theta2 = _flat(model)
+    theta2 = flat_parameters(model)
     # Reference at theta1: G and g by dense autograd, CG's one iteration in closed form.
     G, g, _ = dense_ggn(model_at(model, theta1), "cross_entropy", x, y)
     A = G + rho * torch.eye(len(g), dtype=torch.float64)
@@ -121,7 +117,7 @@ def test_exact_directions_take_the_full_step():
         )  # fmt: skip
         for _ in range(3):
             opt.step(x, y)
-        runs.append(_flat(model))
+        runs.append(flat_parameters(model))
     torch.testing.assert_close(runs[0], runs[1], rtol=1e-8, atol=1e-10)
 
 
@@ -145,5 +141,7 @@ def test_a_resumed_run_takes_the_same_quadratic_steps():
     fresh = SGN(fresh_model, "cross_entropy", **options)  # no previous update: beta = 0
     for o in (opt, resumed, fresh):
         o.step(x, y)
-    torch.testing.assert_close(_flat(twin), _flat(model), rtol=1e-12, atol=0)
-    assert not torch.allclose(_flat(fresh_model), _flat(model), rtol=1e-6, atol=0)
+    torch.testing.assert_close(flat_parameters(twin), flat_parameters(model), rtol=1e-12, atol=0)
+    assert not torch.allclose(
+        flat_parameters(fresh_model), flat_parameters(model), rtol=1e-6, atol=0
+    )

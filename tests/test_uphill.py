@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cases import sgn_options
+from cases import flat_parameters, sgn_options
 from torch_sgn import SGN
 from torch_sgn.options import PAPER_OPTIONS
 from torch_sgn.solve.descents import CGDescent
@@ -31,10 +31,6 @@ def _problem(dtype=torch.float32, seed=0):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 1)).to(dtype)
     return model, x, y
-
-
-def _flat(model):
-    return nn.utils.parameters_to_vector(model.parameters()).detach().clone()
 
 
 def _loss(model, loss, x, y):
@@ -78,13 +74,13 @@ def test_no_step_raises_the_batch_loss(loss, options, engine):
 def test_paper_keeps_the_original_uphill_step(loss, options):
     model, x, y = _problem()
     opt = SGN.paper(model, loss, **options)
-    start = _flat(model)
+    start = flat_parameters(model)
     info = opt.step(x, y)
     assert not PAPER_OPTIONS["reject_uphill"]
     assert info.taken and info.uphill_resolves == 0 and not info.line_search_ok
     assert info.loss_after > info.loss
     assert _loss(model, loss, x, y) == pytest.approx(info.loss_after, rel=1e-5)
-    assert not torch.equal(_flat(model), start)
+    assert not torch.equal(flat_parameters(model), start)
 
 
 def test_rejected_step_leaves_the_parameters_bit_for_bit():
@@ -92,13 +88,13 @@ def test_rejected_step_leaves_the_parameters_bit_for_bit():
     non-finite or higher loss, so the step is not taken, and the damping still grows."""
     model, x, y = _problem()
     opt = SGN(model, "mse", lr=1e30, line_search=False, solver="cg")
-    start, buffers = _flat(model), copy.deepcopy(model.state_dict())
+    start, buffers = flat_parameters(model), copy.deepcopy(model.state_dict())
     info = opt.step(x, y)
     assert not info.taken
     assert info.uphill_resolves == UPHILL_RESOLVES
     assert info.attempts == UPHILL_RESOLVES + 1
     assert info.loss_after == info.loss and info.step_size == 0.0
-    assert torch.equal(_flat(model), start)
+    assert torch.equal(flat_parameters(model), start)
     assert all(torch.equal(v, buffers[k]) for k, v in model.state_dict().items())
     # raised at every re-solve (x 1.5 with the line search off), and again for the next step
     assert info.damping == pytest.approx(1e-4 * 1.5**UPHILL_RESOLVES)
@@ -116,11 +112,11 @@ def test_resolved_step_is_the_damped_gradient_step():
     _l1(reference(x), y).backward()
     g = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
     opt = SGN(model, _l1, solver="cg", cg_iters=2)
-    start = _flat(model)
+    start = flat_parameters(model)
     info = opt.step(x, y)
     assert info.taken and info.uphill_resolves >= 1
     expected = start - info.step_size * g / info.damping
-    torch.testing.assert_close(_flat(model), expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(flat_parameters(model), expected, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("update", ["threshold", "nielsen"])

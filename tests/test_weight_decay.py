@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from cases import LOSSES, MODELS, dense_parts, make_batch
+from cases import LOSSES, MODELS, dense_parts, flat_parameters, make_batch
 from torch_sgn import SGN
 
 pytestmark = pytest.mark.usefixtures("each_engine")  # every test, once per engine
@@ -16,10 +16,6 @@ EXACT = dict(
     line_search=False, trust_region=False, lr=1.0, momentum=0.0, cg_tol=0.0,
     geodesic_acceleration=False,
 )  # fmt: skip
-
-
-def _flat(model):
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
 def _ridge_problem(n=40, features=5, seed=0):
@@ -55,7 +51,7 @@ def test_one_step_on_ridge_regression_lands_on_the_ridge_solution(solver, weight
     )  # fmt: skip
     info = opt.step(x, y)
     expected = _ridge_solution(x, y, weight_decay)
-    torch.testing.assert_close(_flat(model), expected, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(flat_parameters(model), expected, rtol=1e-9, atol=1e-10)
     assert info.solver == ("direct" if solver == "direct" else "cg")
     assert info.tr_ratio == pytest.approx(1.0, abs=1e-6)
     assert info.step_size == 1.0
@@ -80,20 +76,20 @@ def test_the_step_solves_the_penalized_damped_system(loss_case, solver):
         **EXACT,
     )  # fmt: skip
     info = opt.step(x, y)
-    torch.testing.assert_close(_flat(model), expected, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(flat_parameters(model), expected, rtol=1e-8, atol=1e-10)
     assert info.solver == solver
 
 
 def test_step_info_reports_the_penalized_objective():
     model, x, y = make_batch(MODELS[0], LOSSES[0])
     weight_decay = 0.7
-    theta = _flat(model)
+    theta = flat_parameters(model)
     penalty = 0.5 * weight_decay * float(theta @ theta)
     with torch.no_grad():
         data_loss = float(nn.functional.mse_loss(model(x), y))
     opt = SGN(model, "mse", weight_decay=weight_decay, solver="cg")
     info = opt.step(x, y)
-    after = _flat(model)
+    after = flat_parameters(model)
     with torch.no_grad():
         objective_after = float(nn.functional.mse_loss(model(x), y))
     objective_after += 0.5 * weight_decay * float(after @ after)
@@ -112,9 +108,9 @@ def test_a_huge_weight_decay_pulls_the_parameters_to_zero():
     """With lambda >> ||G||, the step is -(g + lambda theta) / lambda, close to -theta."""
     model, x, y = make_batch(MODELS[0], LOSSES[0])
     opt = SGN(model, "mse", weight_decay=1e8, damping=1e-12, damping_min=0.0, solver="direct")
-    theta = _flat(model)
+    theta = flat_parameters(model)
     opt.step(x, y)
-    assert float(_flat(model).abs().max()) < 1e-6 * float(theta.abs().max())
+    assert float(flat_parameters(model).abs().max()) < 1e-6 * float(theta.abs().max())
 
 
 def test_frozen_parameters_keep_their_values_under_weight_decay():
@@ -154,11 +150,11 @@ def test_a_bad_weight_decay_is_refused_by_name(bad):
 def test_a_bad_weight_decay_set_after_construction_fails_the_step_and_changes_nothing():
     model, x, y = make_batch(MODELS[0], LOSSES[0])
     opt = SGN(model, "mse", weight_decay=0.1)
-    before = _flat(model)
+    before = flat_parameters(model)
     opt.param_groups[0]["weight_decay"] = -0.5
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['weight_decay'\].*not taken"):
         opt.step(x, y)
-    assert torch.equal(_flat(model), before)
+    assert torch.equal(flat_parameters(model), before)
 
 
 def test_a_penalty_inside_a_loss_callable_is_still_refused_with_weight_decay_on():
@@ -168,10 +164,10 @@ def test_a_penalty_inside_a_loss_callable_is_still_refused_with_weight_decay_on(
         return ((outputs - targets) ** 2).mean() + 0.1 * model[0].weight.square().sum()
 
     opt = SGN(model, penalized, weight_decay=0.1)
-    before = _flat(model)
+    before = flat_parameters(model)
     with pytest.raises(ValueError, match=r"depends on the model's parameters.*weight_decay"):
         opt.step(x, y)
-    assert torch.equal(_flat(model), before)
+    assert torch.equal(flat_parameters(model), before)
 
 
 def test_exact_steps_with_weight_decay_go_through_the_outputs_where_they_are_fewer(monkeypatch):
@@ -206,7 +202,9 @@ def test_the_routes_through_the_outputs_and_through_g_take_the_same_accelerated_
     first = SGN(by_outputs, loss_case.make(), **options).step(x, y)
     monkeypatch.setattr(routes, "samples_fit", lambda *args: False)
     second = SGN(model, loss_case.make(), **options).step(x, y)
-    torch.testing.assert_close(_flat(by_outputs), _flat(model), rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(
+        flat_parameters(by_outputs), flat_parameters(model), rtol=1e-9, atol=1e-11
+    )
     assert first.accelerated and second.accelerated
     assert first.loss_after == pytest.approx(second.loss_after, rel=1e-10)
 
@@ -227,7 +225,7 @@ def test_replayed_graph_steps_with_weight_decay_equal_eager_steps(each_engine, c
     eager_infos = [eager_opt.step(x, y) for x, y in batches]
     assert cpu_graph_captures == [3]
     assert graph_infos == eager_infos and graph_infos[0].penalty > 0
-    assert torch.equal(_flat(graph_model), _flat(eager_model))
+    assert torch.equal(flat_parameters(graph_model), flat_parameters(eager_model))
 
 
 def test_weight_decay_set_in_param_groups_applies_at_the_next_step():
@@ -237,5 +235,7 @@ def test_weight_decay_set_in_param_groups_applies_at_the_next_step():
     opt = SGN(model, "mse", solver="direct", damping=1e-12, damping_min=0.0)
     opt.param_groups[0]["weight_decay"] = 0.5
     info = opt.step(x, y)
-    torch.testing.assert_close(_flat(model), _ridge_solution(x, y, 0.5), rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(
+        flat_parameters(model), _ridge_solution(x, y, 0.5), rtol=1e-9, atol=1e-10
+    )
     assert info.penalty > 0

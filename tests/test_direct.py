@@ -10,7 +10,17 @@ import pytest
 import torch
 from torch import nn
 
-from cases import LOSS, LOSSES, MODELS, ModelCase, dense_ggn, dense_parts, make_batch, normal
+from cases import (
+    LOSS,
+    LOSSES,
+    MODELS,
+    ModelCase,
+    dense_ggn,
+    dense_parts,
+    flat_parameters,
+    make_batch,
+    normal,
+)
 from torch_sgn import SGN, linearization
 from torch_sgn.batch import Batch
 from torch_sgn.engines import jacobian
@@ -19,15 +29,11 @@ from torch_sgn.engines.selection import select_engine
 from torch_sgn.linearization import ggn_matrix
 from torch_sgn.losses import resolve_loss
 from torch_sgn.model.flat_model import FunctionalModel
-from torch_sgn.solve import direct as solvers
+from torch_sgn.solve import direct
 from torch_sgn.solve.direct import DirectResult, solve_damped
 
 #: The plain step, taken whatever its loss: these tests check its math.
 EXACT = dict(line_search=False, trust_region=False, lr=1.0, momentum=0.0, reject_uphill=False)
-
-
-def _flat(model: nn.Module) -> torch.Tensor:
-    return nn.utils.parameters_to_vector(model.parameters()).detach().clone()
 
 
 def _spd(n: int, seed: int = 0) -> torch.Tensor:
@@ -239,7 +245,7 @@ def test_direct_step_solves_the_damped_system_for_every_loss(loss_case, momentum
         options = {**EXACT, "momentum": momentum}
         opt = SGN(model, loss, damping=rho, solver="direct", cg_iters=1, **options)
         info = opt.step(x, y)
-        torch.testing.assert_close(_flat(model), expected, rtol=1e-9, atol=1e-11)
+        torch.testing.assert_close(flat_parameters(model), expected, rtol=1e-9, atol=1e-11)
         assert info.solver == "direct" and info.iterations == 0
         assert info.stop_reason in ("cholesky", "lu")  # through G, or through the outputs
         d = expected - theta
@@ -256,7 +262,7 @@ def test_direct_step_on_a_non_convex_custom_loss_takes_the_fallback_and_stays_fi
     opt = SGN(model, concave, damping=1e-4, solver="direct", **EXACT)
     info = opt.step(x, y)
     assert info.stop_reason == "eigh" and info.solver == "direct"
-    assert torch.isfinite(_flat(model)).all() and info.predicted_change < 0
+    assert torch.isfinite(flat_parameters(model)).all() and info.predicted_change < 0
 
 
 def test_a_failing_direct_solve_leaves_everything_unchanged(monkeypatch):
@@ -269,7 +275,7 @@ def test_a_failing_direct_solve_leaves_everything_unchanged(monkeypatch):
     def broken(*args):
         raise RuntimeError("factorization broke")
 
-    monkeypatch.setattr(solvers, "solve_damped", broken)
+    monkeypatch.setattr(direct, "solve_damped", broken)
     with pytest.raises(RuntimeError, match="factorization broke"):
         opt.step(x + 1, y)
     for k, v in model.state_dict().items():
@@ -286,7 +292,7 @@ def test_curvature_subset_forms_G_on_the_subset():
     _, g, _ = dense_ggn(model, "mse", x, y)
     expected = theta - torch.linalg.solve(G_sub + rho * torch.eye(len(theta)).double(), g)
     SGN(model, "mse", damping=rho, solver="direct", curvature_fraction=0.5, **EXACT).step(x, y)
-    torch.testing.assert_close(_flat(model), expected, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(flat_parameters(model), expected, rtol=1e-9, atol=1e-11)
 
 
 def test_direct_with_the_cpu_graph_stand_in_matches_the_eager_step(cpu_graph_captures):
@@ -298,7 +304,9 @@ def test_direct_with_the_cpu_graph_stand_in_matches_the_eager_step(cpu_graph_cap
         info_a, info_b = a.step(x + k, y), b.step(x + k, y)
         assert info_a.solver == info_b.solver == "direct"
     assert cpu_graph_captures  # the captured path ran
-    torch.testing.assert_close(_flat(model), _flat(twin), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(
+        flat_parameters(model), flat_parameters(twin), rtol=1e-10, atol=1e-12
+    )
 
 
 def test_float32_direct_training_fits_a_small_regression_at_least_as_well_as_cg():
@@ -324,32 +332,32 @@ def test_direct_on_a_model_too_large_raises_at_construction_naming_count_and_byt
     # P x P matrices must fit: refused when SGN is built.
     torch.manual_seed(0)
     model = nn.Linear(1000, 1000)  # 1,001,000 parameters: 3 x n^2 x 8 bytes (float64) = 24 TB
-    before = _flat(model)
+    before = flat_parameters(model)
     need = 3 * 1_001_000**2 * 8
     with pytest.raises(ValueError) as err:
         SGN(model, "mse", solver="direct", engine="functional")
     message = str(err.value)
     assert "1,001,000 parameters" in message and f"{need:,} bytes" in message
     assert "solver='cg'" in message
-    assert torch.equal(_flat(model), before)
+    assert torch.equal(flat_parameters(model), before)
     # The layer-wise engine's chain may go through the outputs instead: built, and a batch of
     # one sample (30 outputs) takes an exact step, where G would need 195 GB.
     model = nn.Linear(3000, 30)
-    before = _flat(model)
+    before = flat_parameters(model)
     opt = SGN(model, "mse", solver="direct")
     x, y = torch.randn(1, 3000), torch.randn(1, 30)
-    assert opt.step(x, y).solver == "direct" and not torch.equal(_flat(model), before)
+    assert opt.step(x, y).solver == "direct" and not torch.equal(flat_parameters(model), before)
 
 
 def test_the_memory_check_compares_with_the_free_memory(monkeypatch):
     model, x, y = make_batch(MODELS[0], LOSS["mse"])  # 43 parameters: 44,376 bytes in float64
-    monkeypatch.setattr(solvers, "available_memory", lambda device: 44_375)
+    monkeypatch.setattr(direct, "available_memory", lambda device: 44_375)
     with pytest.raises(ValueError, match="43 parameters"):
         SGN(model, "mse", solver="direct", engine="functional")
-    monkeypatch.setattr(solvers, "available_memory", lambda device: 44_376)
+    monkeypatch.setattr(direct, "available_memory", lambda device: 44_376)
     SGN(model, "mse", solver="direct", engine="functional")
     # auto does not raise: it takes CG where the matrix does not fit
-    monkeypatch.setattr(solvers, "available_memory", lambda device: 100)
+    monkeypatch.setattr(direct, "available_memory", lambda device: 100)
     assert SGN(model, "mse", solver="auto").step(x, y).solver == "cg"
 
 
@@ -358,26 +366,26 @@ def test_direct_checks_the_matrix_at_a_step_that_cannot_go_through_the_outputs(m
     # outputs (fewer than the 43 parameters) goes through the outputs; a batch of 20 x 3 would
     # need G, which does not fit: that step raises and changes nothing.
     model, x, y = make_batch(MODELS[0], LOSS["mse"])
-    monkeypatch.setattr(solvers, "available_memory", lambda device: 44_375)
+    monkeypatch.setattr(direct, "available_memory", lambda device: 44_375)
     opt = SGN(model, "mse", solver="direct")
     assert opt.step(x, y).solver == "direct"
     big_x, big_y = torch.cat([x, x, x, x[:2]]), torch.cat([y, y, y, y[:2]])
-    before_model, before_opt = _flat(model), copy.deepcopy(opt.state_dict())
+    before_model, before_opt = flat_parameters(model), copy.deepcopy(opt.state_dict())
     with pytest.raises(ValueError, match="43 parameters.*through the batch's outputs"):
         opt.step(big_x, big_y)
-    assert torch.equal(_flat(model), before_model)
+    assert torch.equal(flat_parameters(model), before_model)
     assert str(opt.state_dict()) == str(before_opt)
 
 
 def _count_calls(monkeypatch, name: str) -> list:
     calls = []
-    original = getattr(solvers, name)
+    original = getattr(direct, name)
 
     def counted(*args, **kwargs):
         calls.append(name)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(solvers, name, counted)
+    monkeypatch.setattr(direct, name, counted)
     return calls
 
 
@@ -418,7 +426,7 @@ def test_direct_solves_through_the_outputs_where_they_are_fewer_than_the_paramet
     samples = _count_calls(monkeypatch, "solve_in_sample_space")
     info = SGN(model, "mse", damping=rho, solver="direct", **EXACT).step(x, y)
     assert samples and info.solver == "direct"
-    torch.testing.assert_close(_flat(model), expected, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(flat_parameters(model), expected, rtol=1e-9, atol=1e-11)
 
 
 def test_a_gradient_average_goes_through_G_not_through_the_outputs(monkeypatch):
@@ -590,7 +598,7 @@ def test_the_outputs_kernel_of_a_sequence_model_forms_the_rows():
     G, g, theta = dense_ggn(model, "mse", x, y)
     for rho in (1e-1, 1e-6):
         ref = torch.linalg.solve(G + rho * torch.eye(len(theta)).double(), -g)
-        result = solvers.solve_in_sample_space(lin.sample_space, lin.grad, rho, lin.ggn_vp)
+        result = direct.solve_in_sample_space(lin.sample_space, lin.grad, rho, lin.ggn_vp)
         torch.testing.assert_close(result.x, ref, rtol=1e-7, atol=1e-9)
         assert result.residual.norm() <= 1e-10 * g.norm()
 
@@ -669,13 +677,13 @@ def test_direct_result_is_shaped_like_a_cg_result():
 def test_levenberg_marquardt_re_solves_reuse_the_matrix(monkeypatch):
     model, x, y = make_batch(MODELS[1], LOSS["mse"])  # the CNN: G from J's rows
     formed, solved = [], []
-    solve = solvers.solve_damped
+    solve = direct.solve_damped
     monkeypatch.setattr(
         linearization, "ggn_matrix", lambda *a, **k: formed.append(1) or ggn_matrix(*a, **k)
     )
     rows = jacobian.jacobian_rows  # with solver="direct" the CNN's G comes from J's rows
     monkeypatch.setattr(jacobian, "jacobian_rows", lambda *a: formed.append(1) or rows(*a))
-    monkeypatch.setattr(solvers, "solve_damped", lambda *a: solved.append(a[2]) or solve(*a))
+    monkeypatch.setattr(direct, "solve_damped", lambda *a: solved.append(a[2]) or solve(*a))
     opt = SGN(model, "mse", solver="direct", lr=30.0, attempts=4, line_search=False)
     info = opt.step(x, y)
     assert info.attempts > 1 and len(solved) == info.attempts and len(formed) == 1

@@ -8,13 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from cases import sgn_options
+from cases import flat_parameters, sgn_options
 from torch_sgn import SGN
-from torch_sgn.solve import auto as switching
-
-
-def _flat(model):
-    return nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+from torch_sgn.solve import auto
 
 
 def _linear(seed=0, batches=16):
@@ -42,15 +38,15 @@ def _regression(seed=0, batches=30):
 
 
 def test_exact_wins_needs_the_margin_and_stalled_needs_two_full_windows():
-    assert switching.exact_wins(0.98, 1.0) and not switching.exact_wins(0.995, 1.0)
-    assert switching.exact_wins(-1.02, -1.0) and not switching.exact_wins(-1.005, -1.0)
-    w = switching.WINDOW
+    assert auto.exact_wins(0.98, 1.0) and not auto.exact_wins(0.995, 1.0)
+    assert auto.exact_wins(-1.02, -1.0) and not auto.exact_wins(-1.005, -1.0)
+    w = auto.WINDOW
     falling = [0.5**k for k in range(2 * w)]
     flat = [1.0] * (2 * w)
-    assert not switching.stalled(falling) and switching.stalled(flat)
-    assert not switching.stalled(flat[1:])  # one window not full yet
-    slow = [1.0] * w + [1.0 - 0.5 * switching.STALL] * w  # falls by half the share
-    assert switching.stalled(slow)
+    assert not auto.stalled(falling) and auto.stalled(flat)
+    assert not auto.stalled(flat[1:])  # one window not full yet
+    slow = [1.0] * w + [1.0 - 0.5 * auto.STALL] * w  # falls by half the share
+    assert auto.stalled(slow)
 
 
 def test_auto_steps_by_cg_until_the_probe_wins_then_exactly(caplog):
@@ -69,9 +65,9 @@ def test_auto_steps_by_cg_until_the_probe_wins_then_exactly(caplog):
 def test_the_cg_phase_is_the_cg_solver_step_for_step(monkeypatch):
     # Probes compute and judge, never write: until it switches, auto's steps are
     # solver="cg"'s, bit for bit; probes come every PROBE_EVERY steps.
-    monkeypatch.setattr(switching, "exact_wins", lambda exact, cg: False)
+    monkeypatch.setattr(auto, "exact_wins", lambda exact, cg: False)
     probes = []
-    original = switching.plan
+    original = auto.plan
 
     def plan(state, t, *args):
         phase = original(state, t, *args)
@@ -79,15 +75,15 @@ def test_the_cg_phase_is_the_cg_solver_step_for_step(monkeypatch):
             probes.append(t)
         return phase
 
-    monkeypatch.setattr(switching, "plan", plan)
+    monkeypatch.setattr(auto, "plan", plan)
     model, data = _regression(batches=25)
-    auto, cg = copy.deepcopy(model), copy.deepcopy(model)
-    opt_auto, opt_cg = SGN(auto, "mse"), SGN(cg, "mse", solver="cg")
+    auto_model, cg = copy.deepcopy(model), copy.deepcopy(model)
+    opt_auto, opt_cg = SGN(auto_model, "mse"), SGN(cg, "mse", solver="cg")
     for x, y in data:
         a, c = opt_auto.step(x, y), opt_cg.step(x, y)
         assert a.solver == "cg" and a.loss == c.loss and a.damping == c.damping
-        assert torch.equal(_flat(auto), _flat(cg))
-    every = switching.PROBE_EVERY
+        assert torch.equal(flat_parameters(auto_model), flat_parameters(cg))
+    every = auto.PROBE_EVERY
     assert probes == list(range(0, len(data), every))
 
 
@@ -95,19 +91,19 @@ def test_a_stall_switches_without_a_probe(monkeypatch):
     # The same noisy batch again and again: CG reaches its minimum, and the loss stops falling.
     # Copies of it, all alive (distinct tensors), so that the run is not taken for a full-batch
     # fit, where solver="auto" takes exact steps at once.
-    monkeypatch.setattr(switching, "exact_wins", lambda exact, cg: False)
+    monkeypatch.setattr(auto, "exact_wins", lambda exact, cg: False)
     model, data = _linear()
     opt = SGN(model, "mse")
     x, y = data[0]
-    copies = [x.clone() for _ in range(3 * switching.WINDOW)]
+    copies = [x.clone() for _ in range(3 * auto.WINDOW)]
     solvers = [opt.step(c, y).solver for c in copies]
     first = solvers.index("direct")  # both windows full first, then direct for good
-    assert first >= 2 * switching.WINDOW and set(solvers[first:]) == {"direct"}
+    assert first >= 2 * auto.WINDOW and set(solvers[first:]) == {"direct"}
 
 
 def test_a_full_batch_fit_takes_exact_steps_from_its_second_step(monkeypatch):
     # The first step cannot tell; the second sees the same tensors, unchanged: one batch.
-    monkeypatch.setattr(switching, "exact_wins", lambda exact, cg: False)
+    monkeypatch.setattr(auto, "exact_wins", lambda exact, cg: False)
     model, data = _linear()
     opt = SGN(model, "mse")
     x, y = data[0]
@@ -136,27 +132,29 @@ def test_a_resumed_run_takes_the_same_steps_through_the_switch():
     opt.load_state_dict(saved)
     solvers += [opt.step(x, y).solver for x, y in data[1:]]
     assert solvers == expected
-    torch.testing.assert_close(_flat(resumed), _flat(whole), rtol=0, atol=0)
+    torch.testing.assert_close(flat_parameters(resumed), flat_parameters(whole), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("solver", ["auto", "cg", "direct"])
 def test_a_loaded_state_is_the_state_saved(solver):
-    """Loading adds nothing: a state without the switching's keys (an explicit solver's) stays
+    """Loading adds nothing: a state without solver="auto"'s keys (an explicit solver's) stays
     without them, and ``solver="auto"`` loaded from it starts with its CG steps and a probe."""
     model, data = _regression()
     opt = SGN(model, "mse", solver=solver)
     opt.step(*data[0])
     saved = copy.deepcopy(opt.state_dict())
-    assert (solver == "auto") == bool(set(switching.KEYS) & set(saved["state"][0]))
+    assert (solver == "auto") == bool(set(auto.KEYS) & set(saved["state"][0]))
     fresh = SGN(copy.deepcopy(model), "mse", solver=solver)
     fresh.load_state_dict(saved)
     loaded = fresh.state_dict()["state"][0]
     assert loaded.keys() == saved["state"][0].keys()
     for key, value in saved["state"][0].items():
         assert torch.equal(torch.as_tensor(loaded[key]), torch.as_tensor(value)), key
-    auto = SGN(copy.deepcopy(model), "mse")
-    auto.load_state_dict(saved)
-    assert auto.step(*data[1]).solver == ("cg" if solver != "auto" else opt.step(*data[1]).solver)
+    resumed = SGN(copy.deepcopy(model), "mse")
+    resumed.load_state_dict(saved)
+    assert resumed.step(*data[1]).solver == (
+        "cg" if solver != "auto" else opt.step(*data[1]).solver
+    )
 
 
 @pytest.mark.parametrize("solver", ["cg", "direct"])
@@ -164,7 +162,7 @@ def test_explicit_solvers_never_switch(solver):
     model, data = _regression()
     opt = SGN(model, "mse", solver=solver, cg_iters=1)
     assert {opt.step(x, y).solver for x, y in data[:12]} == {solver}
-    assert not set(switching.KEYS) & set(opt.state[next(model.parameters())])
+    assert not set(auto.KEYS) & set(opt.state[next(model.parameters())])
 
 
 def test_cg_settings_of_a_one_batch_run_whose_forward_differentiates_itself():
@@ -172,22 +170,22 @@ def test_cg_settings_of_a_one_batch_run_whose_forward_differentiates_itself():
         cg_iters=10, cg_tol=None, cg_rtol=0.0, preconditioner=False, warmup_cg_iters=None,
         warmup_steps=10,
     )  # fmt: skip
-    plain32 = switching.cg_settings(group, 5, False, torch.float32)
-    plain64 = switching.cg_settings(group, 5, False, torch.float64)
+    plain32 = auto.cg_settings(group, 5, False, torch.float32)
+    plain64 = auto.cg_settings(group, 5, False, torch.float64)
     assert (plain32.iters, plain32.tol, plain32.rtol, plain32.preconditioner) == (
-        10, switching.CG_TOL, 0.0, False,
+        10, auto.CG_TOL, 0.0, False,
     )  # fmt: skip
     assert plain64.tol == 0.0  # a float64 fit is not cut at a gradient of 1e-6
-    nested64 = switching.cg_settings(group, 5, True, torch.float64)
-    assert nested64.iters == switching.ONE_BATCH_CG_ITERS
-    assert nested64.rtol == switching.ONE_BATCH_CG_RTOL and nested64.preconditioner == "nystrom"
-    assert switching.cg_settings(group, 5, True, torch.float32).preconditioner is False
-    mine = switching.cg_settings(
+    nested64 = auto.cg_settings(group, 5, True, torch.float64)
+    assert nested64.iters == auto.ONE_BATCH_CG_ITERS
+    assert nested64.rtol == auto.ONE_BATCH_CG_RTOL and nested64.preconditioner == "nystrom"
+    assert auto.cg_settings(group, 5, True, torch.float32).preconditioner is False
+    mine = auto.cg_settings(
         replace(group, cg_iters=300, cg_rtol=1e-6, preconditioner="diagonal"), 5, True,
         torch.float64,
     )  # fmt: skip
     assert (mine.iters, mine.rtol, mine.preconditioner) == (300, 1e-6, "diagonal")
-    assert switching.cg_settings(replace(group, cg_tol=1e-3), 5, False, torch.float64).tol == 1e-3
+    assert auto.cg_settings(replace(group, cg_tol=1e-3), 5, False, torch.float64).tol == 1e-3
 
 
 class _AutogradResiduals(nn.Module):
