@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from cases import dense_parts, flat_parameters
-from torch_sgn import SGN, optimizer
+from torch_sgn import SGN, route_plan
 from torch_sgn.solve import geodesic
 from torch_sgn.solve import step as step_module
 from torch_sgn.solve.direct import solve_damped
@@ -167,11 +167,9 @@ def test_accelerated_step_matches_the_dense_reference(engine, n, loss, route, lr
     theta, d, a = _reference_step(model, loss, x, y, rho, predicted)
     assert a is not None  # near a fit the acceleration is small against the step
     routes = []
-    original = optimizer.SGN._route
+    original = route_plan.choose_route
     monkeypatch.setattr(
-        optimizer.SGN,
-        "_route",
-        lambda self, *args: routes.append(original(self, *args)) or routes[-1],
+        route_plan, "choose_route", lambda *args: routes.append(original(*args)) or routes[-1]
     )
     options = {**EXACT, "lr": lr}
     opt = SGN(model, loss, damping=rho, engine=engine, **options)

@@ -21,6 +21,14 @@ from .linearization import Engine, Linearization, RowSample, check_loss_paramete
 from .losses import LossSpec, resolve_loss
 from .model.flat_model import FunctionalModel
 from .options import ARGUMENT_NAMES, KEYS, PAPER_OPTIONS, Options, Setup, check_loaded_state
+from .route_plan import (
+    Capabilities,
+    fits_one_batch,
+    forms_jacobian,
+    phase,
+    rows_stage,
+    through_outputs,
+)  # fmt: skip
 from .solve import auto, direct, geodesic, sampled
 from .solve.descents import (
     CG,
@@ -36,7 +44,6 @@ from .solve.descents import (
 from .solve.direct import DirectResult
 from .solve.nystrom import NystromCache
 from .solve.quadratic import QuadraticDescent
-from .solve.routes import choose_route
 from .solve.state import StepState
 from .solve.step import DampingRule, LineSearch, Outcome, Problem, damped_step, next_state
 from .step_call import batch_of_call, refuse_grad_scaler
@@ -358,11 +365,12 @@ class SGN(torch.optim.Optimizer):
                 "processes (shards may differ in shape); leave it off there"
             )
         self._engine = self._selected_engine()
+        self._caps = Capabilities.of(self._fmodel.model, self._engine, self._single_process())
         self._per_sample: dict = {}  # batch shapes -> whether the model is per-sample on them
-        self._last_inputs = auto.BatchMemory()  # the last step's inputs (see _fits_one_batch)
+        self._last_inputs = auto.BatchMemory()  # the last step's inputs (route_plan.fits_one_batch)
         self._nystrom = NystromCache()  # CG's preconditioner="nystrom"
         self._nested_warned = False  # the notice of auto.NESTED_NOTICE given
-        if setup.solver == "direct" and not self._may_solve_through_outputs():
+        if setup.solver == "direct" and not through_outputs(self._caps, setup, self._options):
             # before anything of the matrix's size is allocated
             fm = self._fmodel
             direct.check_direct_fits(fm.numel, torch.float64, fm.device)
@@ -433,6 +441,7 @@ class SGN(torch.optim.Optimizer):
         with warnings.catch_warnings():  # the original already warned about its engine
             warnings.simplefilter("ignore")
             self._engine = self._selected_engine()
+        self._caps = Capabilities.of(self._fmodel.model, self._engine, True)
 
     def _global_state(self) -> dict:
         """SGN's state (:class:`~torch_sgn.solve.state.StepState` as a dict), kept on the first
@@ -489,7 +498,8 @@ class SGN(torch.optim.Optimizer):
         batch, stored = Batch(inputs, targets), self._global_state()
         state, theta, buffers = StepState.of(stored), self._fmodel.flat(), {}
         # More rows than an exact step takes: exact steps on a sample of them, then on all.
-        stage, most = self._rows_stage(batch, state), self._setup.direct_max_params
+        most, fm = self._setup.direct_max_params, self._fmodel
+        stage = rows_stage(self._caps, self._setup, options, fm.model, batch, fm.numel, state)
         batch, drawn = many_rows.sampled_batch(stage, self._fmodel.model, batch, most, state)
         trainable = self._fmodel.trainable_mask()
         self._fmodel.warn_unfrozen()
@@ -504,8 +514,7 @@ class SGN(torch.optim.Optimizer):
             # Choose the route: the right-hand side, the descent that may solve exactly, and
             # for solver="auto" whether this step takes it (or probes it).
             rhs, momentum_buffer = self._momentum(lin.grad, work)
-            route = self._route(lin, rhs)
-            phase = self._phase(state, route, loss0, lin, batch)
+            route, phase = self._phase(state, loss0, lin, rhs, batch)
             # On all of too many rows: a sample of J's rows preconditions CG.
             sample = lin.rows(state.step) if phase.route == SAMPLED and lin.rows else None
             # Solve with damping attempts, then the line search (nothing written).
@@ -567,23 +576,18 @@ class SGN(torch.optim.Optimizer):
         m = (1 - beta) * grad if m is None else beta * m + (1 - beta) * grad
         return m / (1 - beta ** (state.step + 1)), m
 
-    def _route(self, lin: Linearization, rhs: Tensor) -> str:
-        """How this step may solve (:func:`~torch_sgn.solve.routes.choose_route`)."""
-        fm = self._fmodel
-        setup, cg_iters = self._setup, self._options.cg_iters
-        return choose_route(
-            setup.solver, lin, rhs, fm.numel, fm.device, cg_iters, setup.direct_max_params
-        )
-
     def _phase(
-        self, state: StepState, route: str, loss0: float, lin: Linearization, batch: Batch
-    ) -> auto.Phase:
-        """The route this step takes, and for ``solver="auto"`` its probe and verdict."""
-        if self._setup.solver != "auto":
-            return auto.Phase(route)
-        at = lambda point: self._loss_at(lin, point, batch)  # noqa: E731
-        one_batch, nested = self._fits_one_batch(batch), self._fmodel.calls_autograd
-        return auto.plan(state, state.step, route, loss0, at, one_batch, nested)
+        self, state: StepState, loss0: float, lin: Linearization, rhs: Tensor, batch: Batch
+    ) -> tuple[str, auto.Phase]:
+        """The route this step could take and the phase it takes
+        (:func:`torch_sgn.route_plan.phase`)."""
+        fm = self._fmodel
+        return phase(
+            self._setup, self._options, lin, rhs, fm.numel, fm.device, state, loss0,
+            lambda point: self._loss_at(lin, point, batch),
+            lambda: fits_one_batch(self._caps, self._last_inputs.repeated(batch.args)),
+            fm.calls_autograd,
+        )  # fmt: skip
 
     def _solve(
         self,
@@ -700,58 +704,11 @@ class SGN(torch.optim.Optimizer):
             return curvature_subset(self._engine, self._loss, fraction, seed=t)
         return self._engine
 
-    def _rows_stage(self, batch: Batch, state: StepState) -> Optional[str]:
-        """:func:`torch_sgn.many_rows.stage`, for ``solver="auto"`` in one process, without
-        momentum, CUDA graphs or a curvature subset."""
-        setup = self._setup
-        if setup.solver != "auto" or setup.cuda_graphs or not self._may_solve_exactly():
-            return None
-        fm = self._fmodel
-        return many_rows.stage(fm.model, batch, fm.numel, setup.direct_max_params, state)
-
-    def _may_solve_through_outputs(self) -> bool:
-        """Whether steps may go through the batch's outputs (the engine and the options allow
-        it; each batch decides): ``solver="direct"`` then checks the ``P x P`` matrix's memory
-        at the steps that cannot, not at construction. The layer-wise engine may, and any
-        engine on a residual problem (:mod:`torch_sgn.engines.jacobian`)."""
-        return (
-            getattr(self._engine, "may_solve_through_outputs", False)
-            or hasattr(self._fmodel.model, "jacobian_blocks")
-        ) and self._may_solve_exactly()
-
-    def _may_solve_exactly(self) -> bool:
-        """One process, no momentum, no curvature subset: an exact step's conditions."""
-        return (
-            isinstance(self._comm, SingleProcess)
-            and self._options.gradient_averaging == 0
-            and self._setup.curvature_fraction == 1
-        )
-
-    def _fits_one_batch(self, batch: Batch) -> bool:
-        """Whether this run fits one batch rather than a stream of mini-batches: the model is a
-        least-squares problem of residuals (:class:`torch_sgn.pinn.Residuals`, whose points
-        may be drawn anew), or this step's inputs are the previous step's tensors, unchanged
-        (a full-batch fit). ``solver="auto"`` then takes exact steps at once."""
-        repeated = self._last_inputs.repeated(batch.args)
-        return repeated or hasattr(self._fmodel.model, "jacobian_blocks")
-
     def _jacobian_applies(self, lin: Linearization, theta: Tensor, batch: Batch) -> bool:
         """Whether this step's exact solves form ``J`` row by row
-        (:func:`~torch_sgn.engines.jacobian.with_jacobian`): on a residual problem
-        (:class:`torch_sgn.pinn.Residuals`) unless CG is asked for, and on any model with
-        ``solver="direct"`` (in place of ``P`` products); where the engine has no route of its
-        own, CUDA graphs are off, and the model is per-sample on batches of this shape (checked
-        once per shape and mode). ``solver="auto"`` keeps its cost rule on other models."""
-        residual_problem = hasattr(self._fmodel.model, "jacobian_blocks")
-        if (
-            self._setup.solver == "cg"
-            or (self._setup.solver == "auto" and not residual_problem)
-            or self._setup.cuda_graphs  # the captured products are the route
-            or lin.dense_ggn is not None
-            or lin.sample_space is not None
-            or not isinstance(self._comm, SingleProcess)
-            or self._setup.curvature_fraction != 1
-        ):
+        (:func:`torch_sgn.route_plan.forms_jacobian`), the model being per-sample on batches
+        of this shape (checked once per shape and mode)."""
+        if not forms_jacobian(self._caps, self._setup, lin):
             return False
         key = (
             tuple((tuple(x.shape), x.dtype) for x in batch.args),
@@ -761,6 +718,9 @@ class SGN(torch.optim.Optimizer):
         if key not in self._per_sample:
             self._per_sample[key] = per_sample(self._fmodel, theta, batch)
         return self._per_sample[key]
+
+    def _single_process(self) -> bool:
+        return isinstance(self._comm, SingleProcess)
 
     def _loss_at(self, lin: Linearization, flat: Tensor, batch: Batch) -> float:
         """The objective at ``flat`` on the batch: the loss, and the weight decay's penalty
