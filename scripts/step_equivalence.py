@@ -19,7 +19,10 @@ The cases cover the Boston MLP of :mod:`torch_sgn.experiments`, a CNN, a traced
 non-``Sequential`` model, the solvers ``"cg"``, ``"direct"`` (through ``G`` and through the
 batch's outputs) and ``"auto"`` (its probes and switch), geodesic acceleration on and off,
 momentum, the trust region and the line search on and off, Levenberg-Marquardt attempts with
-both damping rules, frozen parameters, a curvature subset and a resumed ``state_dict``.
+both damping rules, frozen parameters, a curvature subset and a resumed ``state_dict``; a PINN
+written with :mod:`torch_sgn.pinn` (exact steps on every row, and the sampled stages of many
+rows); and :func:`torch_sgn.least_squares` on curve fits (its own driver, ``CurveSteps``: the
+fit's result is the record: the solution, cost, steps, evaluations, status and message).
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ from typing import Callable, Dict, List, Mapping
 import torch
 from torch import nn
 
-from torch_sgn import SGN
+from torch_sgn import SGN, least_squares
 from torch_sgn.experiments import data as datasets
 from torch_sgn.experiments.models import mlp
+from torch_sgn.pinn import Residual, Residuals, laplacian
 
 STEPS = 20
 INFO_FIELDS = (
@@ -90,6 +94,54 @@ def _case(build, dtype, batches="boston", loss="mse", **options) -> dict:
     the options of :class:`SGN` (``paper=1``: :meth:`SGN.paper`; ``freeze=1``: the first
     parameter frozen after construction)."""
     return dict(build=build, dtype=dtype, batches=batches, loss=loss, options=options)
+
+
+def _poisson(interior: int = 100, boundary: int = 20, width: int = 16) -> Residuals:
+    """A 2-D Poisson problem written with torch_sgn.pinn (float64, fixed points)."""
+    g = torch.Generator().manual_seed(3)
+    x_in = torch.rand(interior, 2, generator=g, dtype=torch.float64)
+    t = torch.rand(boundary, 1, generator=g, dtype=torch.float64)
+    x_bd = torch.cat([t, (torch.arange(boundary) % 2).to(torch.float64)[:, None]], 1)
+    net = nn.Sequential(nn.Linear(2, width), nn.Tanh(), nn.Linear(width, 1)).double()
+
+    def f(x):
+        return 2 * math.pi**2 * torch.sin(math.pi * x[:, :1]) * torch.sin(math.pi * x[:, 1:])
+
+    return Residuals(
+        net,
+        {
+            "interior": Residual(lambda u, x: -laplacian(u, x) - f(x), points=x_in),
+            "boundary": Residual(lambda u, x: u(x), points=x_bd, weight=2.0),
+        },
+    )
+
+
+#: NIST StRD's Misra1a (data, first start) and MGH09 (Kowalik and Osborne, second start).
+_MISRA1A = (
+    [77.6, 114.9, 141.1, 190.8, 239.9, 289.0, 332.8, 378.4, 434.8, 477.3, 536.8, 593.1, 689.1,
+     760.0],
+    [10.07, 14.73, 17.94, 23.93, 29.61, 35.18, 40.02, 44.82, 50.76, 55.05, 61.01, 66.40, 75.47,
+     81.78],
+    [500.0, 1e-4],
+)  # fmt: skip
+_MGH09 = (
+    [4.0, 2.0, 1.0, 0.5, 0.25, 0.167, 0.125, 0.1, 0.0833, 0.0714, 0.0625],
+    [0.1957, 0.1947, 0.1735, 0.16, 0.0844, 0.0627, 0.0456, 0.0342, 0.0323, 0.0235, 0.0246],
+    [0.25, 0.39, 0.415, 0.39],
+)
+
+
+def _misra1a(b, x):
+    return b[0] * (1 - torch.exp(-b[1] * x))
+
+
+def _mgh09(b, x):
+    return b[0] * (x**2 + x * b[1]) / (x**2 + x * b[2] + b[3])
+
+
+def _fit(model, data, **options) -> dict:
+    """A curve-fit case: ``least_squares`` of ``model(b, x) - y`` from the data's start."""
+    return dict(fit=(model, data), options=options)
 
 
 def cases() -> Dict[str, dict]:
@@ -161,6 +213,25 @@ def cases() -> Dict[str, dict]:
         "frozen_cg_momentum": _case(
             _mlp(8), f32, solver="cg", momentum=0.9, warm_start=0.5, freeze=1
         ),
+        "pinn_auto": _case(_poisson, f64, batches="problem", loss=Residuals.loss),
+        # more rows and parameters than direct_max_params: sampled exact steps
+        "pinn_sampled": _case(
+            lambda: _poisson(400, 40),
+            f64,
+            batches="problem",
+            loss=Residuals.loss,
+            direct_max_params=40,
+        ),  # fmt: skip
+        "fit_misra1a": _fit(_misra1a, _MISRA1A, xtol=1e-15, ftol=1e-15, gtol=1e-15),
+        "fit_mgh09_strict": _fit(
+            _mgh09,
+            _MGH09,
+            xtol=1e-15,
+            ftol=1e-15,
+            gtol=1e-15,
+            geodesic_acceleration="strict",
+            attempts=10,
+        ),  # fmt: skip
     }
 
 
@@ -174,7 +245,24 @@ def _batches(kind: str, dtype) -> List[tuple]:
     return _images(dtype)
 
 
+def run_fit(case: dict) -> dict:
+    """A curve fit's record: the result of ``least_squares``, as one step's parameters and
+    info (the driver keeps no optimizer state)."""
+    model, (x, y, start) = case["fit"]
+    x, y = (torch.tensor(v, dtype=torch.float64) for v in (x, y))
+    fit = least_squares(
+        lambda b: model(b, x) - y, torch.tensor(start, dtype=torch.float64), **case["options"]
+    )
+    info = dict(
+        loss_after=float(fit.cost), steps=fit.steps, evaluations=fit.evaluations,
+        status=fit.status, message=fit.message, solver="least_squares",
+    )  # fmt: skip
+    return dict(params=[[fit.x.clone()]], infos=[info], state={"param_groups": [], "state": {}})
+
+
 def run(case: dict) -> dict:
+    if "fit" in case:
+        return run_fit(case)
     torch.manual_seed(0)
     options = dict(case["options"])
     paper, freeze = options.pop("paper", 0), options.pop("freeze", 0)
@@ -183,7 +271,10 @@ def run(case: dict) -> dict:
     opt = build(model, case["loss"], **options)
     if freeze:  # frozen after SGN was built: steps in the other parameters
         next(model.parameters()).requires_grad_(False)
-    batches = _batches(case["batches"], case["dtype"])
+    if case["batches"] == "problem":  # a Residuals problem: its own points, every step
+        batches = [model.batch()]
+    else:
+        batches = _batches(case["batches"], case["dtype"])
     params, infos = [], []
     for t in range(STEPS):
         if t == STEPS // 2 and not freeze:  # a resumed run: a new optimizer loads the state
