@@ -48,12 +48,15 @@ from torch_sgn.model.flat_model import FunctionalModel
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from measuring import environment  # noqa: E402
+from old_version import import_old  # noqa: E402
 from workloads import batch  # noqa: E402
 
 VARIANTS = {"before": False, "after": True}
 
 
 FLAGS = ["TANGENT_RULES", "GRAPH_PASSES"]
+#: The package name of each --before-tree loaded so far.
+_OLD: Dict[str, str] = {}
 
 
 def _set(flags: List[str], on: bool) -> None:
@@ -68,20 +71,13 @@ def _set(flags: List[str], on: bool) -> None:
 
 def _package(tree: str) -> Dict[str, object]:
     """The modules ``measure`` uses, from this process's ``torch_sgn`` where ``tree`` is empty,
-    else from the ``torch_sgn`` package under ``tree/src``, loaded as ``torch_sgn_before``."""
+    else from the ``torch_sgn`` package under ``tree/src``, loaded beside it
+    (:func:`old_version.import_old`)."""
     name = "torch_sgn"
     if tree:
-        root = os.path.join(tree, "src", "torch_sgn")
-        if not os.path.isfile(os.path.join(root, "__init__.py")):
-            raise SystemExit(f"--before-tree: no package at {root}")
-        name = "torch_sgn_before"
-        if name not in sys.modules:
-            spec = importlib.util.spec_from_file_location(
-                name, os.path.join(root, "__init__.py"), submodule_search_locations=[root]
-            )
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            spec.loader.exec_module(module)
+        if not os.path.isfile(os.path.join(tree, "src", "torch_sgn", "__init__.py")):
+            raise SystemExit(f"--before-tree: no package at {tree}/src/torch_sgn")
+        name = _OLD.get(tree) or _OLD.setdefault(tree, import_old(os.path.join(tree, "src")))
     modules = {
         "traced": "engines.traced.engine",
         "optimizer": "optimizer",
