@@ -573,6 +573,28 @@ def test_traced_graphs_draw_from_the_random_state_the_step_replays(cpu_graph_cap
     torch.testing.assert_close(results[0], results[1], rtol=1e-6, atol=0)
 
 
+def test_traced_replays_are_kept_per_trace_and_dropped_with_it(cpu_graph_captures, monkeypatch):
+    """The traced engine keeps one set of captured graphs per cached trace (a batch shape),
+    replays it for that shape, and frees it when the trace leaves its cache."""
+    from torch_sgn.batch import Batch
+    from torch_sgn.engines.selection import select_engine
+    from torch_sgn.engines.traced import engine as traced_engine
+    from torch_sgn.losses import resolve_loss
+    from torch_sgn.model.flat_model import FunctionalModel
+
+    monkeypatch.setattr(traced_engine, "CACHE_SIZE", 1)
+    torch.manual_seed(0)
+    fmodel = FunctionalModel(nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1)))
+    engine = select_engine(fmodel, resolve_loss("mse"), "traced", cuda_graphs=True)
+    engine = getattr(engine, "engines", [engine])[0]
+    for rows in (8, 8):
+        engine(fmodel.flat(), Batch(torch.randn(rows, 4), torch.randn(rows, 1)))
+    assert cpu_graph_captures == [3] and len(engine._replays) == 1  # captured once, replayed
+    engine(fmodel.flat(), Batch(torch.randn(5, 4), torch.randn(5, 1)))  # evicts the first
+    assert cpu_graph_captures == [3, 3]
+    assert list(engine._replays) == list(engine._cache.values())
+
+
 def test_traced_graphs_do_not_apply_to_other_random_draws(cpu_graph_captures):
     class Noisy(nn.Module):
         def __init__(self):
