@@ -9,7 +9,9 @@ tied parameters) are drawn by :func:`make_model`. :func:`dense_ggn` (and :func:`
 its factors) builds ``J`` and ``g`` by reverse mode through the model's own parameters and forward
 pass, one output element at a time: no forward mode, parameters never swapped (``torch.func``
 only for ``f``, the outputs at other points), so it holds for any model autograd can
-differentiate.
+differentiate. The PINN operators' references (:func:`nested_jet`, :func:`nested_derivative`,
+:func:`pointwise_laplacian`) take input derivatives by nested ``torch.autograd.grad``; shared
+helpers: :func:`flat_parameters`, :func:`sgn_options`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +29,7 @@ from torch.func import functional_call
 
 from torch_sgn import SGN
 from torch_sgn.options import ARGUMENT_NAMES, KEYS, Options
+from torch_sgn.pinn.operators import Jet
 
 D = torch.float64
 
@@ -542,3 +545,49 @@ def flat_parameters(model: nn.Module, trainable: bool = False) -> Tensor:
     order (``trainable``: those with ``requires_grad`` alone)."""
     params = [p for p in model.parameters() if p.requires_grad or not trainable]
     return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+# --- PINN references: derivatives by nested autograd -------------------------------------------
+def nested_jet(u: Callable[[Tensor], Tensor], x: Tensor, dims: Optional[tuple]) -> Jet:
+    """Value, gradient and Laplacian by nested ``torch.autograd.grad``; rows are independent,
+    so the derivative of a column's sum is the per-point derivative."""
+    d = x.shape[1]
+    dims = range(d) if dims is None else [k % d for k in dims]
+    x = x.detach().requires_grad_(True)
+    value = u(x)
+    grads, laps = [], []
+    for i in range(value.shape[1]):
+        (g,) = torch.autograd.grad(value[:, i].sum(), x, create_graph=True)
+        grads.append(g)
+        lap = torch.zeros_like(value[:, i])
+        for k in dims:
+            (h,) = torch.autograd.grad(g[:, k].sum(), x, create_graph=True, materialize_grads=True)
+            lap = lap + h[:, k]
+        laps.append(lap)
+    return Jet(value, torch.stack(grads, 1), torch.stack(laps, 1))
+
+
+def nested_derivative(u: Callable[[Tensor], Tensor], x: Tensor, path: tuple) -> Tensor:
+    """``d^p u_i / dx_{path[0]} ... dx_{path[-1]}`` for every output ``i``, by nested
+    ``torch.autograd.grad`` (``(N, m)``)."""
+    x = x.detach().requires_grad_(True)
+    value = u(x)
+    out = []
+    for i in range(value.shape[1]):
+        g = value[:, i]
+        for k in path:
+            (full,) = torch.autograd.grad(g.sum(), x, create_graph=True, materialize_grads=True)
+            g = full[:, k]
+        out.append(g)
+    return torch.stack(out, 1)
+
+
+def pointwise_laplacian(u, x):
+    """The Laplacian of a network of two inputs by nested autograd, one point at a time: shares
+    no code with the forward Laplacian."""
+    rows = []
+    for p in x:
+        p = p.clone().requires_grad_(True)
+        (g,) = torch.autograd.grad(u(p[None]).sum(), p, create_graph=True)
+        rows.append(sum(torch.autograd.grad(g[i], p, create_graph=True)[0][i] for i in range(2)))
+    return torch.stack(rows)[:, None]

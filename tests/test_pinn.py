@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from cases import pointwise_laplacian
 from torch_sgn import GGN, SGN
 from torch_sgn.batch import Batch
 from torch_sgn.engines.jacobian import jacobian_rows, per_sample, with_jacobian
@@ -21,16 +22,6 @@ D = torch.float64
 def _net(seed=0, width=6):
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(2, width), nn.Tanh(), nn.Linear(width, 1)).to(D)
-
-
-def _reference_laplacian(u, x):
-    """Nested autograd, one point at a time: shares no code with the forward Laplacian."""
-    rows = []
-    for p in x:
-        p = p.clone().requires_grad_(True)
-        (g,) = torch.autograd.grad(u(p[None]).sum(), p, create_graph=True)
-        rows.append(sum(torch.autograd.grad(g[i], p, create_graph=True)[0][i] for i in range(2)))
-    return torch.stack(rows)[:, None]
 
 
 def _f(x):
@@ -90,7 +81,7 @@ def test_residuals_output_is_the_weighted_blocks_and_its_loss_the_weighted_mean_
 @pytest.mark.parametrize("engine", ["auto", "traced", "functional"])
 def test_ggn_of_a_poisson_problem_matches_the_dense_reference(engine):
     problem, _ = _problem(_net(), prior=0.5)
-    reference, _ = _problem(problem.network, lap=_reference_laplacian, prior=0.5)
+    reference, _ = _problem(problem.network, lap=pointwise_laplacian, prior=0.5)
     inputs, targets = problem.batch()
     _, J, G_ref = _dense_reference(problem, inputs, reference)
     G = GGN(problem, problem.loss, inputs, targets, engine=engine)
@@ -101,7 +92,7 @@ def test_ggn_of_a_poisson_problem_matches_the_dense_reference(engine):
 
 def test_jacobian_rows_match_reverse_mode_on_residual_blocks():
     problem, _ = _problem(_net(), prior=0.5)
-    reference, _ = _problem(problem.network, lap=_reference_laplacian, prior=0.5)
+    reference, _ = _problem(problem.network, lap=pointwise_laplacian, prior=0.5)
     inputs, targets = problem.batch()
     r, J, _ = _dense_reference(problem, inputs, reference)
     fm = FunctionalModel(problem)

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from cases import nested_derivative, nested_jet
 from torch_sgn.pinn.operators import (
-    Jet,
     Sin,
     derivative,
     divergence,
@@ -152,25 +152,6 @@ def _dims_for(dims: Optional[tuple], d: int) -> Optional[tuple]:
     return None if dims is None else tuple(k for k in dims if -d <= k < d)
 
 
-def reference(u: Callable[[Tensor], Tensor], x: Tensor, dims: Optional[tuple]) -> Jet:
-    """Value, gradient and Laplacian by nested ``torch.autograd.grad``; rows are independent,
-    so the derivative of a column's sum is the per-point derivative."""
-    d = x.shape[1]
-    dims = range(d) if dims is None else [k % d for k in dims]
-    x = x.detach().requires_grad_(True)
-    value = u(x)
-    grads, laps = [], []
-    for i in range(value.shape[1]):
-        (g,) = torch.autograd.grad(value[:, i].sum(), x, create_graph=True)
-        grads.append(g)
-        lap = torch.zeros_like(value[:, i])
-        for k in dims:
-            (h,) = torch.autograd.grad(g[:, k].sum(), x, create_graph=True, materialize_grads=True)
-            lap = lap + h[:, k]
-        laps.append(lap)
-    return Jet(value, torch.stack(grads, 1), torch.stack(laps, 1))
-
-
 # --- values against the reference -------------------------------------------------------------
 
 
@@ -180,7 +161,7 @@ def test_jet_matches_nested_autograd(case, method, dims):
     model, x = _setup(case)
     dims = _dims_for(dims, case.d)
     got = jet(model, x, laplacian_dims=dims, method=method)
-    want = reference(model, x, dims)
+    want = nested_jet(model, x, dims)
     m = want.value.shape[1]
     assert got.value.shape == (5, m)
     assert got.gradient.shape == (5, m, case.d)
@@ -195,7 +176,7 @@ def test_jet_matches_nested_autograd(case, method, dims):
 def test_gradient_only_has_zero_laplacian(case, method):
     model, x = _setup(case)
     got = jet(model, x, laplacian_dims=(), method=method)
-    want = reference(model, x, ())
+    want = nested_jet(model, x, ())
     torch.testing.assert_close(got.gradient, want.gradient, **TOL)
     torch.testing.assert_close(gradient(model, x, method=method), want.gradient, **TOL)
     assert torch.equal(got.laplacian, torch.zeros_like(want.value))
@@ -223,13 +204,13 @@ def test_forward_and_fallback_agree(case):
 def test_laplacian_parameter_gradient(case, method):
     model, x = _setup(case)
     params = list(model.parameters())
-    weights = torch.randn(5, reference(model, x, None).value.shape[1], dtype=torch.float64)
+    weights = torch.randn(5, nested_jet(model, x, None).value.shape[1], dtype=torch.float64)
     # the last layer's bias does not reach the Laplacian: its derivative is zero
     got = torch.autograd.grad(
         (laplacian(model, x, method=method) * weights).sum(), params, materialize_grads=True
     )
     want = torch.autograd.grad(
-        (reference(model, x, None).laplacian * weights).sum(), params, materialize_grads=True
+        (nested_jet(model, x, None).laplacian * weights).sum(), params, materialize_grads=True
     )
     assert any(w.abs().max() > 1e-3 for w in want)
     for g, w in zip(got, want):
@@ -267,7 +248,7 @@ def test_forward_mode_jvp_over_functional_call(case):
         def u(z):
             return functional_call(model, dict(zip(plain, ps)), (z,))
 
-        return -reference(u, x, None).laplacian - 1.0
+        return -nested_jet(u, x, None).laplacian - 1.0
 
     jacobians = torch.autograd.functional.jacobian(ref, primals)
     want = sum((j * t).flatten(2).sum(2) for j, t in zip(jacobians, tangents))
@@ -305,13 +286,13 @@ def test_make_fx_traces_the_forward_laplacian():
     with torch.no_grad():
         for p, q in zip(model2.parameters(), params2):
             p.copy_(q)
-    torch.testing.assert_close(traced(x2, *params2), reference(model2, x2, None).laplacian, **TOL)
+    torch.testing.assert_close(traced(x2, *params2), nested_jet(model2, x2, None).laplacian, **TOL)
 
     params = [p.requires_grad_(True) for p in params]
     traced_grads = make_fx(lap_and_grads)(x, *params)
     out, *grads = traced_grads(x, *params)
     plain = [name for name, _ in model.named_parameters()]
-    want = reference(
+    want = nested_jet(
         lambda z: functional_call(model, dict(zip(plain, params)), (z,)), x, None
     ).laplacian
     want_grads = torch.autograd.grad(want.square().sum(), params, materialize_grads=True)
@@ -324,7 +305,7 @@ def test_vmap_over_points():
     model = _tanh_net()
     x = torch.randn(5, 2, dtype=torch.float64)
     per_point = torch.func.vmap(lambda xi: laplacian(model, xi[None], method="forward")[0])(x)
-    torch.testing.assert_close(per_point, reference(model, x, None).laplacian, **TOL)
+    torch.testing.assert_close(per_point, nested_jet(model, x, None).laplacian, **TOL)
 
 
 # --- the wrappers -------------------------------------------------------------------------------
@@ -335,13 +316,13 @@ def test_heat_equation_terms(method):
     # points (t, x1): u_t - u_{x1 x1}
     model = _tanh_net()
     tx = torch.rand(8, 2, dtype=torch.float64)
-    want = reference(model, tx, (1,))
+    want = nested_jet(model, tx, (1,))
     u_xx = laplacian(model, tx, dims=[1], method=method)
     u_t = time_derivative(model, tx, dim=0, method=method)
     assert u_xx.shape == u_t.shape == (8, 1)
     torch.testing.assert_close(u_xx, want.laplacian, **TOL)
     torch.testing.assert_close(u_t, want.gradient[..., 0], **TOL)
-    full = reference(model, tx, None).laplacian
+    full = nested_jet(model, tx, None).laplacian
     assert (u_xx - full).abs().max() > 1e-3  # dims=[1] is not the full Laplacian
     torch.testing.assert_close(time_derivative(model, tx, dim=-1), want.gradient[..., 1], **TOL)
 
@@ -350,7 +331,7 @@ def test_heat_equation_terms(method):
 def test_divergence(method):
     model = CASES[-3].build().double()  # "nested", 3 -> 3
     x = torch.randn(6, 3, dtype=torch.float64)
-    want = reference(model, x, ()).gradient.diagonal(dim1=1, dim2=2).sum(1, keepdim=True)
+    want = nested_jet(model, x, ()).gradient.diagonal(dim1=1, dim2=2).sum(1, keepdim=True)
     got = divergence(model, x, method=method)
     assert got.shape == (6, 1)
     torch.testing.assert_close(got, want, **TOL)
@@ -413,25 +394,10 @@ def test_errors_name_the_argument(call, error, match):
 def test_func_method_does_not_inspect_layers():
     # method="func" differentiates whatever u computes: a ReLU's first derivatives are exact
     net = _net(nn.Sequential(nn.Linear(2, 3), nn.LeakyReLU(0.1)))
-    torch.testing.assert_close(gradient(net, _X, method="func"), reference(net, _X, ()).gradient)
+    torch.testing.assert_close(gradient(net, _X, method="func"), nested_jet(net, _X, ()).gradient)
 
 
 # --- mixed second partials and derivatives of order 3 and 4 -----------------------------------
-
-
-def _nested(u: Callable[[Tensor], Tensor], x: Tensor, path: tuple) -> Tensor:
-    """``d^p u_i / dx_{path[0]} ... dx_{path[-1]}`` for every output ``i``, by nested
-    ``torch.autograd.grad`` (``(N, m)``)."""
-    x = x.detach().requires_grad_(True)
-    value = u(x)
-    out = []
-    for i in range(value.shape[1]):
-        g = value[:, i]
-        for k in path:
-            (full,) = torch.autograd.grad(g.sum(), x, create_graph=True, materialize_grads=True)
-            g = full[:, k]
-        out.append(g)
-    return torch.stack(out, 1)
 
 
 class Quintic(nn.Module):
@@ -450,7 +416,11 @@ def test_hessian_matches_nested_autograd(case, method):
     got = hessian(model, x, method=method)
     d = case.d
     want = torch.stack(
-        [torch.stack([_nested(model, x, (k, j)) for j in range(d)], -1) for k in range(d)], -2
+        [
+            torch.stack([nested_derivative(model, x, (k, j)) for j in range(d)], -1)
+            for k in range(d)
+        ],
+        -2,
     )
     assert got.shape == want.shape == (5, want.shape[1], d, d)
     torch.testing.assert_close(got, want, **TOL)
@@ -482,7 +452,7 @@ def test_derivative_along_a_coordinate_matches_nested_autograd(case, method, ord
             derivative(model, x, -1, order, method=method)
         return
     got = derivative(model, x, -1, order, method=method)
-    want = _nested(model, x, (case.d - 1,) * order)
+    want = nested_derivative(model, x, (case.d - 1,) * order)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     assert want.abs().max() > 1e-3
 
@@ -527,7 +497,7 @@ def test_hessian_jet_matches_nested_autograd(case, method):
     got = hessian_jet(model, x, method=method)
     d = case.d
     torch.testing.assert_close(got.value, model(x), **TOL)
-    grads = torch.stack([_nested(model, x, (k,)) for k in range(d)], -1)
+    grads = torch.stack([nested_derivative(model, x, (k,)) for k in range(d)], -1)
     torch.testing.assert_close(got.gradient, grads, **TOL)
     torch.testing.assert_close(got.hessian, hessian(model, x, method="func"), **TOL)
 
