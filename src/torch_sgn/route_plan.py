@@ -42,7 +42,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a model and its engine offer an exact step, read once.
+    """What a model and its engine offer an exact step, read once, when SGN is built.
 
     Attributes:
         residual_problem: the model says how its rows are formed (``jacobian_blocks``: a
