@@ -46,10 +46,9 @@ os.environ.setdefault("DDE_BACKEND", "pytorch")
 os.environ.setdefault("MPLBACKEND", "Agg")
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from measuring import run_missing, write_record  # noqa: E402
+from measuring import add_record_arguments, record_folder, run_missing, write_record  # noqa: E402
 
 #: example: (folder, reference, true values of the inverse problem's variables). The reference:
 #: ``"solution"``: the data's exact solution on its test points; ``"testdata"``: the example's
@@ -265,15 +264,10 @@ def main(argv=None) -> None:
     parser.add_argument("--budget", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--float32", action="store_true")
-    parser.add_argument("--one", help=argparse.SUPPRESS)  # example:method, a child process
-    parser.add_argument("--table", action="store_true")
-    parser.add_argument("--out", required=True)
+    add_record_arguments(parser)
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if args.table:
-        print(table(out))
+    out = record_folder(args, table)
+    if out is None:
         return
     if args.examples is None:
         parser.error("--examples is needed to run")

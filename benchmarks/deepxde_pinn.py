@@ -42,7 +42,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from measuring import run_missing, write_record  # noqa: E402
+from measuring import add_record_arguments, record_folder, run_missing, write_record  # noqa: E402
 
 PI = np.pi
 METHODS = ("sgn", "adam", "adam+lbfgs", "lbfgs")
@@ -235,15 +235,10 @@ def main(argv=None) -> None:
     parser.add_argument("--boundary", type=int, default=120)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--one", help=argparse.SUPPRESS)  # method:seed, in a child process
-    parser.add_argument("--table", action="store_true")
-    parser.add_argument("--out", required=True)
+    add_record_arguments(parser)
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if args.table:
-        print(table(out))
+    out = record_folder(args, table)
+    if out is None:
         return
     if args.one:
         method, seed = args.one.split(":")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import subprocess
@@ -12,7 +13,10 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["environment", "peak_mib", "run_missing", "sync", "timed", "write_record"]
+__all__ = [
+    "add_record_arguments", "environment", "peak_mib", "record_folder", "run_missing", "sync",
+    "timed", "write_record",
+]  # fmt: skip
 
 
 def sync(device: torch.device) -> None:
@@ -111,3 +115,24 @@ def run_missing(
                 subprocess.run(command, stdout=f, stderr=f)
         done.append(spec)
     return done
+
+
+def add_record_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of a benchmark that writes one record per run in a folder:
+    ``--out`` the folder, ``--table`` its table alone, ``--one`` (hidden) the run a child
+    process of :func:`run_missing` makes."""
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--table", action="store_true")
+    parser.add_argument("--out", required=True)
+
+
+def record_folder(args: argparse.Namespace, table: Callable[[Path], str]) -> Optional[Path]:
+    """One torch thread and the record folder ``args.out``, made; ``None`` where ``--table``
+    asked for the folder's table alone (printed here)."""
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.table:
+        print(table(out))
+        return None
+    return out

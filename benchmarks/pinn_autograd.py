@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from measuring import run_missing, write_record  # noqa: E402
+from measuring import add_record_arguments, record_folder, run_missing, write_record  # noqa: E402
 
 METHODS = ("sgn", "sgn-cg10", "lbfgs", "adam", "sgn-pinn")
 PI = math.pi
@@ -206,15 +206,10 @@ def main(argv=None) -> None:
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--budget", type=float, default=40.0)
     parser.add_argument("--every", type=float, default=2.0, help="CPU s between errors")
-    parser.add_argument("--one", help=argparse.SUPPRESS)  # method:seed in a child process
-    parser.add_argument("--table", action="store_true")
-    parser.add_argument("--out", required=True)
+    add_record_arguments(parser)
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if args.table:
-        print(table(out))
+    out = record_folder(args, table)
+    if out is None:
         return
     if args.one:
         method, seed = args.one.split(":")
