@@ -47,15 +47,12 @@ class Capabilities:
     Attributes:
         residual_problem: the model says how its rows are formed (``jacobian_blocks``: a
             :class:`torch_sgn.pinn.Residuals` problem, a least-squares fit of one batch).
-        layer_factors: the model gives ``J``'s layer factors (``layer_factors``), so a step
-            may take samples of many rows, or all of them (:mod:`torch_sgn.many_rows`).
         through_outputs: the engine solves through the batch's outputs (the layer-wise
             engine's chains).
         single_process: one process (no data-parallel group).
     """
 
     residual_problem: bool
-    layer_factors: bool
     through_outputs: bool
     single_process: bool
 
@@ -63,7 +60,6 @@ class Capabilities:
     def of(cls, model: nn.Module, engine: object, single_process: bool) -> Capabilities:
         return cls(
             hasattr(model, "jacobian_blocks"),
-            hasattr(model, "layer_factors"),
             bool(getattr(engine, "may_solve_through_outputs", False)),
             single_process,
         )
@@ -97,11 +93,9 @@ def rows_stage(
     state: StepState,
 ) -> Optional[str]:
     """Which rows the step uses: :func:`torch_sgn.many_rows.stage` (``SAMPLE``, ``ALL``, or
-    ``None``: the batch's) for ``solver="auto"`` without CUDA graphs where an exact step is
-    allowed; ``None`` elsewhere."""
-    if setup.solver != "auto" or setup.cuda_graphs or not caps.layer_factors:
-        return None
-    if not exact_allowed(caps, setup, options):
+    ``None``: the batch's; it reads whether the model has the layers' factors) for
+    ``solver="auto"`` without CUDA graphs where an exact step is allowed; ``None`` elsewhere."""
+    if setup.solver != "auto" or setup.cuda_graphs or not exact_allowed(caps, setup, options):
         return None
     return many_rows.stage(model, batch, numel, setup.direct_max_params, state)
 
