@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Every GPU measurement and check of the project in one run (about 9 minutes on one H100/H200,
-# up to 2 more with part 7c). From the repository root, with a CUDA build of torch:
+# up to 2 more with part 7c, 7 more with part 7e). From the repository root, with a CUDA build of torch:
 #
 #     OUT=gpu-results TORCH_SGN_DATA=<dir holding fashion_mnist/> bash benchmarks/gpu_checks.sh
 #
 # Writes into $OUT: env.txt, pytest_graphs.txt, ggn_cost_cuda*.txt/.json,
 # time_to_accuracy_cuda.txt/.json, solver.txt/.json, any_model*.txt/.json,
-# traced_graphs*.txt/.json, autocast.txt, autocast_step.txt/.json, pytest_cuda.txt and pytest.txt. Each part has its own time limit,
+# traced_graphs*.txt/.json, autocast.txt, autocast_step.txt/.json, pinn_points*.txt, pinn_points/
+# and pinn_points.md, pytest_cuda.txt and pytest.txt. Each part has its own time limit,
 # so one that fails or hangs leaves the others' results. PARTS="solver any_model pytest_cuda"
 # runs only the parts named.
 set -u
@@ -87,6 +88,20 @@ want autocast && part autocast 120 $PY -m pytest -q -rA -p no:cacheprovider test
   tests/test_lightning.py -k "cuda or gpu or scaler"
 want autocast_step && part autocast_step 120 $PY benchmarks/autocast_step.py --device cuda \
   --out "$OUT/autocast_step.json"
+# 7e. PINNs on many points (issue "PINNs at the size people run them", its first two rows):
+# the 2-D Poisson problem on the 9,873-parameter net, 10,000 + 400 and 100,000 + 4,000 fixed
+# points, float64, SGN's defaults and L-BFGS, budgets in wall-clock seconds (PINN_SECONDS for
+# SGN, PINN_LBFGS_SECONDS for L-BFGS). Records in $OUT/pinn_points/.
+PINN="$PY benchmarks/pinn.py --problem poisson2d --net 2-64-64-48-48-1 --device cuda --out $OUT/pinn_points"
+S=${PINN_SECONDS:-120}
+L=${PINN_LBFGS_SECONDS:-60}
+want pinn_points && {
+  part pinn_points_10400_sgn $((S + 60)) $PINN --points 10000 400 --seconds "$S" --methods sgn
+  part pinn_points_104000_sgn $((S + 60)) $PINN --points 100000 4000 --seconds "$S" --methods sgn
+  part pinn_points_10400_lbfgs $((L + 40)) $PINN --points 10000 400 --seconds "$L" --methods lbfgs
+  part pinn_points_104000_lbfgs $((L + 40)) $PINN --points 100000 4000 --seconds "$L" --methods lbfgs
+  $PY benchmarks/pinn.py --table --out "$OUT/pinn_points" | tee "$OUT/pinn_points.md"
+}
 # 8. The tests that need CUDA (skipped on a CPU machine).
 want pytest_cuda && part pytest_cuda 90 $PY -m pytest -q -rs -p no:cacheprovider tests -k cuda
 want pytest && OMP_NUM_THREADS=2 part pytest 240 $PY -m pytest -q -rf -p no:cacheprovider $XDIST -m "not slow" tests

@@ -23,6 +23,8 @@ Loss: the mean squared interior residual plus the mean squared boundary (and ini
 The error is the relative L2 error against the exact solution on 10,000 held-out uniform points
 (drawn once from their own seed). Each method runs for ``--seconds`` of this process's CPU time
 (evaluations excluded), one thread; the record holds the error against time and steps.
+``--device cuda`` runs on the GPU instead: points, network and evaluation on it, and the budget
+in wall-clock seconds (the GPU synchronized before each reading).
 
 Methods: ``sgn`` (SGN's defaults on :class:`torch_sgn.pinn.Residuals`: exact Gauss-Newton steps
 through the residuals' Gram matrix), ``sgn-nystrom`` (CG preconditioned by a randomized Nystrom
@@ -194,12 +196,22 @@ def run(
     seed: int,
     progress: Callable[[dict], None] = lambda partial: None,
     stop_below: float = 0.0,
+    device: str = "cpu",
 ) -> dict:
-    net = network(net_spec, problem.dim, seed)
+    net = network(net_spec, problem.dim, seed).to(device)
     residuals = Residuals(net, problem.blocks(net))
+    if device != "cpu":
+        _to_device(residuals, torch.device(device))
     g = torch.Generator().manual_seed(10_000 + seed)
-    x_eval = torch.rand(10_000, problem.dim, generator=g, dtype=D)
+    x_eval = torch.rand(10_000, problem.dim, generator=g, dtype=D).to(device)
     u_eval = problem.exact(x_eval)
+    cuda = torch.device(device).type == "cuda"
+
+    def now() -> float:  # CPU seconds of this process; on a GPU, wall-clock seconds
+        if cuda:
+            torch.cuda.synchronize()
+            return time.perf_counter()
+        return time.process_time()
 
     def error() -> float:
         with torch.no_grad():
@@ -210,9 +222,9 @@ def run(
     clock, steps, next_eval = 0.0, 0, 0.5
     while clock < seconds:
         inputs, targets = residuals.batch(steps)
-        t0 = time.process_time()
+        t0 = now()
         loss = step_fn(inputs, targets)
-        clock += time.process_time() - t0
+        clock += now() - t0
         steps += 1
         if not math.isfinite(loss):
             break
@@ -229,6 +241,7 @@ def run(
         "method": method,
         "seconds": seconds,
         "seed": seed,
+        "device": device,
         "steps": steps,
         "final_error": curve[-1][2],
         "best_error": min(c[2] for c in curve),
@@ -237,6 +250,21 @@ def run(
     if stop_below > 0 and curve[-1][2] <= stop_below:
         result["stopped_below"] = stop_below  # the run ended early, at the target error
     return result
+
+
+def _to_device(residuals: Residuals, device: torch.device) -> None:
+    """Moves the blocks' fixed points to ``device``, and makes their samplers draw there."""
+    for block in residuals.blocks:
+        if block.points is not None:
+            block.points = tuple(p.to(device) for p in block.points)
+        if block.sample is not None:
+
+            def sample(step: int, draw: Callable = block.sample) -> Tuple[Tensor, ...]:
+                points = draw(step)
+                points = (points,) if torch.is_tensor(points) else points
+                return tuple(p.to(device) for p in points)
+
+            block.sample = sample
 
 
 def _method(method: str, residuals: Residuals, net: nn.Module) -> Callable:
@@ -298,6 +326,8 @@ def table(folder: str) -> str:
     order = lambda r: (r["problem"], r["parameters"], str(r.get("points")), r["method"], r["seed"])  # noqa: E731
     for r in sorted(rows, key=order):
         budget = f"{r['seconds']:.0f} s"
+        if r.get("device", "cpu") != "cpu":  # wall-clock seconds on a GPU
+            budget += f" {r['meta'].get('gpu', r['device'])}"
         if "stopped_at_seconds" in r:  # a run stopped by hand: its curve up to there
             budget += f", stopped at {r['stopped_at_seconds']:.0f} s"
         if "stopped_below" in r:  # ended at its target error
@@ -335,6 +365,10 @@ def main(argv: List[str] | None = None) -> None:
     )  # fmt: skip
     p.add_argument("--threads", type=int, default=1)
     p.add_argument(
+        "--device", default="cpu",
+        help="cpu (budget in CPU seconds) or cuda (budget in wall-clock seconds)",
+    )  # fmt: skip
+    p.add_argument(
         "--stop-below", type=float, default=0.0,
         help="end a run once its error is at or below this value (default: run the budget)",
     )  # fmt: skip
@@ -355,12 +389,16 @@ def main(argv: List[str] | None = None) -> None:
         "cpus": os.cpu_count(),
         "threads": args.threads,
         "commit": environment().get("commit", ""),
+        "device": args.device,
     }
+    if torch.device(args.device).type == "cuda":
+        meta["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
     rows = []
     for seed in args.seeds:
         for method in args.methods:
             points = "" if args.points is None else "_{}+{}".format(*args.points)
             points += "_fixed" if args.fixed else ""
+            points += "" if args.device == "cpu" else "_" + args.device.replace(":", "")
             name = f"{args.problem}_{args.net}{points}_{method}_s{seed}_{int(args.seconds)}s.json"
             path = os.path.join(args.out, name)
             if os.path.exists(path):  # finished before: resume without running it again
@@ -377,8 +415,9 @@ def main(argv: List[str] | None = None) -> None:
                         json.dump({**partial, "meta": meta}, f)
 
                 result = run(
-                    problem, args.net, method, args.seconds, seed, progress, args.stop_below
-                )
+                    problem, args.net, method, args.seconds, seed, progress, args.stop_below,
+                    args.device,
+                )  # fmt: skip
                 result["meta"] = meta
                 result["points"] = args.points or "published"
                 result["fixed"] = not problem.resample

@@ -295,3 +295,66 @@ def test_past_the_largest_sample_all_rows_only_where_the_layer_factors_follow(fa
     assert problem.factors_follow == factors
     after = opt.step(inputs, targets)
     assert after.solver == ("cg" if factors else "direct") and after.sample is not None
+
+
+def _to(problem: Residuals, device: str) -> Residuals:
+    """A copy of ``problem`` on ``device``: its network and its blocks' points."""
+    problem = copy.deepcopy(problem).to(device)
+    for block in problem.blocks:
+        block.points = tuple(p.to(device) for p in block.points)
+    return problem
+
+
+def test_points_on_another_device_than_the_network_are_refused():
+    problem = _poisson(20, 4)
+    problem.blocks[1].points = tuple(p.to("meta") for p in problem.blocks[1].points)
+    with pytest.raises(ValueError, match="'boundary': its points are on meta"):
+        problem.batch()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", ["gram", "sampled"])
+def test_cuda_steps_match_cpu_steps(rows):
+    """The exact steps through the Gram matrix, on all rows and on samples, on CUDA as on the
+    CPU (float64)."""
+    problem = _poisson(60, 12) if rows == "gram" else _poisson(400, 40)
+    gpu = _to(problem, "cuda")
+    infos = []
+    for p in (problem, gpu):
+        opt = SGN(p, p.loss, direct_max_params=4000 if rows == "gram" else 50)
+        infos.append(
+            [(i.solver, i.sample, i.taken) for i in (opt.step(*p.batch()) for _ in range(3))]
+        )
+    assert infos[0] == infos[1] and infos[0][-1][:2] == (
+        ("direct", None) if rows == "gram" else ("direct", tuple(sampled.allocate([400, 40], 50)))
+    )
+    for a, b in zip(problem.parameters(), gpu.parameters()):
+        torch.testing.assert_close(b.cpu(), a, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_all_rows_linearization_matches_cpu_and_its_steps_descend():
+    """The steps on all rows: their linearization (loss, gradient, ``G v``, a sample's Gram
+    matrix) on CUDA as on the CPU, and CUDA's steps lower the loss. (The steps themselves are
+    not compared: a conjugate-gradient step on all rows here moves by 1e-3 for a change of the
+    parameters by 1e-15, so the two devices' rounding gives different, equally good steps.)"""
+    problem = _poisson(400, 40)
+    gpu = _to(problem, "cuda")
+    lins = []
+    for p in (problem, gpu):
+        fm = FunctionalModel(p)
+        loss = SGN(p, p.loss)._loss
+        lins.append(by_factors(fm, loss, fm.flat(), Batch(*p.batch()), 20))
+    cpu, cuda = lins
+    v = torch.randn(cpu.grad.numel(), generator=torch.Generator().manual_seed(1), dtype=D)
+    close = dict(rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(cuda.loss.cpu(), cpu.loss, **close)
+    torch.testing.assert_close(cuda.grad.cpu(), cpu.grad, **close)
+    torch.testing.assert_close(cuda.ggn_vp(v.cuda()).cpu(), cpu.ggn_vp(v), **close)
+    torch.testing.assert_close(cuda.rows(5).kernel.cpu(), cpu.rows(5).kernel, **close)
+
+    opt = SGN(gpu, gpu.loss, direct_max_params=50)
+    opt.state[next(gpu.parameters())]["stalls"] = 1  # the largest sample stalled: all rows
+    infos = [opt.step(*gpu.batch()) for _ in range(3)]
+    assert [i.solver for i in infos] == ["cg"] * 3
+    assert all(i.loss_after < i.loss for i in infos if i.taken) and infos[0].taken

@@ -128,6 +128,7 @@ class Residuals(nn.Module):
         """``(inputs, targets)`` for ``opt.step(inputs, targets)``: every block's points (drawn
         anew with ``step`` where a block has ``sample``; fixed points otherwise) and zero
         targets, one per residual."""
+        like = next(self.network.parameters(), None)
         tensors: List[Tensor] = []
         for name, block, arity in zip(self.names, self.blocks, self._arity):
             if block.sample is not None:
@@ -138,11 +139,16 @@ class Residuals(nn.Module):
                     )
             else:
                 pts = block.points or ()
+            if like is not None and any(p.device != like.device for p in pts):
+                raise ValueError(
+                    f"block {name!r}: its points are on {pts[0].device}, the network's "
+                    f"parameters on {like.device}; create the points on the network's device "
+                    "(points=x.to(device))"
+                )
             tensors.extend(pts)
         inputs = tuple(tensors)
         with torch.no_grad():
             n = self.count(inputs)
-        like = next(self.network.parameters(), None)
         targets = torch.zeros(
             n,
             dtype=like.dtype if like is not None else torch.get_default_dtype(),
