@@ -352,3 +352,38 @@ def test_no_note_where_the_jacobian_keeps_its_size():
         warnings.simplefilter("error")
         result = least_squares(lambda m: decay_residuals(m, t, y), Decay(), **TIGHT)
     assert result.success and result.message == MESSAGES[result.status]
+
+
+class _Vector(nn.Module):
+    def __init__(self, x):
+        super().__init__()
+        self.x = nn.Parameter(torch.tensor(x, dtype=D64))
+
+
+def test_a_residuals_fit_tests_gtol_before_each_step(monkeypatch):
+    """Both kinds of fit test ``gtol`` at a point before stepping from it: a Residuals problem
+    (the optimizer's steps) takes no step that is then undone."""
+    from torch_sgn import SGN
+
+    calls = []
+    step = SGN.step
+    monkeypatch.setattr(SGN, "step", lambda self, *a, **k: calls.append(1) or step(self, *a, **k))
+    A, b = linear_problem()
+    problem = Residuals(_Vector([0.0] * 5), {"r": Residual(lambda m: A @ m.x - b)})
+    fit = least_squares(problem, xtol=0, ftol=0, gtol=1e-10)
+    assert fit.status == 1 and fit.steps >= 1 and len(calls) == fit.steps
+    start = Residuals(_Vector(fit.x.tolist()), {"r": Residual(lambda m: A @ m.x - b)})
+    again = least_squares(start, xtol=0, ftol=0, gtol=1e-6)  # its start meets gtol
+    assert (again.status, again.steps, again.evaluations, again.last_step) == (1, 0, 1, None)
+    assert len(calls) == fit.steps  # no step from it
+
+
+def test_a_residuals_fit_that_ends_on_a_plateau_starts_again_and_says_so():
+    """A Residuals problem gets the curve fits' plateau rule: tanh(x) = 2 (no solution; J
+    vanishes as x grows) restarts with the scaled trust region and warns at its end."""
+    problem = Residuals(_Vector([0.5]), {"r": Residual(lambda m: torch.tanh(m.x) - 2)})
+    with pytest.warns(UserWarning, match="Jacobian vanished"):
+        fit = least_squares(problem, **TIGHT)
+    assert "started again with MINPACK's scaled trust region" in fit.message
+    assert fit.last_step.stop_reason == "scaled_trust_region" and fit.x.item() > 5
+    assert problem.network.x.item() == fit.x.item()  # the parameters hold the result

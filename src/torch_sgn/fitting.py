@@ -43,14 +43,15 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from functools import partial
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
+from .batch import Batch
 from .curve_steps import UNSUPPORTED, CurveSteps
-from .model.flat_model import flat_gradient
+from .engines.jacobian import jacobian_rows
+from .model.flat_model import FunctionalModel, flat_gradient
 from .optimizer import SGN, StepInfo
 from .options import Options
 from .pinn.residuals import Residual, Residuals
@@ -87,11 +88,12 @@ class LeastSquaresResult:
             0 ``max_steps`` reached, -1 a step failed.
         message: what the status means.
         success: ``status > 0``.
-        steps: the SGN steps taken (a step whose start already met ``gtol`` is undone and not
-            counted).
-        evaluations: residual evaluations: one at the start (the driver's checks), and per
-            step one at its point (the linearization) plus its trial points
-            (:attr:`~torch_sgn.StepInfo.loss_evals`).
+        steps: the steps taken (none from a point that meets ``gtol``).
+        evaluations: residual evaluations: one per point where the tests ran (the residuals and
+            the gradient there; a residual function's first one also checks the start), plus
+            each step's trial points (:attr:`~torch_sgn.StepInfo.loss_evals`), plus, for
+            steps by :class:`~torch_sgn.SGN` itself (a :class:`~torch_sgn.pinn.Residuals`
+            problem), the step's own evaluation at its start.
         last_step: the last step's :class:`~torch_sgn.StepInfo` (``None`` without steps).
     """
 
@@ -157,13 +159,17 @@ def least_squares(
     at the loss's rounding. Fits with ``solver="cg"``, ``weight_decay``,
     ``gradient_averaging`` or ``curvature_fraction``, with more than ``direct_max_params``
     parameters, and :class:`~torch_sgn.pinn.Residuals` problems run through
-    :class:`~torch_sgn.SGN` itself.
+    :class:`~torch_sgn.SGN` itself. One driver loop runs both, with the same tests. Where the
+    exact steps end on a plateau (``J``'s norm below :math:`\sqrt{\epsilon}` times its norm at
+    the start) with steps left, the fit starts again from its start with MINPACK's scaled trust
+    region, and ``message`` says so; on a ``Residuals`` problem ``J`` is formed for this test
+    at the start and at the end, where it has at most ``direct_max_params ** 2`` entries.
 
     Returns:
         A :class:`LeastSquaresResult`.
 
     Warns:
-        UserWarning: a residual function's fit whose Jacobian vanished on the way (its norm at
+        UserWarning: a fit whose Jacobian vanished on the way (its norm at
             the end below :math:`\sqrt{\epsilon}` times that at the start): it ended on a
             plateau where the residuals no longer depend on the parameters (an exponential
             that underflowed), not at a minimum, whatever its status says. The result's
@@ -186,8 +192,7 @@ def least_squares(
         actual and predicted reductions both below ``ftol F``, or the step not taken (the next
         would be the same step again: MINPACK's "ftol is too small"). A step that does not move
         meets ``xtol`` when the bound :math:`\lVert d \rVert \le \sqrt{2\,\text{pred}/\rho}`
-        on its direction does. ``gtol`` is tested at the start and then from each step's
-        gradient at its starting point: a step that finds its start met ``gtol`` is undone.
+        on its direction does. ``gtol`` is tested at each point before a step from it.
     """
     for name, tol in (("xtol", xtol), ("ftol", ftol), ("gtol", gtol)):
         if not (isinstance(tol, (int, float)) and tol >= 0 and math.isfinite(tol)):
@@ -235,71 +240,62 @@ def _run(
     sgn_options: dict,
     curve: Optional[Tuple[ResidualFn, nn.Module]],
 ) -> LeastSquaresResult:
-    evaluations, steps, info, status = 1, 0, None, None
-    end = None  # the residuals and gradient at the end, where the steps formed them
-    vanished = None  # a note where the curve fit's Jacobian vanished on the way
-    restarted = None  # the steps after which its scaled trust region took over
-    optimizer = partial(SGN, problem, problem.loss, solver=solver, keep_grad=True, **sgn_options)
-    opt = None
-    if curve is not None and max_steps > 0:
-        # A residual function's fit whose steps CurveSteps takes: the checks of the start, and
-        # its gtol test, on CurveSteps' first evaluations (the residuals and J there).
-        opt = optimizer()
-        group = opt.param_groups[0]
-        if _takes_curve_steps({**group, **sgn_options}, solver, params):
-            names = _names(problem, params)
-            lean = CurveSteps(
-                curve[0], curve[1], params, Options.of(group),
-                check=lambda r, reached: _check_start(r, names, reached),
-            )  # fmt: skip
-            run = _run_curve(lean, params, xtol, ftol, gtol, max_steps, group["lr"])
-            steps, evaluations, status, info = run.steps, run.evaluations, run.status, run.info
-            end, restarted = run.end, run.restarted
-            vanished = _vanished(run.norms, params[0].dtype, restarted is not None)
-    if end is None:
-        fun, grad = _residuals_and_gradient(problem, params, inputs, check=True)
-        status = 1 if _sup(grad) < gtol else None
-        if status is None and max_steps > 0 and opt is None:
-            opt = optimizer()
-    while status is None and steps < max_steps:
-        x = _flat(params)
-        try:
-            info = opt.step(inputs, targets)
-        except FloatingPointError:
-            status = -1
-            break
-        evaluations += 1 + info.loss_evals
-        # SGN's loss is sum r^2 = 2 F: its gradient, reductions and predictions are twice the
-        # cost's.
-        if steps > 0 and _sup(_grads(params)) / 2 < gtol:
-            _write(params, x)  # the step's start met gtol: it stays the solution
-            status = 1
-            break
-        steps += 1
-        status = _test(info, x, _flat(params), opt.param_groups[0]["lr"], xtol, ftol)
-    if status is None:
-        status = 0
-    fun, grad = end or _residuals_and_gradient(problem, params, inputs, check=False)
-    message = MESSAGES[status]
-    if restarted is not None:
+    """The fit: its phases (:class:`_Phase`) run by :func:`_drive`, and their result."""
+    opt = SGN(problem, problem.loss, solver=solver, keep_grad=True, **sgn_options)
+    group = opt.param_groups[0]
+    limit = sgn_options.get("direct_max_params", DEFAULT_DIRECT_MAX_PARAMS) ** 2
+    jacobians = _Jacobians(limit)
+    exact = max_steps > 0 and _takes_curve_steps({**group, **sgn_options}, solver, params)
+    leans: List[CurveSteps] = []  # (each closed at the end)
+
+    def lean_steps(fn: ResidualFn, module: nn.Module, check=None) -> CurveSteps:
+        leans.append(CurveSteps(fn, module, params, Options.of(group), check=check))
+        return leans[-1]
+
+    phases: List[Callable[[], _Phase]]
+    if curve is not None and exact:
+        # A residual function's fit, whose steps CurveSteps takes: the checks of the start on
+        # its first evaluations (the residuals and J there).
+        names = _names(problem, params)
+        lean = lean_steps(*curve, check=lambda r, reached: _check_start(r, names, reached))
+        phases = [
+            lambda: _Curve(lean, lean.step, jacobians),
+            lambda: _Curve(lean, lean.scaled_step, jacobians),
+        ]
+    else:
+        phases = [lambda: _Optimizer(opt, problem, params, inputs, targets, jacobians)]
+        if exact:  # (CurveSteps made where it takes over: it rewrites the parameters' storage)
+            fn = lambda m: m(*inputs)  # noqa: E731
+            phases.append(lambda: _Curve.scaled(lean_steps(fn, problem), jacobians))
+
+    def finish(theta: Tensor) -> None:  # the parameters hold the last accepted point
+        for lean in leans:
+            lean.write(theta)
+            lean.close()
+
+    run = _drive(phases, _flat(params), xtol, ftol, gtol, max_steps, group["lr"], finish)
+    message = MESSAGES[run.status]
+    if run.restarted is not None:
         message += (
-            f" (SGN's steps ended on a plateau after {restarted} steps, where the residuals' "
+            f" (SGN's steps ended on a plateau after {run.restarted} steps, where the residuals' "
             "Jacobian vanished: the fit started again with MINPACK's scaled trust region)"
         )
+    vanished = _vanished(run.norms, params[0].dtype, run.restarted is not None)
     if vanished is not None:
         warnings.warn(f"least_squares: {vanished}", stacklevel=3)
         message += f"; but {vanished}"
+    fun, grad = run.end
     return LeastSquaresResult(
         x=_flat(params),
         cost=0.5 * float(fun.square().sum()),
         fun=fun,
         grad_norm=_sup(grad),
-        status=status,
+        status=run.status,
         message=message,
-        success=status > 0,
-        steps=steps,
-        evaluations=evaluations,
-        last_step=info,
+        success=run.status > 0,
+        steps=run.steps,
+        evaluations=run.evaluations,
+        last_step=run.info,
     )
 
 
@@ -316,76 +312,206 @@ def _takes_curve_steps(options: dict, solver: str, params: List[nn.Parameter]) -
     )
 
 
-def _run_curve(
-    lean: CurveSteps,
-    params: List[nn.Parameter],
+# --- the driver ---------------------------------------------------------------------------------
+@dataclass
+class _Jacobians:
+    """``J`` at the fit's start and where it was formed last, for the plateau test (its norm
+    vanished on the way: :func:`_plateau`). The optimizer's steps form ``J`` for it alone, at
+    the start and at the end, where it has at most ``limit`` entries."""
+
+    limit: int
+    first: Optional[Tensor] = None
+    last: Optional[Tensor] = None
+
+    def formed(self, jac: Tensor) -> None:
+        self.first = jac if self.first is None else self.first
+        self.last = jac
+
+    def norms(self) -> Tuple[float, float]:
+        """The Frobenius norms of ``J`` at the start and at the end (NaN: not formed)."""
+        if self.first is None or self.last is None:
+            return (math.nan, math.nan)
+        return _norms(self.first, self.last)
+
+
+class _Phase(Protocol):
+    """One kind of step of the fit: SGN's steps by :class:`~torch_sgn.curve_steps.CurveSteps`
+    or by the optimizer, or the scaled trust region that takes over where they end on a
+    plateau."""
+
+    #: residual evaluations of a step besides its trial points' (``StepInfo.loss_evals``)
+    step_evaluations: int
+    #: residual evaluations before the first :meth:`start` (the checks of the start)
+    first_evaluations: int
+    jacobians: _Jacobians
+
+    def start(self, theta: Tensor) -> Tuple[Tensor, Tensor]:
+        """``(r, J^T r)`` at ``theta`` (the parameters hold it), where a step from it starts:
+        one evaluation."""
+
+    def step(self, theta: Tensor, r: Tensor, grad: Tensor) -> Tuple[Tensor, StepInfo]:
+        """One step from :meth:`start`'s point: the next point (``theta`` where the step is not
+        taken) and its info; raises ``FloatingPointError`` where it failed (the parameters
+        keep ``theta``)."""
+
+    def end(self, theta: Tensor) -> Tuple[Tensor, Tensor]:
+        """``(r, J^T r)`` at the phase's last point: :meth:`start`'s where it was there,
+        else formed now."""
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What :func:`_drive` ran: the last point, steps, residual evaluations, status, the last
+    step's info, the residuals and the cost's gradient at the end, the Frobenius norms of ``J``
+    at the start and at the end, and the steps taken when the scaled trust region took over
+    (``None``: it did not)."""
+
+    x: Tensor
+    steps: int
+    evaluations: int
+    status: int
+    info: Optional[StepInfo]
+    end: Tuple[Tensor, Tensor]
+    norms: Tuple[float, float]
+    restarted: Optional[int]
+
+
+def _drive(
+    phases: Sequence[Callable[[], _Phase]],
+    theta: Tensor,
     xtol: float,
     ftol: float,
     gtol: float,
     max_steps: int,
     lr: float,
-) -> _CurveRun:
-    """The fit's steps by ``lean``; the parameters hold the last accepted point after it,
-    whatever stops it.
+    finish: Callable[[Tensor], None],
+) -> _Run:
+    """The fit's steps from ``theta``, stopped by scipy's tests: ``gtol`` (and a gradient that
+    is not finite) at each point before its step, ``ftol`` and ``xtol`` after it
+    (:func:`_test`). Without steps (``max_steps=0``), the start's ``gtol`` alone.
 
-    SGN's steps first; where they stop on a plateau (``J``'s norm below ``sqrt(eps)`` times
-    its norm at the start, :func:`_plateau`) with steps left, the fit starts again from its
-    start with MINPACK's scaled trust region (:meth:`CurveSteps.scaled_step`), the steps
-    counted on."""
-    start = theta = _flat(params)
-    steps, evaluations, status, info = 0, 1, None, None
-    formed = None  # (point, r, J^T r) where J was formed last
-    first = last = None  # J at the start, and where it was formed last
-    restarted = None  # the steps taken when the scaled trust region took over
-    norms = (math.nan, math.nan)
+    The first phase's steps first; where they stop on a plateau (``J``'s norm below
+    ``sqrt(eps)`` times its norm at the start, :func:`_plateau`) with steps left, the fit starts
+    again from its start with the next phase's steps (made then), the steps counted on."""
+    start = theta
+    steps, status, info, restarted = 0, None, None, None
+    evaluations = 0
     try:
-        for step in (lean.step, lean.scaled_step):
+        for k, make in enumerate(phases):
+            phase = make()
+            evaluations += phase.first_evaluations if k == 0 else 0
             while status is None and steps < max_steps:
-                r, jac = lean.jacobian(theta)
+                r, grad = phase.start(theta)
                 evaluations += 1
-                grad = jac.T @ r  # the cost's gradient
-                formed, last = (theta, r, grad), jac
-                first = jac if first is None else first
                 sup = _sup(grad)  # NaN or infinite where an entry is
                 if not math.isfinite(sup):
                     status = -1
                 elif sup < gtol:  # (at the start too: the fit's first test)
                     status = 1
                 else:
-                    point, info = step(theta, r, jac, grad)
-                    evaluations += info.loss_evals
+                    try:
+                        point, info = phase.step(theta, r, grad)
+                    except FloatingPointError:
+                        status = -1
+                        break
+                    evaluations += phase.step_evaluations + info.loss_evals
                     steps += 1
                     status = _test(info, theta, point, lr, xtol, ftol)
                     theta = point
-            if formed is None or formed[0] is not theta:  # the last step moved
-                r, last = lean.jacobian(theta)
-                formed = (theta, r, last.T @ r)
-                first = last if first is None else first
-            norms = _norms(first, last)
-            again = step == lean.step and status != -1 and steps < max_steps
-            if not (again and _plateau(norms, last.dtype)):
+            end = phase.end(theta)
+            if max_steps == 0 and _sup(end[1]) < gtol:
+                status = 1
+            norms = phase.jacobians.norms()
+            again = k + 1 < len(phases) and status != -1 and steps < max_steps
+            if not (again and _plateau(norms, theta.dtype)):
                 break  # (the scaled trust region's end is the fit's, plateau or not)
             restarted, status, theta = steps, None, start
     finally:
-        lean.write(theta)
-        lean.close()
-    return _CurveRun(steps, evaluations, status, info, formed[1:], norms, restarted)
+        finish(theta)
+    status = 0 if status is None else status
+    return _Run(theta, steps, evaluations, status, info, end, norms, restarted)
 
 
-@dataclass(frozen=True)
-class _CurveRun:
-    """What :func:`_run_curve` ran: steps, residual evaluations, status, the last step's
-    info, the residuals and the cost's gradient at the end, the Frobenius norms of ``J`` at the
-    start and at the end, and the steps taken when the scaled trust region took over (``None``:
-    it did not)."""
+class _Curve:
+    """Steps by :class:`~torch_sgn.curve_steps.CurveSteps` (``take``: its ``step`` or its
+    ``scaled_step``), ``J`` formed at every point."""
 
-    steps: int
-    evaluations: int
-    status: Optional[int]
-    info: Optional[StepInfo]
-    end: Tuple[Tensor, Tensor]
-    norms: Tuple[float, float]
-    restarted: Optional[int]
+    step_evaluations = 0
+    first_evaluations = 1  # (the checks of the start, by the plain call)
+
+    def __init__(self, lean: CurveSteps, take: Callable, jacobians: _Jacobians):
+        self.lean, self.take, self.jacobians = lean, take, jacobians
+        self.formed: Optional[Tuple[Tensor, Tensor, Tensor, Tensor]] = None  # theta, r, J, g
+
+    @classmethod
+    def scaled(cls, lean: CurveSteps, jacobians: _Jacobians) -> _Curve:
+        return cls(lean, lean.scaled_step, jacobians)
+
+    def start(self, theta: Tensor) -> Tuple[Tensor, Tensor]:
+        r, jac = self.lean.jacobian(theta)
+        grad = jac.T @ r  # the cost's gradient
+        self.formed = (theta, r, jac, grad)
+        self.jacobians.formed(jac)
+        return r, grad
+
+    def step(self, theta: Tensor, r: Tensor, grad: Tensor) -> Tuple[Tensor, StepInfo]:
+        assert self.formed is not None and self.formed[0] is theta
+        return self.take(theta, r, self.formed[2], grad)
+
+    def end(self, theta: Tensor) -> Tuple[Tensor, Tensor]:
+        if self.formed is None or self.formed[0] is not theta:  # the last step moved
+            self.start(theta)
+        return self.formed[1], self.formed[3]
+
+
+class _Optimizer:
+    """Steps by :class:`~torch_sgn.SGN` itself, on the parameters in place; each point's
+    residuals and gradient by one evaluation before its step (the step evaluates them again,
+    its linearization)."""
+
+    step_evaluations = 1
+    first_evaluations = 0  # (the first start checks the start)
+
+    def __init__(
+        self,
+        opt: SGN,
+        problem: Residuals,
+        params: List[nn.Parameter],
+        inputs: Tuple[Tensor, ...],
+        targets: Tensor,
+        jacobians: _Jacobians,
+    ):
+        self.opt, self.problem, self.params = opt, problem, params
+        self.inputs, self.targets, self.jacobians = inputs, targets, jacobians
+        self.formed: Optional[Tuple[Tensor, Tensor, Tensor]] = None  # (theta, r, J^T r)
+        self.jacobian_at: Optional[Tensor] = None  # where J was formed last
+
+    def start(self, theta: Tensor) -> Tuple[Tensor, Tensor]:
+        first = self.formed is None
+        r, grad = _residuals_and_gradient(self.problem, self.params, self.inputs, check=first)
+        self.formed = (theta, r, grad)
+        if first:
+            self._jacobian(theta)
+        return r, grad
+
+    def step(self, theta: Tensor, r: Tensor, grad: Tensor) -> Tuple[Tensor, StepInfo]:
+        info = self.opt.step(self.inputs, self.targets)
+        return _flat(self.params), info
+
+    def end(self, theta: Tensor) -> Tuple[Tensor, Tensor]:
+        if self.formed is None or self.formed[0] is not theta:
+            self.start(theta)
+        self._jacobian(theta)
+        return self.formed[1], self.formed[2]
+
+    def _jacobian(self, theta: Tensor) -> None:
+        """``J`` at ``theta`` for the plateau test, where it has at most the limit's entries."""
+        if self.jacobian_at is theta:
+            return
+        if self.problem.count(self.inputs) * theta.numel() <= self.jacobians.limit:
+            batch = Batch(self.inputs, self.targets)
+            self.jacobians.formed(jacobian_rows(FunctionalModel(self.problem), theta, batch)[1])
+            self.jacobian_at = theta
 
 
 def _norms(first: Tensor, last: Tensor) -> Tuple[float, float]:
