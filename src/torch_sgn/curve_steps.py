@@ -45,10 +45,10 @@ from torch import Tensor, nn
 from .distributed import SingleProcess
 from .model.flat_model import flat_gradient
 from .solve import geodesic
-from .solve.descents import MatrixDescent
+from .solve.descents import MATRIX, MatrixDescent
 from .solve.scaled_trust_region import ACCEPT, Radius, Scaled, update
 from .solve.state import StepState
-from .solve.step import DampingRule, LineSearch, Problem, damped_step
+from .solve.step import DampingRule, LineSearch, Problem, damped_step, next_state
 from .step_info import StepInfo, step_info
 
 if TYPE_CHECKING:
@@ -104,6 +104,7 @@ class CurveSteps:
         self.sizes = [p.numel() for p in params]
         names = {id(p): n for n, p in module.named_parameters()}
         self.names = [names[id(p)] for p in params]
+        self.options = options
         self.rule = DampingRule.of(options, exact=True)
         # Backtracking stops at the loss's rounding: a fit to the last digits reaches it, and
         # comparisons of losses there would pick a step by the noise.
@@ -328,8 +329,9 @@ class CurveSteps:
         run = damped_step(
             MatrixDescent(ggn, grad), problem, self.state, self.rule, self.search, accelerate
         )
-        growth = None if self.state.damping_growth is None else run.growth
-        self.state = StepState(self.state.step + 1, run.next_damping, growth)
+        self.state = next_state(
+            self.options, "direct", self.state, run, MATRIX, None, loss0, None, None
+        )
         point = theta + run.trial.displacement(run.step_factor) if run.moved else theta
         grad_norm = float(torch.linalg.vector_norm(grad))
         return point, step_info(run, loss0, grad_norm, run.evals, self.lr)

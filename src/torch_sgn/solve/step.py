@@ -451,7 +451,7 @@ def next_state(
     state: StepState,
     run: Outcome,
     route: str,
-    phase: auto.Phase,
+    phase: Optional[auto.Phase],
     loss0: float,
     candidate: Optional[Tensor],
     momentum_buffer: Optional[Tensor],
