@@ -45,12 +45,12 @@ def isolated(tmp_path, monkeypatch):
     """No test sees the user's data, the system copies or the network."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.delenv(data.ENV_VAR, raising=False)
-    monkeypatch.setattr(data_files, "_SYSTEM_DIRS", {})
+    monkeypatch.setattr(data_files, "SYSTEM_DIRS", {})
 
     def no_network(url, dest):
         raise AssertionError(f"test tried to download {url}")
 
-    monkeypatch.setattr(data_files, "_fetch", no_network)
+    monkeypatch.setattr(data_files, "fetch", no_network)
 
 
 # --------------------------------------------------------------------------- writers
@@ -403,7 +403,7 @@ def test_mnist_and_fashion_mnist_do_not_mix(tmp_path):
 def test_system_dir_is_searched_last(tmp_path, monkeypatch):
     system = tmp_path / "usr-share"
     make_idx_set(system, n_train=5, gz=True)
-    monkeypatch.setitem(data_files._SYSTEM_DIRS, "fashion_mnist", (system,))
+    monkeypatch.setitem(data_files.SYSTEM_DIRS, "fashion_mnist", (system,))
     assert fashion_mnist(download=False).n_train == 5
     make_idx_set(tmp_path / "xdg" / "torch_sgn" / "fashion_mnist", n_train=6)
     assert fashion_mnist(download=False).n_train == 6
@@ -453,7 +453,7 @@ def fake_mnist_server(tmp_path, monkeypatch):
             raise urllib.error.URLError("mirror a is down")
         Path(dest).write_bytes(served[url.rsplit("/", 1)[1]])
 
-    monkeypatch.setattr(data_files, "_fetch", fetch)
+    monkeypatch.setattr(data_files, "fetch", fetch)
     return served, calls
 
 
@@ -489,7 +489,7 @@ def test_offline_error_lists_expected_files(tmp_path, monkeypatch):
     def offline(url, dest):
         raise urllib.error.URLError("Name or service not known")
 
-    monkeypatch.setattr(data_files, "_fetch", offline)
+    monkeypatch.setattr(data_files, "fetch", offline)
     with pytest.raises(DatasetNotFoundError) as info:
         fashion_mnist()
     message = str(info.value)
@@ -519,7 +519,7 @@ def test_cifar10_download_extracts_only_the_batches(tmp_path, monkeypatch):
         "cifar10",
         replace(source, resources=(("cifar-10-python.tar.gz", hashlib.md5(archive).hexdigest()),)),
     )
-    monkeypatch.setattr(data_files, "_fetch", lambda url, dest: Path(dest).write_bytes(archive))
+    monkeypatch.setattr(data_files, "fetch", lambda url, dest: Path(dest).write_bytes(archive))
     ds = cifar10()
     cache = tmp_path / "xdg" / "torch_sgn"
     assert sorted(p.name for p in cache.iterdir()) == ["cifar-10-batches-py"]  # tarball gone
@@ -530,7 +530,7 @@ def test_cifar10_download_extracts_only_the_batches(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not REAL_FASHION.is_dir(), reason="Debian dataset-fashion-mnist absent")
 def test_real_fashion_mnist_from_the_debian_package(monkeypatch):
-    monkeypatch.setitem(data_files._SYSTEM_DIRS, "fashion_mnist", (REAL_FASHION,))
+    monkeypatch.setitem(data_files.SYSTEM_DIRS, "fashion_mnist", (REAL_FASHION,))
     ds = fashion_mnist(download=False)  # about 1.5 s
     assert ds.x_train.shape == (60000, 1, 28, 28) and ds.x_test.shape == (10000, 1, 28, 28)
     assert ds.x_train.dtype == torch.float32 and ds.y_train.dtype == torch.int64

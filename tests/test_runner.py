@@ -397,10 +397,10 @@ def generated_data(tmp_path, monkeypatch):
     from torch_sgn.experiments import data
     from torch_sgn.experiments.data import files as data_files
 
-    monkeypatch.setattr(data_files, "_SYSTEM_DIRS", {})
+    monkeypatch.setattr(data_files, "SYSTEM_DIRS", {})
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.delenv(data.ENV_VAR, raising=False)
-    monkeypatch.setattr(data_files, "_fetch", lambda url, dest: pytest.fail(f"download {url}"))
+    monkeypatch.setattr(data_files, "fetch", lambda url, dest: pytest.fail(f"download {url}"))
     root = tmp_path / "data"
     make_idx_set(root / "mnist", n_train=12, n_test=5, gz=True)
     make_idx_set(root / "fashion_mnist", n_train=12, n_test=5, seed=1)

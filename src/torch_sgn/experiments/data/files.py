@@ -1,5 +1,5 @@
 """Where the file-based data sets are found on disk, and their downloads (the order of the
-places searched: :mod:`torch_sgn.experiments.data`). :func:`_fetch` is the single point of
+places searched: :mod:`torch_sgn.experiments.data`). :func:`fetch` is the single point of
 network access."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Optional
 
 from .dataset import DataFormatError, DatasetNotFoundError, PathLike
 
-__all__ = ["ENV_VAR", "SOURCES", "Source", "cache_dir", "locate"]
+__all__ = ["ENV_VAR", "SOURCES", "SYSTEM_DIRS", "Source", "cache_dir", "fetch", "locate"]
 
 
 logger = logging.getLogger(__name__)
@@ -103,9 +103,10 @@ SOURCES: dict[str, Source] = {
 }
 
 
-# System-wide copies, searched after the data roots. Debian's `dataset-fashion-mnist`
-# ships the four .gz files (recompressed: their MD5s differ from the canonical ones).
-_SYSTEM_DIRS: dict[str, tuple[Path, ...]] = {
+#: System-wide copies by data set, searched after the data roots. Debian's
+#: `dataset-fashion-mnist` ships the four .gz files (recompressed: their MD5s differ from the
+#: canonical ones).
+SYSTEM_DIRS: dict[str, tuple[Path, ...]] = {
     "fashion_mnist": (Path("/usr/share/datasets/fashion-mnist"),),
 }
 
@@ -120,7 +121,7 @@ def _data_roots(root: Optional[PathLike]) -> list[Path]:
 
 def _candidate_dirs(source: Source, root: Optional[PathLike]) -> list[Path]:
     dirs = [r / s for r in _data_roots(root) for s in source.subdirs]
-    dirs += _SYSTEM_DIRS.get(source.name, ())
+    dirs += SYSTEM_DIRS.get(source.name, ())
     return list(dict.fromkeys(dirs))  # drop duplicates, keep the order
 
 
@@ -144,8 +145,9 @@ def _md5(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fetch(url: str, dest: Path) -> None:
-    """Download ``url`` to ``dest``. The single point of network access (tests replace it)."""
+def fetch(url: str, dest: Path) -> None:
+    """Downloads ``url`` to ``dest``: the single point of network access (a test or an offline
+    set-up replaces it)."""
     request = urllib.request.Request(url, headers={"User-Agent": "torch-sgn"})
     with urllib.request.urlopen(request, timeout=60) as response, open(dest, "wb") as f:
         shutil.copyfileobj(response, f, 1 << 20)
@@ -159,7 +161,7 @@ def _download(url: str, dest: Path, md5: str) -> None:
     tmp = Path(name)
     try:
         logger.info("downloading %s to %s", url, dest)
-        _fetch(url, tmp)
+        fetch(url, tmp)
         got = _md5(tmp)
         if got != md5:
             raise DataFormatError(f"{url}: MD5 checksum mismatch: expected {md5}, got {got}")
