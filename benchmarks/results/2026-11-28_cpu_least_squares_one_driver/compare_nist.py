@@ -16,5 +16,7 @@ methods = Counter(a["method"] for a in before)
 for method, fits in sorted(methods.items()):
     what = {key: changed[(method, key)] for key in ("b", "status", "steps", "evaluations")}
     print(f"{method}: {fits} fits; fits that differ, by field: {what}")
-    total = [sum(r["evaluations"] for r in rows if r["method"] == method) for rows in (before, after)]
+    total = [
+        sum(r["evaluations"] for r in rows if r["method"] == method) for rows in (before, after)
+    ]
     print(f"  evaluations in all: {total[0]} before, {total[1]} after")
