@@ -10,7 +10,7 @@ from torch.autograd.functional import jacobian
 
 from torch_sgn import SGN
 from torch_sgn.model.flat_model import FunctionalModel
-from torch_sgn.pinn import Residual, Residuals, gradient, laplacian, time_derivative
+from torch_sgn.pinn import Residual, Residuals, gradient, laplacian, layer_kernel, time_derivative
 
 D = torch.float64
 
@@ -79,7 +79,13 @@ def _dense_jacobian(problem: Residuals, fmodel: FunctionalModel, inputs):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("frozen", [False, True])
-def test_kernel_and_vjp_match_a_dense_jacobian(case, frozen):
+@pytest.mark.parametrize("tiled", [False, True], ids=["untiled", "tiled"])
+def test_kernel_and_vjp_match_a_dense_jacobian(monkeypatch, case, frozen, tiled):
+    """Untiled, and by tiles of 7 points (blocks of 5 to 30 points: several tiles, a part tile
+    at each block's end, tiles across two blocks)."""
+    if tiled:
+        monkeypatch.setattr(layer_kernel, "TILED_ABOVE", 4)
+        monkeypatch.setattr(layer_kernel, "TILE", 7)
     build, blocks = CASES[case]
     net = build()
     if frozen:
@@ -93,6 +99,12 @@ def test_kernel_and_vjp_match_a_dense_jacobian(case, frozen):
     K = factors.kernel()
     torch.testing.assert_close(K, J @ J.T, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(K, K.T, rtol=1e-12, atol=1e-14)  # symmetric up to rounding
+    if tiled:  # each block's own part exactly symmetric
+        start = 0
+        for n in [b.n * b.m for b in factors.blocks]:
+            own = K[start : start + n, start : start + n]
+            assert torch.equal(own, own.T)
+            start += n
     assert torch.linalg.eigvalsh(K).min() > -1e-10 * K.abs().max()  # PSD
     u = torch.randn(J.shape[0], dtype=D)
     torch.testing.assert_close(factors.vjp(u), J.T @ u, rtol=1e-10, atol=1e-12)
