@@ -55,8 +55,8 @@ MODELS = {
 }  # fmt: skip
 
 KERNELS = {
-    "pairs": partial(layerwise._kernel_of_factors, by_pairs=True),
-    "stacked": layerwise._kernel_of_factors,
+    "pairs": partial(layerwise.kernel_of_factors, by_pairs=True),
+    "stacked": layerwise.kernel_of_factors,
 }
 
 
@@ -85,7 +85,7 @@ def run(repeats: int) -> list:
         after, kernels = {}, {}
         for r in range(repeats + 1):  # the first round warms up and is not counted
             for kind, kernel in KERNELS.items():
-                layerwise._kernel_of_factors = kernel
+                layerwise.kernel_of_factors = kernel
                 opt = SGN(copy.deepcopy(model), "mse", solver="direct")
                 info, wall, cpu = _timed(partial(opt.step, x, y))
                 assert info.solver == "direct" and y.numel() < n_params  # through the outputs
@@ -96,7 +96,7 @@ def run(repeats: int) -> list:
                     times[kind]["kernel_wall"].append(kernel_wall)
                 after[kind] = nn.utils.parameters_to_vector(opt.param_groups[0]["params"])
                 kernels[kind] = K
-        layerwise._kernel_of_factors = KERNELS["stacked"]
+        layerwise.kernel_of_factors = KERNELS["stacked"]
         row = {
             "model": name,
             "P": n_params,

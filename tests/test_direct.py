@@ -447,9 +447,9 @@ def _kernel_both_ways(monkeypatch, model, x, y):
     """The layer-wise outputs kernel as the engine forms it, the same factors' kernel pair by
     pair, and for each parameter (slot) whether its pairs go at once."""
     stack, kernel_of, add = (
-        layerwise._stacked_factors,
-        layerwise._kernel_of_factors,
-        layerwise._add_stacked_pairs,
+        layerwise.stacked_factors,
+        layerwise.kernel_of_factors,
+        layerwise.add_stacked_pairs,
     )
     by_pairs, stacked, added = [], {}, []
 
@@ -458,8 +458,8 @@ def _kernel_both_ways(monkeypatch, model, x, y):
         stacked.update({slot: stack(e, z[0].numel()) is not None for slot, e in factors.items()})
         return kernel_of(factors, z)
 
-    monkeypatch.setattr(layerwise, "_kernel_of_factors", both)
-    monkeypatch.setattr(layerwise, "_add_stacked_pairs", lambda *a: added.append(1) or add(*a))
+    monkeypatch.setattr(layerwise, "kernel_of_factors", both)
+    monkeypatch.setattr(layerwise, "add_stacked_pairs", lambda *a: added.append(1) or add(*a))
     fm = FunctionalModel(model)
     lin = select_engine(fm, resolve_loss("mse"), "layerwise")(fm.flat(), Batch(x, y))
     assert lin.sample_space is not None
@@ -562,10 +562,10 @@ def test_only_one_factor_per_output_unit_with_one_right_factor_goes_at_once():
 
     shared = [a.reshape(4, -1) for _ in range(3)]  # a new tensor each, one memory
     for factors in (entries(shared), entries([None] * 3)):
-        assert layerwise._stacked_factors(factors, 3) is not None
-        K = layerwise._kernel_of_factors({0: factors}, z)
+        assert layerwise.stacked_factors(factors, 3) is not None
+        K = layerwise.kernel_of_factors({0: factors}, z)
         torch.testing.assert_close(
-            K, layerwise._kernel_of_factors({0: factors}, z, by_pairs=True), rtol=1e-12, atol=0
+            K, layerwise.kernel_of_factors({0: factors}, z, by_pairs=True), rtol=1e-12, atol=0
         )
     declined = [
         entries([a, a.clone(), a]),  # equal values, other memory
@@ -574,10 +574,10 @@ def test_only_one_factor_per_output_unit_with_one_right_factor_goes_at_once():
         entries(shared)[:2],  # a unit missing
     ]
     for factors in declined:
-        assert layerwise._stacked_factors(factors, 3) is None
-        K = layerwise._kernel_of_factors({0: factors}, z)
-        assert torch.equal(K, layerwise._kernel_of_factors({0: factors}, z, by_pairs=True))
-    assert layerwise._stacked_factors(entries(shared)[:1], 1) is None  # one output unit
+        assert layerwise.stacked_factors(factors, 3) is None
+        K = layerwise.kernel_of_factors({0: factors}, z)
+        assert torch.equal(K, layerwise.kernel_of_factors({0: factors}, z, by_pairs=True))
+    assert layerwise.stacked_factors(entries(shared)[:1], 1) is None  # one output unit
 
 
 def test_the_outputs_kernel_of_a_sequence_model_forms_the_rows():

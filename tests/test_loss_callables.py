@@ -263,13 +263,13 @@ def test_the_parameter_check_runs_once_per_loss(monkeypatch):
     import torch_sgn.losses as losses
 
     calls = []
-    check = losses._parameters_read
+    check = losses.parameters_read
 
     def counted(*args):
         calls.append(1)
         return check(*args)
 
-    monkeypatch.setattr(losses, "_parameters_read", counted)
+    monkeypatch.setattr(losses, "parameters_read", counted)
     model, x, y = _batch("real")
     opt = SGN(model, lambda o, t: F.mse_loss(o, t))
     for _ in range(3):

@@ -382,7 +382,7 @@ class _Generic(OutputLoss):
         key = tuple(map(id, parameters))
         if key == self._parameters_checked:
             return
-        if _parameters_read(self, parameters, outputs(), targets):
+        if parameters_read(self, parameters, outputs(), targets):
             raise ValueError(
                 f"the loss {self.name!r} depends on the model's parameters, not only on its "
                 "outputs (a penalty on the parameters inside the loss?): that term is not part "
@@ -401,7 +401,7 @@ class _Generic(OutputLoss):
         return super().normalizer(targets)
 
 
-def _parameters_read(
+def parameters_read(
     loss: OutputLoss, parameters: Sequence[Tensor], outputs: Tensor, targets: Tensor
 ) -> bool:
     """Whether the loss's value at ``outputs`` has a gradient path to any of ``parameters``.

@@ -370,14 +370,14 @@ def _sample_kernel(chain, first: int, fmodel: FunctionalModel, z: Tensor) -> Ten
             if isinstance(slot, int):  # frozen or absent parameters have no rows
                 right = None if right is None else right.reshape(n_samples, -1)
                 factors.setdefault(slot, []).append((o, left.reshape(n_samples, -1), right))
-    return _kernel_of_factors(factors, z)
+    return kernel_of_factors(factors, z)
 
 
-def _kernel_of_factors(factors: Dict[int, list], z: Tensor, by_pairs: bool = False) -> Tensor:
+def kernel_of_factors(factors: Dict[int, list], z: Tensor, by_pairs: bool = False) -> Tensor:
     """``J J^T`` from each parameter's ``(o, left, right)`` factors (:func:`_sample_kernel`).
 
     A parameter with one entry per output unit, in order, sharing one right factor (or none),
-    adds all its pairs of output units at once (:func:`_stacked_factors`); any other (tied
+    adds all its pairs of output units at once (:func:`stacked_factors`); any other (tied
     weights, a single output unit) pair by pair, as does every one with ``by_pairs``.
     """
     n_samples, n_out = z.shape[0], z[0].numel()
@@ -391,9 +391,9 @@ def _kernel_of_factors(factors: Dict[int, list], z: Tensor, by_pairs: bool = Fal
         return grams[key]
 
     for entries in factors.values():
-        stacked = None if by_pairs else _stacked_factors(entries, n_out)
+        stacked = None if by_pairs else stacked_factors(entries, n_out)
         if stacked is not None:
-            _add_stacked_pairs(kernel, *stacked)
+            add_stacked_pairs(kernel, *stacked)
             continue
         for i, (o1, left1, right1) in enumerate(entries):
             for j in range(i, len(entries)):
@@ -412,7 +412,7 @@ def _kernel_of_factors(factors: Dict[int, list], z: Tensor, by_pairs: bool = Fal
     return (kernel + kernel.T) * 0.5
 
 
-def _stacked_factors(entries: list, n_out: int) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+def stacked_factors(entries: list, n_out: int) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
     """A parameter's left factors stacked ``(n_out, n, d)`` and the right factor they all share
     (``None``: rows given whole), or ``None`` where it has not one entry per output unit in
     order (tied weights), a single output unit, or right factors that differ.
@@ -436,7 +436,7 @@ def _stacked_factors(entries: list, n_out: int) -> Optional[Tuple[Tensor, Option
     return torch.stack([left for _, left, _ in entries]), right
 
 
-def _add_stacked_pairs(kernel: Tensor, lefts: Tensor, right: Optional[Tensor]) -> None:
+def add_stacked_pairs(kernel: Tensor, lefts: Tensor, right: Optional[Tensor]) -> None:
     """Adds to ``kernel[n, o, m, p]`` every pair of output units' blocks of one parameter,
     ``(lefts[o, n] . lefts[p, m]) (right[n] . right[m])``: computed in the factors' dtype and
     summed in float64, as pair by pair."""
