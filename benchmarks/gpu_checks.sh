@@ -7,7 +7,7 @@
 # Writes into $OUT: env.txt, pytest_graphs.txt, ggn_cost_cuda*.txt/.json,
 # time_to_accuracy_cuda.txt/.json, solver.txt/.json, any_model*.txt/.json,
 # traced_graphs*.txt/.json, autocast.txt, autocast_step.txt/.json, pinn_points*.txt, pinn_points/
-# and pinn_points.md, pytest_cuda.txt and pytest.txt. Each part has its own time limit,
+# (and pinn_points.tar.gz of it), pinn_points.md, pytest_cuda.txt and pytest.txt. Each part has its own time limit,
 # so one that fails or hangs leaves the others' results. PARTS="solver any_model pytest_cuda"
 # runs only the parts named.
 set -u
@@ -101,6 +101,8 @@ want pinn_points && {
   part pinn_points_10400_lbfgs $((L + 40)) $PINN --points 10000 400 --seconds "$L" --methods lbfgs
   part pinn_points_104000_lbfgs $((L + 40)) $PINN --points 100000 4000 --seconds "$L" --methods lbfgs
   $PY benchmarks/pinn.py --table --out "$OUT/pinn_points" | tee "$OUT/pinn_points.md"
+  # (one archive too: the runs' file names hold a "+", which some transfers refuse)
+  tar czf "$OUT/pinn_points.tar.gz" -C "$OUT" pinn_points
 }
 # 8. The tests that need CUDA (skipped on a CPU machine).
 want pytest_cuda && part pytest_cuda 90 $PY -m pytest -q -rs -p no:cacheprovider tests -k cuda
