@@ -181,29 +181,10 @@ class LayerFactors:
         device = next(iter(bi.inputs.values())).device
         if device.type == "cpu" and max(bi.n, bj.n) > TILED_ABOVE:
             return self._tiled(bi, bj, same)
-        out = torch.zeros(bi.n, bi.m, bj.n, bj.m, dtype=torch.float64)
-        out = out.to(next(iter(bi.inputs.values())).device)
+        out = torch.zeros(bi.n, bi.m, bj.n, bj.m, dtype=torch.float64, device=device)
         for layer in [layer for layer in bi.inputs if layer in bj.inputs]:  # in a fixed order
             a_i, a_j = bi.inputs[layer], bj.inputs[layer]
-            ci, cj = a_i.shape[0], a_j.shape[0]
-            width = a_i.shape[2] + bi.deltas[layer][0].shape[2]
-            if ci * cj * width > a_i.shape[2] * bi.deltas[layer][0].shape[2]:  # form J's rows
-                for p in range(bi.m):
-                    jp = _rows(bi.deltas[layer][p], a_i)
-                    for q in range(bj.m):
-                        jq = jp if same and p == q else _rows(bj.deltas[layer][q], a_j)
-                        out[:, p, :, q] += (jp @ jq.T).to(torch.float64)
-                continue
-            for c in range(ci):  # one n_i x n_j Gram of inputs at a time (memory O(n^2))
-                for d in range(c if same else 0, cj):  # within a block, (d, c) with (c, d)
-                    aa = a_i[c] @ a_j[d].T
-                    for p in range(bi.m):
-                        for q in range(bj.m):
-                            d_i, d_j = bi.deltas[layer][p], bj.deltas[layer][q]
-                            term = (d_i[c] @ d_j[d].T) * aa
-                            if same and d > c:  # the (d, c) term: A_d A_c^T = aa^T
-                                term = term + (term.T if p == q else (d_i[d] @ d_j[c].T) * aa.T)
-                            out[:, p, :, q] += term
+            _add_layer(out, a_i, a_j, bi.deltas[layer], bj.deltas[layer], same)
         return out.reshape(bi.n * bi.m, bj.n * bj.m)
 
     def _tiled(self, bi: _Block, bj: _Block, same: bool) -> Tensor:
@@ -219,23 +200,10 @@ class LayerFactors:
                 j1 = min(bj.n, j0 + TILE)
                 tile = out[i0:i1, :, j0:j1, :]
                 for layer in layers:
-                    a_i, a_j = bi.inputs[layer][:, i0:i1], bj.inputs[layer][:, j0:j1]
                     d_i = [d[:, i0:i1] for d in bi.deltas[layer]]
                     d_j = [d[:, j0:j1] for d in bj.deltas[layer]]
-                    ci, cj = a_i.shape[0], a_j.shape[0]
-                    if ci * cj * (a_i.shape[2] + d_i[0].shape[2]) > a_i.shape[2] * d_i[0].shape[2]:
-                        rows_j = [_rows(d, a_j) for d in d_j]  # form J's rows (as _pair)
-                        for p in range(bi.m):
-                            jp = _rows(d_i[p], a_i)
-                            for q in range(bj.m):
-                                tile[:, p, :, q] += (jp @ rows_j[q].T).to(torch.float64)
-                        continue
-                    for c in range(ci):
-                        for d in range(cj):
-                            aa = a_i[c] @ a_j[d].T
-                            for p in range(bi.m):
-                                for q in range(bj.m):
-                                    tile[:, p, :, q] += (d_i[p][c] @ d_j[q][d].T) * aa
+                    a_i, a_j = bi.inputs[layer][:, i0:i1], bj.inputs[layer][:, j0:j1]
+                    _add_layer(tile, a_i, a_j, d_i, d_j, same=False)
                 if same and j0 == i0:  # exactly symmetric, as J J^T is
                     flat = tile.view((i1 - i0) * bi.m, (j1 - j0) * bj.m)  # (of out)
                     flat.copy_((flat + flat.T) * 0.5)
@@ -286,6 +254,33 @@ class LayerFactors:
                     jv[:, p] += (delta * za).sum((0, 2))
             out.append(jv.reshape(-1))
         return torch.cat(out)
+
+
+def _add_layer(
+    out: Tensor, a_i: Tensor, a_j: Tensor, d_i: List[Tensor], d_j: List[Tensor], same: bool
+) -> None:
+    """Adds one layer's terms of ``J J^T`` between two sets of points (channels ``a``, ``C x n
+    x in'``; sensitivities ``d[p]``, ``C x n x out``, per residual component ``p``) to ``out``
+    (``n_i x m_i x n_j x m_j``, float64): from ``J``'s rows where the channels are many and
+    the layer narrow, else channel pair by channel pair. ``same``: the same points on both
+    sides (``J``'s rows formed once, the pairs ``(c, d)`` and ``(d, c)`` at once)."""
+    ci, cj = a_i.shape[0], a_j.shape[0]
+    if ci * cj * (a_i.shape[2] + d_i[0].shape[2]) > a_i.shape[2] * d_i[0].shape[2]:
+        rows_i = [_rows(d, a_i) for d in d_i]
+        rows_j = rows_i if same else [_rows(d, a_j) for d in d_j]
+        for p, jp in enumerate(rows_i):
+            for q, jq in enumerate(rows_j):
+                out[:, p, :, q] += (jp @ jq.T).to(torch.float64)
+        return
+    for c in range(ci):  # one n_i x n_j Gram of inputs at a time (memory O(n^2))
+        for d in range(c if same else 0, cj):  # within a block, (d, c) with (c, d)
+            aa = a_i[c] @ a_j[d].T
+            for p in range(len(d_i)):
+                for q in range(len(d_j)):
+                    term = (d_i[p][c] @ d_j[q][d].T) * aa
+                    if same and d > c:  # the (d, c) term: A_d A_c^T = aa^T
+                        term = term + (term.T if p == q else (d_i[p][d] @ d_j[q][c].T) * aa.T)
+                    out[:, p, :, q] += term
 
 
 def _rows(delta: Tensor, a: Tensor) -> Tensor:
