@@ -11,6 +11,8 @@ The 2-D Poisson problem of ``benchmarks/pinn.py`` (seed 0) on the 2-64-64-48-48-
 each block keeping its share, :func:`torch_sgn.solve.sampled.draw`), the CPU seconds of this
 process to form the sample's ``J J^T`` from its factors, tiled and untiled taking turns, median
 of ``--repeats``, and the largest difference between the two, relative to the largest entry.
+``--points`` sets the problem's points (a sample of all of them: their kernel), ``--tiled-above``
+the blocks tiled (default: the library's :data:`~torch_sgn.pinn.layer_kernel.TILED_ABOVE`).
 """
 
 from __future__ import annotations
@@ -33,15 +35,19 @@ from torch_sgn.model.flat_model import FunctionalModel  # noqa: E402
 from torch_sgn.pinn import Residuals, layer_kernel  # noqa: E402
 from torch_sgn.solve.sampled import draw  # noqa: E402
 
+TILED_ABOVE = layer_kernel.TILED_ABOVE  # the library's, restored after each size
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048, 4000])
+    p.add_argument("--points", type=int, nargs=2, default=[10000, 400])
+    p.add_argument("--tiled-above", type=int, default=layer_kernel.TILED_ABOVE)
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
-    problem = poisson2d(0, points=(10000, 400))
+    problem = poisson2d(0, points=tuple(args.points))
     net = network("2-64-64-48-48-1", 2, 0)
     residuals = Residuals(net, problem.blocks(net))
     inputs, _ = residuals.batch()
@@ -53,14 +59,14 @@ def main() -> None:
         factors = residuals.layer_factors(fmodel, fmodel.flat(), sample)
         times = {"tiled": [], "untiled": []}
         kernels = {}
-        tiled_above = layer_kernel.TILED_ABOVE
+        tiled_above = args.tiled_above
         for _ in range(args.repeats):
             for how in ("tiled", "untiled"):
                 layer_kernel.TILED_ABOVE = tiled_above if how == "tiled" else 1 << 62
                 start = time.process_time()
                 kernels[how] = factors.kernel()
                 times[how].append(time.process_time() - start)
-        layer_kernel.TILED_ABOVE = tiled_above
+        layer_kernel.TILED_ABOVE = TILED_ABOVE
         scale = float(kernels["untiled"].abs().max())
         row = {
             "points": [len(i) for i in index],
@@ -82,7 +88,7 @@ def main() -> None:
         "command": "PYTHONPATH=src python " + " ".join(sys.argv),
         **environment(),
         "tile": layer_kernel.TILE,
-        "tiled_above": layer_kernel.TILED_ABOVE,
+        "tiled_above": args.tiled_above,
         "rows": rows,
     }
     with open(args.out, "w") as f:
