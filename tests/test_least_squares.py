@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from torch_sgn import StepInfo
+from torch_sgn import SGN, StepInfo
 from torch_sgn.fitting import (
     MESSAGES,
     STEPS_PER_PARAMETER,
@@ -363,8 +363,6 @@ class _Vector(nn.Module):
 def test_a_residuals_fit_tests_gtol_before_each_step(monkeypatch):
     """Both kinds of fit test ``gtol`` at a point before stepping from it: a Residuals problem
     (the optimizer's steps) takes no step that is then undone."""
-    from torch_sgn import SGN
-
     calls = []
     step = SGN.step
     monkeypatch.setattr(SGN, "step", lambda self, *a, **k: calls.append(1) or step(self, *a, **k))
