@@ -11,13 +11,15 @@ pass, one output element at a time: no forward mode, parameters never swapped (`
 only for ``f``, the outputs at other points), so it holds for any model autograd can
 differentiate. The PINN operators' references (:func:`nested_jet`, :func:`nested_derivative`,
 :func:`pointwise_laplacian`) take input derivatives by nested ``torch.autograd.grad``; shared
-helpers: :func:`flat_parameters`, :func:`sgn_options`.
+helpers: :func:`flat_parameters`, :func:`sgn_options`; a PINN of many rows:
+:func:`poisson_residuals`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
@@ -29,6 +31,7 @@ from torch.func import functional_call
 
 from torch_sgn import SGN
 from torch_sgn.options import ARGUMENT_NAMES, KEYS, Options
+from torch_sgn.pinn import Residual, Residuals, laplacian
 from torch_sgn.pinn.operators import Jet
 
 D = torch.float64
@@ -591,3 +594,31 @@ def pointwise_laplacian(u, x):
         (g,) = torch.autograd.grad(u(p[None]).sum(), p, create_graph=True)
         rows.append(sum(torch.autograd.grad(g[i], p, create_graph=True)[0][i] for i in range(2)))
     return torch.stack(rows)[:, None]
+
+
+def poisson_residuals(n_in: int, n_bd: int, widths=(2, 8, 8, 1), seed: int = 0) -> Residuals:
+    """The 2-D Poisson problem of :mod:`torch_sgn.pinn` on ``n_in`` interior points and ``n_bd``
+    boundary points (two edges, weight 2) drawn from a seeded generator, a tanh MLP of
+    ``widths``: a residual problem whose rows are as many as asked."""
+    g = torch.Generator().manual_seed(seed)
+    x_in = torch.rand(n_in, 2, generator=g, dtype=D)
+    t = torch.rand(n_bd, 1, generator=g, dtype=D)
+    x_bd = torch.cat([t, (torch.arange(n_bd) % 2).to(D)[:, None]], 1)
+    torch.manual_seed(seed)
+    layers = []
+    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+        layers.append(nn.Linear(a, b))
+        if i < len(widths) - 2:
+            layers.append(nn.Tanh())
+    net = nn.Sequential(*layers).to(D)
+
+    def f(x: Tensor) -> Tensor:
+        return 2 * math.pi**2 * torch.sin(math.pi * x[:, :1]) * torch.sin(math.pi * x[:, 1:])
+
+    return Residuals(
+        net,
+        {
+            "interior": Residual(lambda u, x: -laplacian(u, x) - f(x), points=x_in),
+            "boundary": Residual(lambda u, x: u(x), points=x_bd, weight=2.0),
+        },
+    )

@@ -6,44 +6,22 @@ and a problem whose Gram matrix could not be formed."""
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
 from torch import nn
 
+from cases import poisson_residuals
 from torch_sgn import SGN, many_rows
 from torch_sgn.batch import Batch
 from torch_sgn.engines.jacobian import by_factors, jacobian_rows
 from torch_sgn.linearization import RowSample
 from torch_sgn.model.flat_model import FunctionalModel
-from torch_sgn.pinn import Residual, Residuals, laplacian
+from torch_sgn.pinn import Residual, Residuals
 from torch_sgn.solve import sampled
 from torch_sgn.solve.state import StepState
 
 D = torch.float64
-
-
-def _poisson(n_in: int, n_bd: int, widths=(2, 8, 8, 1), seed: int = 0) -> Residuals:
-    g = torch.Generator().manual_seed(seed)
-    x_in = torch.rand(n_in, 2, generator=g, dtype=D)
-    t = torch.rand(n_bd, 1, generator=g, dtype=D)
-    x_bd = torch.cat([t, (torch.arange(n_bd) % 2).to(D)[:, None]], 1)
-    torch.manual_seed(seed)
-    layers = []
-    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
-        layers.append(nn.Linear(a, b))
-        if i < len(widths) - 2:
-            layers.append(nn.Tanh())
-    net = nn.Sequential(*layers).to(D)
-    f = lambda x: 2 * math.pi**2 * torch.sin(math.pi * x[:, :1]) * torch.sin(math.pi * x[:, 1:])  # noqa: E731
-    return Residuals(
-        net,
-        {
-            "interior": Residual(lambda u, x: -laplacian(u, x) - f(x), points=x_in),
-            "boundary": Residual(lambda u, x: u(x), points=x_bd, weight=2.0),
-        },
-    )
 
 
 def _linear_fit(n: int = 300, features: int = 30, seed: int = 0):
@@ -99,7 +77,7 @@ def _dense(problem: Residuals, flat: torch.Tensor, inputs):
 
 
 def test_all_rows_linearization_matches_dense_float64():
-    problem = _poisson(60, 12)
+    problem = poisson_residuals(60, 12)
     inputs, targets = problem.batch()
     fm = FunctionalModel(problem)
     flat = fm.flat()
@@ -151,7 +129,7 @@ def test_preconditioner_is_the_inverse_of_the_damped_sample_matrix(damping):
 
 # --- the route -----------------------------------------------------------------------------------
 def test_a_problem_that_fits_an_exact_step_keeps_its_route():
-    problem = _poisson(60, 12)  # 72 residuals, 105 parameters: the Gram route
+    problem = poisson_residuals(60, 12)  # 72 residuals, 105 parameters: the Gram route
     opt = SGN(problem, problem.loss)
     info = opt.step(*problem.batch())
     assert info.solver == "direct" and info.sample is None
@@ -161,7 +139,7 @@ def test_many_rows_per_parameter_take_the_stages_where_the_matrix_fits():
     """105 parameters, within ``direct_max_params``: 440 rows (< 16 per parameter) keep the
     exact route on every row; 1,760 rows (>= 16 per parameter, above the limit) are sampled."""
     max_params = 400
-    fewer, more = _poisson(400, 40), _poisson(1600, 160)
+    fewer, more = poisson_residuals(400, 40), poisson_residuals(1600, 160)
     numel = sum(p.numel() for p in fewer.parameters())
     assert 440 < sampled.ROWS_PER_PARAMETER * numel <= 1760
     state = StepState(step=0, damping=1e-4)
@@ -173,7 +151,7 @@ def test_many_rows_per_parameter_take_the_stages_where_the_matrix_fits():
 
 
 def test_many_rows_take_sampled_exact_steps_then_all_rows():
-    problem = _poisson(400, 40)  # 440 residuals, 105 parameters, both above 50
+    problem = poisson_residuals(400, 40)  # 440 residuals, 105 parameters, both above 50
     opt = SGN(problem, problem.loss, direct_max_params=50)
     inputs, targets = problem.batch()
     info = opt.step(inputs, targets)
@@ -192,11 +170,11 @@ def test_many_rows_take_sampled_exact_steps_then_all_rows():
 
 def test_the_sample_doubles_at_each_stall_then_all_rows(monkeypatch):
     monkeypatch.setattr(sampled, "POINTS", 8)
-    problem = _poisson(400, 40)
+    problem = poisson_residuals(400, 40)
     batch = Batch(*problem.batch())
     sizes = [many_rows.sample_points(problem, batch, 40, stalls) for stalls in range(6)]
     assert sizes == [8, 16, 32, 40, 0, 0]  # 0: the largest sample stalled, all rows
-    two = _poisson(400, 40)  # two rows a point: at most 20 points
+    two = poisson_residuals(400, 40)  # two rows a point: at most 20 points
     two.blocks[0].fn = lambda u, x: torch.cat([u(x), 2 * u(x)], 1)
     assert [many_rows.sample_points(two, Batch(*two.batch()), 40, k) for k in range(4)] == [
         8, 16, 20, 0,
@@ -224,7 +202,7 @@ def test_a_resumed_run_takes_the_same_steps(monkeypatch):
     the steps are the same to the bit (fails where anything of them lives outside it, or where
     a sum's order follows the objects' addresses)."""
     monkeypatch.setattr(sampled, "WINDOW", 2)  # the switch to all rows within the run
-    problem = _poisson(300, 30)
+    problem = poisson_residuals(300, 30)
     inputs, targets = problem.batch()
     opt = SGN(problem, problem.loss, direct_max_params=40)
     for _ in range(3):
@@ -232,7 +210,7 @@ def test_a_resumed_run_takes_the_same_steps(monkeypatch):
     saved_model, saved_opt = copy.deepcopy(problem.state_dict()), copy.deepcopy(opt.state_dict())
     straight = [opt.step(inputs, targets) for _ in range(5)]
 
-    resumed = _poisson(300, 30)
+    resumed = poisson_residuals(300, 30)
     resumed.load_state_dict(saved_model)
     opt2 = SGN(resumed, resumed.loss, direct_max_params=40)
     opt2.load_state_dict(saved_opt)
@@ -245,7 +223,7 @@ def test_a_resumed_run_takes_the_same_steps(monkeypatch):
 
 def test_a_problem_whose_gram_matrix_would_not_fit_runs():
     """1,000,000 residuals: their R x R Gram matrix would take 8 TB; a step holds a sample."""
-    problem = _poisson(1_000_000, 2000)
+    problem = poisson_residuals(1_000_000, 2000)
     inputs, targets = problem.batch()
     opt = SGN(problem, problem.loss, direct_max_params=64)
     with torch.no_grad():
@@ -280,7 +258,7 @@ def test_past_the_largest_sample_all_rows_only_where_the_layer_factors_follow(fa
     """A network the layers' factors cannot follow (a parameter outside linear layers) has its
     sampled steps form J row by row; past the largest sample they go on, not to CG on every
     row (the slow path the stages replace)."""
-    problem = _poisson(300, 30)
+    problem = poisson_residuals(300, 30)
     if not factors:
         problem.network.register_parameter("scale", nn.Parameter(torch.ones((), dtype=D)))
         fn = problem.blocks[1].fn
@@ -306,7 +284,7 @@ def _to(problem: Residuals, device: str) -> Residuals:
 
 
 def test_points_on_another_device_than_the_network_are_refused():
-    problem = _poisson(20, 4)
+    problem = poisson_residuals(20, 4)
     problem.blocks[1].points = tuple(p.to("meta") for p in problem.blocks[1].points)
     with pytest.raises(ValueError, match="'boundary': its points are on meta"):
         problem.batch()
@@ -317,7 +295,7 @@ def test_points_on_another_device_than_the_network_are_refused():
 def test_cuda_steps_match_cpu_steps(rows):
     """The exact steps through the Gram matrix, on all rows and on samples, on CUDA as on the
     CPU (float64)."""
-    problem = _poisson(60, 12) if rows == "gram" else _poisson(400, 40)
+    problem = poisson_residuals(60, 12) if rows == "gram" else poisson_residuals(400, 40)
     gpu = _to(problem, "cuda")
     infos = []
     for p in (problem, gpu):
@@ -338,7 +316,7 @@ def test_cuda_all_rows_linearization_matches_cpu_and_its_steps_descend():
     matrix) on CUDA as on the CPU, and CUDA's steps lower the loss. (The steps themselves are
     not compared: a conjugate-gradient step on all rows here moves by 1e-3 for a change of the
     parameters by 1e-15, so the two devices' rounding gives different, equally good steps.)"""
-    problem = _poisson(400, 40)
+    problem = poisson_residuals(400, 40)
     gpu = _to(problem, "cuda")
     lins = []
     for p in (problem, gpu):

@@ -50,10 +50,11 @@ logger = logging.getLogger("torch_sgn")
 def stage(
     model: nn.Module, batch: Batch, numel: int, max_params: int, state: StepState
 ) -> Optional[str]:
-    """``SAMPLE`` or ``ALL`` for a residual problem too large for an exact step, or with at
-    least :data:`~torch_sgn.solve.sampled.ROWS_PER_PARAMETER` times as many rows as parameters
-    (see the module's docstring), ``None`` for any other problem or batch."""
-    if not hasattr(model, "layer_factors") or bool(batch.targets.any()):
+    """``SAMPLE`` or ``ALL`` for a residual problem (``model``: one that forms its layers'
+    factors, :attr:`torch_sgn.route_plan.Capabilities.layer_factors`) too large for an exact
+    step, or with at least :data:`~torch_sgn.solve.sampled.ROWS_PER_PARAMETER` times as many
+    rows as parameters (see the module's docstring), ``None`` for any other batch."""
+    if bool(batch.targets.any()):
         return None
     rows = model.count(batch.args)
     if rows <= max_params or (numel <= max_params and rows < sampled.ROWS_PER_PARAMETER * numel):

@@ -10,7 +10,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from . import many_rows
+from . import many_rows, route_plan
 from .batch import Batch, Inputs
 from .checks import check_batch, finite_loss
 from .diagnostics import warn
@@ -21,14 +21,7 @@ from .linearization import Engine, Linearization, RowSample, check_loss_paramete
 from .losses import LossSpec, resolve_loss
 from .model.flat_model import FunctionalModel
 from .options import ARGUMENT_NAMES, KEYS, PAPER_OPTIONS, Options, Setup, check_loaded_state
-from .route_plan import (
-    Capabilities,
-    fits_one_batch,
-    forms_jacobian,
-    phase,
-    rows_stage,
-    through_outputs,
-)  # fmt: skip
+from .route_plan import Capabilities, Plan, fits_one_batch, forms_jacobian, through_outputs
 from .solve import auto, direct, geodesic, sampled
 from .solve.descents import (
     CG,
@@ -344,12 +337,6 @@ class SGN(torch.optim.Optimizer):
 
         if isinstance(model, nn.parallel.DistributedDataParallel) and process_group is None:
             process_group = model.process_group  # (FunctionalModel takes the module it wraps)
-        if setup.curvature_fraction < 1 and hasattr(model, "jacobian_blocks"):
-            raise ValueError(
-                f"curvature_fraction={curvature_fraction}: a Residuals problem's points belong "
-                "to its blocks, not to one batch of samples to draw a subset from; use "
-                "curvature_fraction=1 (exact steps form G from every residual)"
-            )
         self._fmodel = FunctionalModel(model)
         self._loss = resolve_loss(loss)
         self._comm = communicator(self._fmodel, self._loss, process_group)
@@ -366,6 +353,12 @@ class SGN(torch.optim.Optimizer):
             )
         self._engine = self._selected_engine()
         self._caps = Capabilities.of(self._fmodel.model, self._engine, self._single_process())
+        if setup.curvature_fraction < 1 and self._caps.residual_problem:
+            raise ValueError(
+                f"curvature_fraction={curvature_fraction}: a Residuals problem's points belong "
+                "to its blocks, not to one batch of samples to draw a subset from; use "
+                "curvature_fraction=1 (exact steps form G from every residual)"
+            )
         self._per_sample: dict = {}  # batch shapes -> whether the model is per-sample on them
         self._last_inputs = auto.BatchMemory()  # the last step's inputs (route_plan.fits_one_batch)
         self._nystrom = NystromCache()  # CG's preconditioner="nystrom"
@@ -497,15 +490,15 @@ class SGN(torch.optim.Optimizer):
         check_batch(inputs, targets)
         batch, stored = Batch(inputs, targets), self._global_state()
         state, theta, buffers = StepState.of(stored), self._fmodel.flat(), {}
-        # More rows than an exact step takes: exact steps on a sample of them, then on all.
+        # Plan the rows: more than an exact step takes go by samples of them, then all.
         most, fm = self._setup.direct_max_params, self._fmodel
-        stage = rows_stage(self._caps, self._setup, options, fm.model, batch, fm.numel, state)
-        batch, drawn = many_rows.sampled_batch(stage, self._fmodel.model, batch, most, state)
+        plan = route_plan.start(self._caps, self._setup, options, fm.model, batch, fm.numel, state)
+        batch, drawn = many_rows.sampled_batch(plan.rows, self._fmodel.model, batch, most, state)
         trainable = self._fmodel.trainable_mask()
         self._fmodel.warn_unfrozen()
         with self._fmodel.consistent():
             # Linearize: the loss, its gradient and v -> G v at theta on the batch.
-            lin = self._linearize(state.step, theta, batch, buffers, stage == sampled.ALL)
+            lin, plan = self._linearize(plan, state.step, theta, batch, buffers)
             work = state  # what the direction is computed from
             if trainable is not None:  # restricted to the parameters still trainable
                 lin, work = lin.restricted(trainable), state.restricted(trainable)
@@ -514,15 +507,16 @@ class SGN(torch.optim.Optimizer):
             # Choose the route: the right-hand side, the descent that may solve exactly, and
             # for solver="auto" whether this step takes it (or probes it).
             rhs, momentum_buffer = self._momentum(lin.grad, work)
-            route, phase = self._phase(state, loss0, lin, rhs, batch)
+            plan = self._route(plan, state, loss0, lin, rhs, batch)
+            logger.debug("step %d: %s", state.step, plan)
             # On all of too many rows: a sample of J's rows preconditions CG.
-            sample = lin.rows(state.step) if phase.route == SAMPLED and lin.rows else None
+            sample = lin.rows(state.step) if plan.route == SAMPLED and lin.rows else None
             # Solve with damping attempts, then the line search (nothing written).
             problem = Problem(lin.grad, rhs, loss0, self._trial_loss(lin, theta, batch))
-            run = self._solve(phase, lin, problem, work, theta, batch, trainable, sample)
+            run = self._solve(plan.phase, lin, problem, work, theta, batch, trainable, sample)
             candidate, evals = None, run.evals
-            if phase.probe is not None:  # the exact step too, judged on the next batch
-                probe = auto.Phase(phase.probe)
+            if plan.phase.probe is not None:  # the exact step too, judged on the next batch
+                probe = auto.Phase(plan.phase.probe)
                 exact = self._solve(probe, lin, problem, work, theta, batch, trainable)
                 evals += exact.evals
                 if exact.moved:
@@ -535,37 +529,42 @@ class SGN(torch.optim.Optimizer):
         if options.keep_grad:
             self._fmodel.write_grad(lin.grad)
         after = next_state(
-            options, self._setup.solver, state, run, route, phase, loss0, candidate,
+            options, self._setup.solver, state, run, plan.exact, plan.phase, loss0, candidate,
             momentum_buffer,
         )  # fmt: skip
-        if stage is not None:
-            after = many_rows.next_state(after, stage, loss0, self._fmodel.model, inputs, most)
+        if plan.rows is not None:
+            after = many_rows.next_state(after, plan.rows, loss0, fm.model, inputs, most)
         after.write(stored)
         # Report.
         decay = options.weight_decay
         penalty = weight_penalty(theta, decay) if decay else 0.0
         info = step_info(run, loss0, grad_norm, evals, options.lr, float(penalty))
-        if stage is not None:
+        if plan.rows is not None:
             info = replace(info, sample=many_rows.points_used(sample, drawn))
         log_step(state.step, info)
         return info
 
     # --- the step's phases -------------------------------------------------------------------
     def _linearize(
-        self, t: int, theta: Tensor, batch: Batch, buffers: dict, all_rows: bool = False
-    ) -> Linearization:
+        self, plan: Plan, t: int, theta: Tensor, batch: Batch, buffers: dict
+    ) -> tuple[Linearization, Plan]:
         """The model and loss linearized at ``theta`` on the batch (reduced over a data-parallel
-        group), with a row-batched Jacobian where exact steps take it, and the weight decay's
-        penalty; ``all_rows``: by the layers' factors (:mod:`torch_sgn.many_rows`)."""
+        group), on all of too many rows by the layers' factors where ``plan`` says so
+        (:mod:`torch_sgn.many_rows`), with a row-batched Jacobian where exact steps take it,
+        and the weight decay's penalty; and the plan with how ``J`` was formed."""
         fm, most = self._fmodel, self._setup.direct_max_params
-        lin = many_rows.linearized(fm, self._loss, theta, batch, most) if all_rows else None
+        lin = None
+        if plan.rows == sampled.ALL:
+            lin = many_rows.linearized(fm, self._loss, theta, batch, most)
         lin = lin or self._comm.linearize(t, self._step_engine(t), theta, batch, buffers)
         check_loss_parameters(self._loss, self._fmodel, lin, theta, batch)
-        if lin.rows is None and self._jacobian_applies(lin, theta, batch):
+        row_by_row = lin.rows is None and self._jacobian_applies(lin, theta, batch)
+        if row_by_row:
             lin = with_jacobian(lin, self._fmodel, self._loss, theta, batch)
+        plan = route_plan.with_jacobian(plan, lin, row_by_row)
         # The L2 penalty, added once here: after the data-parallel reduction (every rank holds
         # the same theta) and before the mask of frozen parameters (which keeps them still).
-        return lin.regularized(self._options.weight_decay, theta)
+        return lin.regularized(self._options.weight_decay, theta), plan
 
     def _momentum(self, grad: Tensor, state: StepState) -> tuple[Tensor, Optional[Tensor]]:
         """The right-hand side ``m_hat`` and the new moving average (None without momentum)."""
@@ -576,14 +575,20 @@ class SGN(torch.optim.Optimizer):
         m = (1 - beta) * grad if m is None else beta * m + (1 - beta) * grad
         return m / (1 - beta ** (state.step + 1)), m
 
-    def _phase(
-        self, state: StepState, loss0: float, lin: Linearization, rhs: Tensor, batch: Batch
-    ) -> tuple[str, auto.Phase]:
-        """The route this step could take and the phase it takes
-        (:func:`torch_sgn.route_plan.phase`)."""
+    def _route(
+        self,
+        plan: Plan,
+        state: StepState,
+        loss0: float,
+        lin: Linearization,
+        rhs: Tensor,
+        batch: Batch,
+    ) -> Plan:
+        """The plan with the route this step could take exactly and the phase it takes
+        (:func:`torch_sgn.route_plan.with_route`)."""
         fm = self._fmodel
-        return phase(
-            self._setup, self._options, lin, rhs, fm.numel, fm.device, state, loss0,
+        return route_plan.with_route(
+            plan, self._setup, self._options, lin, rhs, fm.numel, fm.device, state, loss0,
             lambda point: self._loss_at(lin, point, batch),
             lambda: fits_one_batch(self._caps, self._last_inputs.repeated(batch.args)),
             fm.calls_autograd,

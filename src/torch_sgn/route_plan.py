@@ -1,26 +1,31 @@
-"""Which way a step goes, decided in one place.
+"""Which way a step goes, decided in one place: the step's :class:`Plan`.
 
 What the model and its engine offer an exact step is declared once, in :class:`Capabilities`.
 From it, SGN's :class:`~torch_sgn.options.Setup` and the step's
-:class:`~torch_sgn.options.Options`, this module answers each question a step asks on its way:
+:class:`~torch_sgn.options.Options`, this module makes each step's :class:`Plan`: which rows
+it uses, how its ``J`` is formed, the exact route it could take and the route it takes (with
+``solver="auto"``'s probe). The plan is filled in the order the step learns what each answer
+needs, one field per function, each taking the plan so far and returning it completed:
 
-1. which rows it uses (:func:`rows_stage`: the batch's, a sample of them, or all of too many
-   rows, :mod:`torch_sgn.many_rows`);
-2. how its ``J`` is formed (:func:`forms_jacobian`: by the engine's products, or row by row,
-   :func:`~torch_sgn.engines.jacobian.with_jacobian`; on all of too many rows, by the layers'
-   factors);
-3. which route solves it and, for ``solver="auto"``, whether it probes the exact route
-   (:func:`phase`: :func:`~torch_sgn.solve.routes.choose_route`, then
-   :func:`~torch_sgn.solve.auto.plan`).
+1. :func:`start`: the rows (the batch's, a sample of them, or all of too many rows,
+   :mod:`torch_sgn.many_rows`);
+2. :func:`with_jacobian`: how ``J`` is formed, from what the linearization on those rows
+   offers (by the engine's products, row by row,
+   :func:`~torch_sgn.engines.jacobian.with_jacobian`, or on all of too many rows by the
+   layers' factors);
+3. :func:`with_route`: the exact route (:func:`~torch_sgn.solve.routes.choose_route`) and, for
+   ``solver="auto"``, the phase (:func:`~torch_sgn.solve.auto.plan`: CG, a probe, a verdict).
+
+The route cannot be chosen before the linearization: whether a dense ``G`` or the batch's
+sample space is on offer is known once the engine has recorded the model on the batch.
 
 The answers are rules on sizes, memory and what the engine offers, never on timings, so that
-a run takes the same steps on every machine. The optimizer asks them in this order, since the
-route depends on the linearization the first two shape.
+a run takes the same steps on every machine.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
@@ -35,9 +40,43 @@ from .solve.routes import choose_route
 from .solve.state import StepState
 
 __all__ = [
-    "Capabilities", "exact_allowed", "fits_one_batch", "forms_jacobian", "phase", "rows_stage",
-    "through_outputs",
+    "ENGINE", "FACTORS", "ROWS", "Capabilities", "Plan", "exact_allowed", "fits_one_batch",
+    "forms_jacobian", "start", "through_outputs", "with_jacobian", "with_route",
 ]  # fmt: skip
+
+#: How a step's ``J`` is formed: by the engine's products (or its own dense ``G`` or sample
+#: space), row by row (:func:`~torch_sgn.engines.jacobian.with_jacobian`), or on all of too
+#: many rows by the layers' factors (:func:`torch_sgn.many_rows.linearized`).
+ENGINE, ROWS, FACTORS = "engine", "rows", "factors"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The plan of one step (see the module's docstring), filled in by :func:`start`,
+    :func:`with_jacobian` and :func:`with_route`, in that order.
+
+    Attributes:
+        rows: the rows it uses: ``None`` (the batch's), :data:`~torch_sgn.solve.sampled.SAMPLE`
+            (a sample of the points, drawn at the step) or :data:`~torch_sgn.solve.sampled.ALL`
+            (all of too many rows).
+        jacobian: how ``J`` is formed: :data:`ENGINE`, :data:`ROWS` or :data:`FACTORS`
+            (``None`` until the step is linearized).
+        exact: the route the step could take exactly
+            (:data:`~torch_sgn.solve.descents.ROUTES`; ``"cg"`` where only CG can run).
+        phase: what the step does (:class:`~torch_sgn.solve.auto.Phase`: the route it takes,
+            and for ``solver="auto"`` the exact route probed beside it, a probe's verdict).
+    """
+
+    rows: Optional[str]
+    jacobian: Optional[str] = None
+    exact: Optional[str] = None
+    phase: Optional[auto.Phase] = None
+
+    @property
+    def route(self) -> str:
+        """The route the step takes (its phase's)."""
+        assert self.phase is not None, "the route is chosen by with_route"
+        return self.phase.route
 
 
 @dataclass(frozen=True)
@@ -50,11 +89,15 @@ class Capabilities:
         through_outputs: the engine solves through the batch's outputs (the layer-wise
             engine's chains).
         single_process: one process (no data-parallel group).
+        layer_factors: the model forms ``J``'s factors layer by layer (``layer_factors``: a
+            :class:`torch_sgn.pinn.Residuals` problem of linear layers), which steps on all of
+            too many rows need (:mod:`torch_sgn.many_rows`).
     """
 
     residual_problem: bool
     through_outputs: bool
     single_process: bool
+    layer_factors: bool = False
 
     @classmethod
     def of(cls, model: nn.Module, engine: object, single_process: bool) -> Capabilities:
@@ -62,6 +105,7 @@ class Capabilities:
             hasattr(model, "jacobian_blocks"),
             bool(getattr(engine, "may_solve_through_outputs", False)),
             single_process,
+            hasattr(model, "layer_factors"),
         )
 
 
@@ -83,7 +127,7 @@ def through_outputs(caps: Capabilities, setup: Setup, options: Options) -> bool:
     return may and exact_allowed(caps, setup, options)
 
 
-def rows_stage(
+def start(
     caps: Capabilities,
     setup: Setup,
     options: Options,
@@ -91,13 +135,15 @@ def rows_stage(
     batch: Batch,
     numel: int,
     state: StepState,
-) -> Optional[str]:
-    """Which rows the step uses: :func:`torch_sgn.many_rows.stage` (``SAMPLE``, ``ALL``, or
-    ``None``: the batch's; it reads whether the model has the layers' factors) for
-    ``solver="auto"`` without CUDA graphs where an exact step is allowed; ``None`` elsewhere."""
-    if setup.solver != "auto" or setup.cuda_graphs or not exact_allowed(caps, setup, options):
-        return None
-    return many_rows.stage(model, batch, numel, setup.direct_max_params, state)
+) -> Plan:
+    """The plan's rows: :func:`torch_sgn.many_rows.stage` (``SAMPLE``, ``ALL``, or ``None``: the
+    batch's) for ``solver="auto"`` without CUDA graphs where an exact step is allowed; ``None``
+    elsewhere."""
+    if not caps.layer_factors or setup.solver != "auto" or setup.cuda_graphs:
+        return Plan(None)
+    if not exact_allowed(caps, setup, options):
+        return Plan(None)
+    return Plan(many_rows.stage(model, batch, numel, setup.direct_max_params, state))
 
 
 def forms_jacobian(caps: Capabilities, setup: Setup, lin: Linearization) -> bool:
@@ -127,7 +173,17 @@ def fits_one_batch(caps: Capabilities, repeated: bool) -> bool:
     return repeated or caps.residual_problem
 
 
-def phase(
+def with_jacobian(plan: Plan, lin: Linearization, row_by_row: bool) -> Plan:
+    """The plan with how ``J`` is formed, from the step's linearization ``lin``: by the layers'
+    factors where it holds all of too many rows (``lin.rows``), row by row where ``row_by_row``
+    (:func:`forms_jacobian` allowed it and the model was per-sample on the batch), else by the
+    engine."""
+    how = FACTORS if lin.rows is not None else ROWS if row_by_row else ENGINE
+    return replace(plan, jacobian=how)
+
+
+def with_route(
+    plan: Plan,
     setup: Setup,
     options: Options,
     lin: Linearization,
@@ -139,14 +195,15 @@ def phase(
     loss_at: Callable[[Tensor], float],
     one_batch: Callable[[], bool],
     nested: bool,
-) -> tuple[str, auto.Phase]:
-    """The route the step could take exactly (:func:`~torch_sgn.solve.routes.choose_route`)
-    and the phase it takes: that route, or for ``solver="auto"`` the phase of
-    :func:`~torch_sgn.solve.auto.plan` (CG, a probe, a verdict). ``one_batch`` is asked only
-    for ``"auto"`` (it remembers the batch it sees)."""
+) -> Plan:
+    """The plan with the route the step could take exactly
+    (:func:`~torch_sgn.solve.routes.choose_route`) and the phase it takes: that route, or for
+    ``solver="auto"`` the phase of :func:`~torch_sgn.solve.auto.plan` (CG, a probe, a verdict).
+    ``one_batch`` is asked only for ``"auto"`` (it remembers the batch it sees)."""
     route = choose_route(
         setup.solver, lin, rhs, numel, device, options.cg_iters, setup.direct_max_params
     )
     if setup.solver != "auto":
-        return route, auto.Phase(route)
-    return route, auto.plan(state, state.step, route, loss0, loss_at, one_batch(), nested)
+        return replace(plan, exact=route, phase=auto.Phase(route))
+    taken = auto.plan(state, state.step, route, loss0, loss_at, one_batch(), nested)
+    return replace(plan, exact=route, phase=taken)
