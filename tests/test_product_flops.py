@@ -1,4 +1,4 @@
-"""benchmarks/product_flops.py counts against hand counts: a chain of linear layers does three
+"""benchmarks/cost/product_flops.py counts against hand counts: a chain of linear layers does three
 products of each layer's size in a gradient and four in ``G v`` (two of each in the first)."""
 
 import importlib.util
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "product_flops.py"
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "cost" / "product_flops.py"
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Smoke test of benchmarks/regression.py: one short run writes a record whose curve falls."""
+"""Smoke test of benchmarks/convergence/regression.py: one short run writes a record whose curve
+falls."""
 
 import importlib.util
 import json
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "regression.py"
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "convergence" / "regression.py"
 
 
 @pytest.fixture(scope="module")

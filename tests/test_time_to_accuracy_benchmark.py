@@ -1,4 +1,4 @@
-"""benchmarks/time_to_accuracy_fashion.py: its medians over seeds and its table."""
+"""benchmarks/convergence/time_to_accuracy_fashion.py: its medians over seeds and its table."""
 
 import importlib.util
 import sys
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "time_to_accuracy_fashion.py"
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks/convergence/time_to_accuracy_fashion.py"
 
 
 @pytest.fixture(scope="module")

@@ -343,7 +343,7 @@ class _Generic(OutputLoss):
         # (jvp of grad) gives the same H but fails on some of torch's losses: the forward-mode
         # formula of mse_loss_backward divides the targets' zero tangent in place ("ZeroTensors
         # are immutable"), huber_loss_backward has none; and it cost 6 to 100 times more per
-        # product on every loss measured (benchmarks/loss_hessian_cost.py). Values the loss
+        # product on every loss measured (benchmarks/cost/loss_hessian_cost.py). Values the loss
         # computes under torch.no_grad are constants here, as in its gradient.
         z = outputs.detach()
         graph: list = []

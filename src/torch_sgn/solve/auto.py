@@ -23,7 +23,7 @@ A run that fits one batch with a model whose ``forward`` differentiates its own 
 the Jacobian cheaply, keeps CG, but CG solved further (:func:`cg_settings`): at least
 :data:`ONE_BATCH_CG_ITERS` iterations, to the relative residual :data:`ONE_BATCH_CG_RTOL`, with
 the Nystrom preconditioner on float64 parameters. Ten iterations on a fixed batch leave most of
-each step's progress unmade (``benchmarks/pinn_autograd.py``); SGN says once
+each step's progress unmade (``benchmarks/pinns/pinn_autograd.py``); SGN says once
 (:data:`NESTED_NOTICE`) that the same problem written with :mod:`torch_sgn.pinn` takes exact
 steps.
 
@@ -66,8 +66,8 @@ STALL = 0.1
 #: differentiates itself (:func:`cg_settings`).
 ONE_BATCH_CG_ITERS = 100
 ONE_BATCH_CG_RTOL = 1e-3
-#: What SGN says once where it takes such CG steps (figures from ``benchmarks/pinn_autograd.py``'s
-#: record, quoted in ``docs/PINN.md``).
+#: What SGN says once where it takes such CG steps (figures from
+#: ``benchmarks/pinns/pinn_autograd.py``'s record, quoted in ``docs/PINN.md``).
 NESTED_NOTICE = (
     "this model's forward differentiates its output by torch.autograd.grad: SGN steps by "
     "preconditioned conjugate gradient through the nested graph. Written with torch_sgn.pinn "

@@ -132,7 +132,7 @@ def nystrom(
             ``matvec`` cannot be vmapped (it calls ``autograd.grad`` or ``.item()``, say), one
             product at a time. ``False`` always loops: faster where vmap falls back to a slow
             batching rule (GGN products of a forward-Laplacian PINN, ``addmm_``: 5.2 s batched
-            against 3.6 s looped for 100 products, ``benchmarks/nystrom_pinn.py``).
+            against 3.6 s looped for 100 products, ``benchmarks/pinns/nystrom_pinn.py``).
         chunk_size: products per vmapped call (all ``s`` at once when ``None``): bounds the
             memory of the batched product.
 
