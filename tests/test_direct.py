@@ -92,6 +92,21 @@ def test_cholesky_solution_matches_linalg_solve_and_its_residual_is_the_true_one
     torch.testing.assert_close(result.residual, A @ result.x + rhs, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("layout", ["rows", "columns"])
+def test_an_exactly_symmetric_matrix_said_so_is_solved_to_the_bit_as_without(layout):
+    """``symmetric=True`` skips forming the symmetric part, which is the matrix itself: the
+    same solution, residual and re-solve to the bit, whichever the matrix's memory layout."""
+    G = _spd(40)
+    G = (G + G.T) * 0.5
+    G = G if layout == "rows" else G.T.contiguous().T  # a transposed (column-major) layout
+    assert torch.equal(G, G.T)
+    rhs, other = torch.randn(40, dtype=torch.float64), torch.randn(40, dtype=torch.float64)
+    said, plain = solve_damped(G, rhs, 1e-3, symmetric=True), solve_damped(G, rhs, 1e-3)
+    assert said.reason == plain.reason == "cholesky"
+    assert torch.equal(said.x, plain.x) and torch.equal(said.residual, plain.residual)
+    assert torch.equal(said.again(other), plain.again(other))
+
+
 def test_indefinite_matrix_takes_the_eigenvalue_fallback_and_gives_a_descent_step():
     # G with negative eigenvalues (a custom loss not convex in the outputs): G + rho I is
     # indefinite, Cholesky fails; the fallback solves with max(lambda, 0) + rho.
@@ -272,7 +287,7 @@ def test_a_failing_direct_solve_leaves_everything_unchanged(monkeypatch):
     before_model = copy.deepcopy(model.state_dict())
     before_opt = copy.deepcopy(opt.state_dict())
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         raise RuntimeError("factorization broke")
 
     monkeypatch.setattr(direct, "solve_damped", broken)
@@ -683,7 +698,9 @@ def test_levenberg_marquardt_re_solves_reuse_the_matrix(monkeypatch):
     )
     rows = jacobian.jacobian_rows  # with solver="direct" the CNN's G comes from J's rows
     monkeypatch.setattr(jacobian, "jacobian_rows", lambda *a: formed.append(1) or rows(*a))
-    monkeypatch.setattr(direct, "solve_damped", lambda *a: solved.append(a[2]) or solve(*a))
+    monkeypatch.setattr(
+        direct, "solve_damped", lambda *a, **k: solved.append(a[2]) or solve(*a, **k)
+    )
     opt = SGN(model, "mse", solver="direct", lr=30.0, attempts=4, line_search=False)
     info = opt.step(x, y)
     assert info.attempts > 1 and len(solved) == info.attempts and len(formed) == 1

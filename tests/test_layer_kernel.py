@@ -106,6 +106,9 @@ def test_kernel_and_vjp_match_a_dense_jacobian(monkeypatch, case, frozen, tiled)
             assert torch.equal(own, own.T)
             start += n
     assert torch.linalg.eigvalsh(K).min() > -1e-10 * K.abs().max()  # PSD
+    # symmetric=True: exactly symmetric, and to the bit the symmetric part of the kernel
+    sym = factors.kernel(symmetric=True)
+    assert torch.equal(sym, sym.T) and torch.equal(sym, (K + K.T).mul_(0.5))
     u = torch.randn(J.shape[0], dtype=D)
     torch.testing.assert_close(factors.vjp(u), J.T @ u, rtol=1e-10, atol=1e-12)
     v = torch.randn(J.shape[1], dtype=D)

@@ -181,7 +181,7 @@ def with_jacobian(
 
     def kernel() -> Tensor:
         f = factors()
-        return _symmetric(f.kernel() if f is not None else jac() @ jac().T)
+        return f.kernel(symmetric=True) if f is not None else _symmetric(jac() @ jac().T)
 
     space = SampleSpace(
         outputs=outputs,

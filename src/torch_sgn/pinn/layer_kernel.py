@@ -159,8 +159,11 @@ class LayerFactors:
             )
         return LayerFactors(blocks, self.slots, self.numel, self.dtype)
 
-    def kernel(self) -> Tensor:
-        """``J J^T`` (``R x R``, float64), rows in the order of the residuals."""
+    def kernel(self, symmetric: bool = False) -> Tensor:
+        """``J J^T`` (``R x R``, float64), rows in the order of the residuals. ``symmetric``:
+        exactly symmetric, each block of it within a residual block ``K_bb`` replaced by
+        ``(K_bb + K_bb^T) / 2`` where it is formed whole (the tiled blocks, and the blocks
+        between two residual blocks, are so already); else those untiled blocks as summed."""
         rows = [b.n * b.m for b in self.blocks]
         starts = [sum(rows[:i]) for i in range(len(rows))]
         like = next(iter(self.blocks[0].inputs.values()))
@@ -168,31 +171,32 @@ class LayerFactors:
         for i, bi in enumerate(self.blocks):
             for j in range(i, len(self.blocks)):
                 bj = self.blocks[j]
-                block = self._pair(bi, bj, same=i == j)
-                k[starts[i] : starts[i] + rows[i], starts[j] : starts[j] + rows[j]] = block
+                block = k[starts[i] : starts[i] + rows[i], starts[j] : starts[j] + rows[j]]
+                tiled = self._pair(block.view(bi.n, bi.m, bj.n, bj.m), bi, bj, same=i == j)
                 if i != j:
                     k[starts[j] : starts[j] + rows[j], starts[i] : starts[i] + rows[i]] = block.T
+                elif symmetric and not tiled:
+                    block.copy_((block + block.T) * 0.5)
         return k
 
-    def _pair(self, bi: _Block, bj: _Block, same: bool) -> Tensor:
-        """The ``(n_i m_i) x (n_j m_j)`` block of ``J J^T`` between two residual blocks: on
-        the CPU, in tiles where a block has more than :data:`TILED_ABOVE` points
-        (:meth:`_tiled`)."""
+    def _pair(self, out: Tensor, bi: _Block, bj: _Block, same: bool) -> bool:
+        """Adds the ``(n_i m_i) x (n_j m_j)`` block of ``J J^T`` between two residual blocks to
+        ``out`` (zeros, shaped ``n_i x m_i x n_j x m_j``): on the CPU, in tiles where a block
+        has more than :data:`TILED_ABOVE` points (:meth:`_tiled`; then ``True``)."""
         device = next(iter(bi.inputs.values())).device
         if device.type == "cpu" and max(bi.n, bj.n) > TILED_ABOVE:
-            return self._tiled(bi, bj, same)
-        out = torch.zeros(bi.n, bi.m, bj.n, bj.m, dtype=torch.float64, device=device)
+            self._tiled(out, bi, bj, same)
+            return True
         for layer in [layer for layer in bi.inputs if layer in bj.inputs]:  # in a fixed order
             a_i, a_j = bi.inputs[layer], bj.inputs[layer]
             _add_layer(out, a_i, a_j, bi.deltas[layer], bj.deltas[layer], same)
-        return out.reshape(bi.n * bi.m, bj.n * bj.m)
+        return False
 
-    def _tiled(self, bi: _Block, bj: _Block, same: bool) -> Tensor:
+    def _tiled(self, out: Tensor, bi: _Block, bj: _Block, same: bool) -> None:
         """:meth:`_pair` by tiles of :data:`TILE` points of each block: every layer's and
         channel pair's products for one tile at a time, so that the tile's ``n x n`` terms stay
         in the cache; within a block (``same``) only the tiles on and above the diagonal, the
         others their transposes, and the diagonal tiles made symmetric."""
-        out = torch.zeros(bi.n, bi.m, bj.n, bj.m, dtype=torch.float64)
         layers = [layer for layer in bi.inputs if layer in bj.inputs]  # in a fixed order
         for i0 in range(0, bi.n, TILE):
             i1 = min(bi.n, i0 + TILE)
@@ -205,11 +209,10 @@ class LayerFactors:
                     a_i, a_j = bi.inputs[layer][:, i0:i1], bj.inputs[layer][:, j0:j1]
                     _add_layer(tile, a_i, a_j, d_i, d_j, same=False)
                 if same and j0 == i0:  # exactly symmetric, as J J^T is
-                    flat = tile.view((i1 - i0) * bi.m, (j1 - j0) * bj.m)  # (of out)
-                    flat.copy_((flat + flat.T) * 0.5)
+                    flat = tile.reshape((i1 - i0) * bi.m, (j1 - j0) * bj.m)
+                    tile.copy_(((flat + flat.T) * 0.5).view(tile.shape))
                 elif same:
                     out[j0:j1, :, i0:i1, :] = tile.permute(2, 3, 0, 1)
-        return out.reshape(bi.n * bi.m, bj.n * bj.m)
 
     def vjp(self, u: Tensor) -> Tensor:
         """``J^T u`` (flat, the parameters' dtype) for ``u`` with one entry per residual."""

@@ -82,7 +82,9 @@ class DirectResult:
         return self.reason == "non_finite"
 
 
-def solve_damped(matrix: Tensor, rhs: Tensor, damping: float) -> DirectResult:
+def solve_damped(
+    matrix: Tensor, rhs: Tensor, damping: float, symmetric: bool = False
+) -> DirectResult:
     r"""Solves :math:`(G + \rho I)\, d = -\mathrm{rhs}` exactly, in float64.
 
     Args:
@@ -90,6 +92,8 @@ def solve_damped(matrix: Tensor, rhs: Tensor, damping: float) -> DirectResult:
             symmetric part is used.
         rhs: the right-hand side's negative (the gradient, or ``m_hat``), length ``P``.
         damping: :math:`\rho > 0`.
+        symmetric: ``matrix`` is exactly symmetric (checked by the caller): its symmetric
+            part is itself, and is not formed again.
 
     Returns:
         A :class:`DirectResult` in ``rhs``'s dtype (``again`` takes and returns that dtype
@@ -106,8 +110,9 @@ def solve_damped(matrix: Tensor, rhs: Tensor, damping: float) -> DirectResult:
     if matrix.shape != (n, n):
         raise ValueError(f"matrix of shape {tuple(matrix.shape)} does not match rhs of length {n}")
     if rhs.dtype != torch.float64 or matrix.dtype != torch.float64:
-        return _in_dtype(solve_damped(matrix.double(), rhs.double(), damping), rhs.dtype)
-    damped = torch.add(matrix, matrix.mT).mul_(0.5)  # G's symmetric part
+        return _in_dtype(solve_damped(matrix.double(), rhs.double(), damping, symmetric), rhs.dtype)
+    # G's symmetric part (in the layout torch.add gives it: matrix's)
+    damped = matrix.clone() if symmetric else torch.add(matrix, matrix.mT).mul_(0.5)
     damped.diagonal().add_(damping)
     factor, info = torch.linalg.cholesky_ex(damped)
     if int(info) == 0:
@@ -221,7 +226,7 @@ def solve_in_sample_space(
     hk = _hessian_rows(space.hessian, kernel, outputs)  # row j: H K e_j, so H K = hk^T
     matrix = hk.mT
     if torch.equal(matrix, hk):
-        system = solve_damped(matrix, -e, mu)  # its x solves (H K + mu I) w = e
+        system = solve_damped(matrix, -e, mu, symmetric=True)  # x solves (H K + mu I) w = e
         w, reason = system.x, system.reason
         minus = system.again
 
