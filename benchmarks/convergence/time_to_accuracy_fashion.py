@@ -58,6 +58,9 @@ from torch_sgn import SGN
 from torch_sgn.experiments import data as datasets
 from torch_sgn.experiments.models import PRESETS
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared modules
+from measuring import environment  # noqa: E402
+
 PAPER_SGN = dict(cg_iters=5, warmup_cg_iters=10, warmup_steps=10, solver="cg")
 
 #: label -> (kind, options).
@@ -248,8 +251,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print("command: PYTHONPATH=src python " + " ".join(sys.argv))
-    hardware = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else ""
-    print(f"torch={torch.__version__}, threads={args.threads}, {hardware} config: {vars(args)}")
+    env = environment()
+    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    print(f"config: {vars(args)}")
 
     runs = {}
     labels = args.only if args.only is not None else ([] if args.sgn else DEFAULT_RUNS)
@@ -303,7 +307,7 @@ def main() -> None:
                 flush=True,
             )
             if path:
-                record = dict(settings=settings, torch=torch.__version__, result=result)
+                record = dict(settings=settings, environment=env, result=result)
                 path.write_text(json.dumps(record))
     text = table({label: runs for label, runs in records.items() if runs}, sorted(args.targets))
     print(text)

@@ -22,6 +22,7 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Dict, List
 
 import torch
@@ -30,6 +31,9 @@ import torch.nn.functional as F
 from torch_sgn import SGN
 from torch_sgn.experiments import data as datasets
 from torch_sgn.experiments.models import PRESETS
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared modules
+from measuring import environment  # noqa: E402
 
 
 @dataclass
@@ -115,7 +119,9 @@ def main(argv: List[str] | None = None) -> None:
         "command: PYTHONPATH=src python "
         + " ".join(["benchmarks/convergence/time_to_loss.py", *sys.argv[1:]])
     )
-    print(f"torch={torch.__version__}, threads={cfg.threads}, config: {asdict(cfg)}")
+    env = environment()
+    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    print(f"config: {asdict(cfg)}")
     print("| data (target train loss) | optimizer | s to target | best loss | epochs |")
     print("|---|---|---|---|---|")
     results = []
@@ -135,7 +141,7 @@ def main(argv: List[str] | None = None) -> None:
             )
     if cfg.out:
         with open(cfg.out, "w") as f:
-            json.dump({"config": asdict(cfg), "results": results}, f, indent=1)
+            json.dump({"config": asdict(cfg), "environment": env, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -20,12 +20,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from torch_sgn import SGN
 from torch_sgn.experiments.models import preset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared modules
+from measuring import environment  # noqa: E402
 
 SHAPES = {"cifar10": (3, 32, 32), "fashion_mnist": (1, 28, 28)}
 
@@ -75,9 +80,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out")
     args = parser.parse_args()
+    env = environment()
+    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
     result = dict(
         device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        torch=torch.__version__, batch=args.batch, steps=args.steps, models={},
+        environment=env, batch=args.batch, steps=args.steps, models={},
     )  # fmt: skip
     for name in args.models:
         rows = run(name, args.device, args.batch, args.steps, args.warmup)

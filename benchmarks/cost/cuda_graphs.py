@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared modules
+from measuring import environment  # noqa: E402
 from workloads import batch  # noqa: E402
 
 from torch_sgn.batch import Batch  # noqa: E402
@@ -148,7 +149,9 @@ def main() -> None:
         "command: PYTHONPATH=src python "
         + " ".join(["benchmarks/cost/cuda_graphs.py", *sys.argv[1:]])
     )
-    print(f"torch={torch.__version__}, device={torch.cuda.get_device_name(0)}, k={args.k}")
+    env = environment()
+    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    print(f"k={args.k}")
     cols = ["grad", "Gv eager", "Gv graph", "CG eager", "CG graph"]
     print("| model | " + " | ".join(f"{c} ms" for c in cols) + " | CG eager/graph | note |")
     print("|---|" + "---|" * (len(cols) + 2))

@@ -25,8 +25,10 @@ Models: the Boston MLP (batch 101) and the regression benchmark's 3-256-256-256-
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from functools import partial
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -38,6 +40,9 @@ from torch_sgn.losses import resolve_loss
 from torch_sgn.model.flat_model import FunctionalModel
 from torch_sgn.solve import direct as solvers
 from torch_sgn.solve.cg import conjugate_gradient
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared modules
+from measuring import environment  # noqa: E402
 
 MODELS = {
     "sinc 1-20-1 tanh, batch 1000": (
@@ -137,7 +142,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, 1 thread; CPU seconds (median)")
+    env = environment()
+    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    print("1 thread; CPU seconds (median)")
     print(
         "| model | dtype | P | product | G via Jacobian | G via products | via vmap "
         "| Cholesky (float64) |"

@@ -31,6 +31,9 @@ from torch import nn
 
 from torch_sgn import SGN
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared modules
+from measuring import environment  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -165,7 +168,9 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    record = {"device": name, "torch": torch.__version__}
+    env = environment()
+    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    record = {"device": name, "environment": env}
     record["exactness"] = exactness(device)
     methods = [("SGN default", lambda m: SGN(m, "mse").step)]
     methods += [(f"Adam lr {lr:g}", _adam(lr)) for lr in args.adam_lrs]

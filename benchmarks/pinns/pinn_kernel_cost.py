@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -28,6 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 
+from measuring import environment  # noqa: E402
 from pinn import PROBLEMS, network  # noqa: E402
 
 from torch_sgn.batch import Batch  # noqa: E402
@@ -113,11 +113,8 @@ def main() -> None:
     meta = {
         "command": "PYTHONPATH=src python benchmarks/pinns/pinn_kernel_cost.py "
         + " ".join(sys.argv[1:]),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
+        **environment(),
         "cpus": os.cpu_count(),
-        "threads": 1,
     }
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:

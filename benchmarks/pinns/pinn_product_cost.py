@@ -17,13 +17,18 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from torch_sgn import GGN
 from torch_sgn.pinn import Residual, Residuals, laplacian
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared modules
+from measuring import environment  # noqa: E402
 
 D = torch.float64
 
@@ -59,6 +64,8 @@ def main() -> None:
     p.add_argument("--out", default=None, help="a JSON file for the raw times")
     args = p.parse_args()
     torch.set_num_threads(1)
+    env = environment()
+    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
     rows = []
     for widths in ([2, 64, 1], [2, 64, 64, 48, 48, 1]):
         res = problem(widths)
@@ -95,7 +102,7 @@ def main() -> None:
             )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"torch": torch.__version__, "repeats": args.repeats, "rows": rows}, f)
+            json.dump({"environment": env, "repeats": args.repeats, "rows": rows}, f)
 
 
 if __name__ == "__main__":
