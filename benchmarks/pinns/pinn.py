@@ -380,15 +380,17 @@ def main(argv: List[str] | None = None) -> None:
         return
     torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
+    env = environment()
     meta = {
         "command": "PYTHONPATH=src python benchmarks/pinns/pinn.py " + " ".join(sys.argv[1:]),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),
         "processor": platform.processor(),
+        "cpu": env["cpu"],  # the model name (lscpu)
         "cpus": os.cpu_count(),
         "threads": args.threads,
-        "commit": environment().get("commit", ""),
+        "commit": env.get("commit", ""),
         "device": args.device,
     }
     if torch.device(args.device).type == "cuda":
