@@ -84,6 +84,11 @@ def environment() -> Dict[str, str]:
     return env
 
 
+def environment_line(env: Dict[str, str]) -> str:
+    """``environment``'s result as the one line a script prints before its table."""
+    return "environment: " + ", ".join(f"{k}={v}" for k, v in env.items())
+
+
 def write_record(path: Path, result: dict) -> None:
     """``result`` with the :func:`environment`, as JSON at ``path``, written whole (a ``.tmp``
     file renamed): only a finished run leaves its file, so a resumed benchmark runs it again."""

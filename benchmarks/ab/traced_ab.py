@@ -47,7 +47,7 @@ from torch_sgn.losses import resolve_loss
 from torch_sgn.model.flat_model import FunctionalModel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
-from measuring import environment  # noqa: E402
+from measuring import environment, environment_line  # noqa: E402
 from old_version import import_old  # noqa: E402
 from workloads import batch  # noqa: E402
 
@@ -191,7 +191,7 @@ def main() -> None:
     print(
         "command: PYTHONPATH=src python " + " ".join(["benchmarks/ab/traced_ab.py", *sys.argv[1:]])
     )
-    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    print(environment_line(env))
     results = []
     for name in args.models:
         results.append(measure(name, args.rounds, args.k, args.flags, args.before_tree))

@@ -59,7 +59,7 @@ from torch_sgn.experiments import data as datasets
 from torch_sgn.experiments.models import PRESETS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared modules
-from measuring import environment  # noqa: E402
+from measuring import environment, environment_line  # noqa: E402
 
 PAPER_SGN = dict(cg_iters=5, warmup_cg_iters=10, warmup_steps=10, solver="cg")
 
@@ -252,7 +252,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print("command: PYTHONPATH=src python " + " ".join(sys.argv))
     env = environment()
-    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    print(environment_line(env))
     print(f"config: {vars(args)}")
 
     runs = {}

@@ -33,7 +33,7 @@ from torch_sgn.experiments import data as datasets
 from torch_sgn.experiments.models import PRESETS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared modules
-from measuring import environment  # noqa: E402
+from measuring import environment, environment_line  # noqa: E402
 
 
 @dataclass
@@ -120,7 +120,7 @@ def main(argv: List[str] | None = None) -> None:
         + " ".join(["benchmarks/convergence/time_to_loss.py", *sys.argv[1:]])
     )
     env = environment()
-    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    print(environment_line(env))
     print(f"config: {asdict(cfg)}")
     print("| data (target train loss) | optimizer | s to target | best loss | epochs |")
     print("|---|---|---|---|---|")

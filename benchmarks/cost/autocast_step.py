@@ -30,7 +30,7 @@ from torch_sgn import SGN
 from torch_sgn.experiments.models import preset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared modules
-from measuring import environment  # noqa: E402
+from measuring import environment, environment_line  # noqa: E402
 
 SHAPES = {"cifar10": (3, 32, 32), "fashion_mnist": (1, 28, 28)}
 
@@ -81,7 +81,7 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     env = environment()
-    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    print(environment_line(env))
     result = dict(
         device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         environment=env, batch=args.batch, steps=args.steps, models={},

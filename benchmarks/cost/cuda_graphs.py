@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared modules
-from measuring import environment  # noqa: E402
+from measuring import environment, environment_line  # noqa: E402
 from workloads import batch  # noqa: E402
 
 from torch_sgn.batch import Batch  # noqa: E402
@@ -150,7 +150,7 @@ def main() -> None:
         + " ".join(["benchmarks/cost/cuda_graphs.py", *sys.argv[1:]])
     )
     env = environment()
-    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    print(environment_line(env))
     print(f"k={args.k}")
     cols = ["grad", "Gv eager", "Gv graph", "CG eager", "CG graph"]
     print("| model | " + " | ".join(f"{c} ms" for c in cols) + " | CG eager/graph | note |")

@@ -42,7 +42,7 @@ from torch_sgn.solve import direct as solvers
 from torch_sgn.solve.cg import conjugate_gradient
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared modules
-from measuring import environment  # noqa: E402
+from measuring import environment, environment_line  # noqa: E402
 
 MODELS = {
     "sinc 1-20-1 tanh, batch 1000": (
@@ -143,7 +143,7 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     env = environment()
-    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    print(environment_line(env))
     print("1 thread; CPU seconds (median)")
     print(
         "| model | dtype | P | product | G via Jacobian | G via products | via vmap "

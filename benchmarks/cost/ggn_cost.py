@@ -82,7 +82,7 @@ from torch_sgn.losses import resolve_loss
 from torch_sgn.model.flat_model import FunctionalModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared modules
-from measuring import environment, peak_mib, sync, timed  # noqa: E402
+from measuring import environment, environment_line, peak_mib, sync, timed  # noqa: E402
 from workloads import batch, engine_options, math_kernels  # noqa: E402
 
 
@@ -362,7 +362,7 @@ def main(argv: List[str] | None = None) -> None:
     print(
         "command: PYTHONPATH=src python " + " ".join(["benchmarks/cost/ggn_cost.py", *sys.argv[1:]])
     )
-    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    print(environment_line(env))
     print(f"config: {asdict(cfg)}")
     devices = [torch.device(d) for d in cfg.devices if d != "cuda" or torch.cuda.is_available()]
     results, failed = [], []

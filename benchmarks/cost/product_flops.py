@@ -148,7 +148,7 @@ def main(argv: List[str] | None = None) -> None:
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
     env = measuring.environment()
-    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    print(measuring.environment_line(env))
     rows = []
     for name in args.models:
         rows.append(measure(name))

@@ -47,7 +47,7 @@ from torch_sgn.losses import resolve_loss
 from torch_sgn.model.flat_model import FunctionalModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared modules
-from measuring import environment  # noqa: E402
+from measuring import environment, environment_line  # noqa: E402
 from workloads import batch, engine_options  # noqa: E402
 
 
@@ -173,7 +173,7 @@ def main() -> None:
     env = environment()
     command = " ".join(["benchmarks/cost/step_profile.py", *sys.argv[1:]])
     print(f"command: PYTHONPATH=src python {command}")
-    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    print(environment_line(env))
     results = []
     for name in args.models:
         for engine in args.engines:

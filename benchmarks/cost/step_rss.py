@@ -20,14 +20,14 @@ from torch_sgn import SGN
 from torch_sgn.experiments.models import PRESETS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared modules
-from measuring import environment  # noqa: E402
+from measuring import environment, environment_line  # noqa: E402
 
 
 def main() -> None:
     name, engine = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
     env = environment()
-    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    print(environment_line(env))
     p = PRESETS[name]
     model = p.build()
     x = torch.randn(p.batch_size, *p.input_shape)

@@ -32,7 +32,7 @@ from torch import nn
 from torch_sgn import SGN
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared modules
-from measuring import environment  # noqa: E402
+from measuring import environment, environment_line  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -169,7 +169,7 @@ def main() -> None:
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     env = environment()
-    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    print(environment_line(env))
     record = {"device": name, "environment": env}
     record["exactness"] = exactness(device)
     methods = [("SGN default", lambda m: SGN(m, "mse").step)]

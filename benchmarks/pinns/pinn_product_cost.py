@@ -28,7 +28,7 @@ from torch_sgn import GGN
 from torch_sgn.pinn import Residual, Residuals, laplacian
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared modules
-from measuring import environment  # noqa: E402
+from measuring import environment, environment_line  # noqa: E402
 
 D = torch.float64
 
@@ -65,7 +65,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     env = environment()
-    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    print(environment_line(env))
     rows = []
     for widths in ([2, 64, 1], [2, 64, 64, 48, 48, 1]):
         res = problem(widths)
