@@ -260,7 +260,7 @@ def _run(
         lean = lean_steps(*curve, check=lambda r, reached: _check_start(r, names, reached))
         phases = [
             lambda: _Curve(lean, lean.step, jacobians),
-            lambda: _Curve(lean, lean.scaled_step, jacobians),
+            lambda: _Curve.scaled(lean, jacobians),
         ]
     else:
         phases = [lambda: _Optimizer(opt, problem, params, inputs, targets, jacobians)]
@@ -361,12 +361,11 @@ class _Phase(Protocol):
 
 @dataclass(frozen=True)
 class _Run:
-    """What :func:`_drive` ran: the last point, steps, residual evaluations, status, the last
-    step's info, the residuals and the cost's gradient at the end, the Frobenius norms of ``J``
-    at the start and at the end, and the steps taken when the scaled trust region took over
-    (``None``: it did not)."""
+    """What :func:`_drive` ran: steps, residual evaluations, status, the last step's info, the
+    residuals and the cost's gradient at the end, the Frobenius norms of ``J`` at the start and
+    at the end, and the steps taken when the scaled trust region took over (``None``: it did
+    not)."""
 
-    x: Tensor
     steps: int
     evaluations: int
     status: int
@@ -429,7 +428,7 @@ def _drive(
     finally:
         finish(theta)
     status = 0 if status is None else status
-    return _Run(theta, steps, evaluations, status, info, end, norms, restarted)
+    return _Run(steps, evaluations, status, info, end, norms, restarted)
 
 
 class _Curve:

@@ -139,9 +139,8 @@ def start(
     """The plan's rows: :func:`torch_sgn.many_rows.stage` (``SAMPLE``, ``ALL``, or ``None``: the
     batch's) for ``solver="auto"`` without CUDA graphs where an exact step is allowed; ``None``
     elsewhere."""
-    if not caps.layer_factors or setup.solver != "auto" or setup.cuda_graphs:
-        return Plan(None)
-    if not exact_allowed(caps, setup, options):
+    staged = caps.layer_factors and setup.solver == "auto" and not setup.cuda_graphs
+    if not (staged and exact_allowed(caps, setup, options)):
         return Plan(None)
     return Plan(many_rows.stage(model, batch, numel, setup.direct_max_params, state))
 
