@@ -2,7 +2,7 @@
 
 * The README is the site's front page and CHANGELOG.md its changelog page: both live at the
   repository's root, so they are added as generated pages, their links to ``docs/X`` rewritten
-  to ``X``.
+  to ``X``, and links to them to their pages.
 * A link from a page to a file of the repository outside ``docs/`` (a record under
   ``benchmarks/results/``, an example, the LICENSE) must name a file or folder that exists, or
   the build warns (and ``mkdocs build --strict`` fails). It is written relative to the page's
@@ -107,6 +107,11 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
         if resolved == DOCS / OPTIONAL and _optional_missing():
             log.info("%s: link to %s left out (not written yet)", page.file.src_uri, OPTIONAL)
             return match.group(0).replace(match.group(2), "#")
+        for dest, root_source in ROOT_PAGES.items():
+            if resolved == ROOT / root_source:  # the README or CHANGELOG: their site pages
+                here = os.path.dirname(page.file.src_uri) or "."
+                new = os.path.relpath(dest, here) + (f"#{anchor}" if anchor else "")
+                return match.group(1) + new + match.group(3)
         if resolved.is_relative_to(DOCS):
             if in_docs_dir:
                 return match.group(0)  # MkDocs checks it (and its anchor)
