@@ -362,7 +362,7 @@ def main(argv=None) -> None:
     if args.one:
         pde, method = args.one.split(":")
         name = _name(pde, method, args.float32, args.seed)
-        partial = out / f"{name}.partial"
+        partial = out.resolve() / f"{name}.partial"  # (the run works in the checkout)
         result = run(pde, method, args, partial)
         result["command"] = _command(argv if argv is not None else sys.argv[1:])
         write_record(out / f"{name}.json", result)
