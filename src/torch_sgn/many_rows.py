@@ -30,13 +30,14 @@ import logging
 from dataclasses import replace
 from typing import List, Optional, Tuple
 
-from torch import Tensor, nn
+from torch import Tensor
 
 from .batch import Batch
 from .engines.jacobian import by_factors
 from .linearization import Linearization, RowSample
 from .losses import OutputLoss
 from .model.flat_model import FunctionalModel
+from .residual_problem import ResidualProblem
 from .solve import sampled
 from .solve.state import StepState
 
@@ -48,10 +49,10 @@ logger = logging.getLogger("torch_sgn")
 
 
 def stage(
-    model: nn.Module, batch: Batch, numel: int, max_params: int, state: StepState
+    model: ResidualProblem, batch: Batch, numel: int, max_params: int, state: StepState
 ) -> Optional[str]:
-    """``SAMPLE`` or ``ALL`` for a residual problem (``model``: one that forms its layers'
-    factors, :attr:`torch_sgn.route_plan.Capabilities.layer_factors`) too large for an exact
+    """``SAMPLE`` or ``ALL`` for a residual problem (``model``, one that may form its layers'
+    factors, :class:`~torch_sgn.residual_problem.ResidualProblem`) too large for an exact
     step, or with at least :data:`~torch_sgn.solve.sampled.ROWS_PER_PARAMETER` times as many
     rows as parameters (see the module's docstring), ``None`` for any other batch."""
     if bool(batch.targets.any()):
@@ -62,7 +63,7 @@ def stage(
     return sampled.SAMPLE if sample_points(model, batch, max_params, state.stalls) else sampled.ALL
 
 
-def sample_points(model: nn.Module, batch: Batch, max_params: int, stalls: int) -> int:
+def sample_points(model: ResidualProblem, batch: Batch, max_params: int, stalls: int) -> int:
     """The points a sample draws after ``stalls`` stalls: :data:`~torch_sgn.solve.sampled.POINTS`
     doubled at each, and no more rows than ``max_params`` (at the most rows a point has); 0
     once the largest sample has stalled."""
@@ -75,7 +76,7 @@ def sample_points(model: nn.Module, batch: Batch, max_params: int, stalls: int) 
 
 
 def sampled_batch(
-    stage: Optional[str], model: nn.Module, batch: Batch, max_params: int, state: StepState
+    stage: Optional[str], model: ResidualProblem, batch: Batch, max_params: int, state: StepState
 ) -> Tuple[Batch, Optional[List[Tensor]]]:
     """A ``SAMPLE`` step's batch, the points drawn at its step (zero targets), and the points'
     indices in each block; ``(batch, None)`` for any other step."""
@@ -99,7 +100,12 @@ def linearized(
 
 
 def next_state(
-    state: StepState, stage: str, loss0: float, model: nn.Module, inputs: object, max_params: int
+    state: StepState,
+    stage: str,
+    loss0: float,
+    model: ResidualProblem,
+    inputs: object,
+    max_params: int,
 ) -> StepState:
     """The state after a step of ``stage``: a sampled step's loss joins the stall test; once
     the losses stall, the sample doubles, or past the largest the steps go on all rows where
@@ -112,7 +118,7 @@ def next_state(
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         batch = Batch(args, args[0].new_zeros(0))
         grows = sample_points(model, batch, max_params, state.stalls + 1) > 0
-        factors = getattr(model, "factors_follow", False)  # (else all rows would be CG)
+        factors = model.factors_follow  # (else all rows would be CG)
         fit = factors and sampled.all_rows_fit(model, model.points(args), args, args[0].device)
         if grows or fit:
             what = "the sample doubles" if grows else "steps on all rows"

@@ -35,6 +35,7 @@ from . import many_rows
 from .batch import Batch
 from .linearization import Linearization
 from .options import Options, Setup
+from .residual_problem import residual_problem
 from .solve import auto
 from .solve.routes import choose_route
 from .solve.state import StepState
@@ -84,14 +85,15 @@ class Capabilities:
     """What a model and its engine offer an exact step, read once, when SGN is built.
 
     Attributes:
-        residual_problem: the model says how its rows are formed (``jacobian_blocks``: a
-            :class:`torch_sgn.pinn.Residuals` problem, a least-squares fit of one batch).
+        residual_problem: the model is a residual problem
+            (:class:`~torch_sgn.residual_problem.ResidualProblem`: a
+            :class:`torch_sgn.pinn.Residuals` problem, a least-squares fit of one batch): it
+            says how its rows are formed.
         through_outputs: the engine solves through the batch's outputs (the layer-wise
             engine's chains).
         single_process: one process (no data-parallel group).
-        layer_factors: the model forms ``J``'s factors layer by layer (``layer_factors``: a
-            :class:`torch_sgn.pinn.Residuals` problem of linear layers), which steps on all of
-            too many rows need (:mod:`torch_sgn.many_rows`).
+        layer_factors: the model may form ``J``'s factors layer by layer (a residual
+            problem), which steps on all of too many rows need (:mod:`torch_sgn.many_rows`).
     """
 
     residual_problem: bool
@@ -101,11 +103,12 @@ class Capabilities:
 
     @classmethod
     def of(cls, model: nn.Module, engine: object, single_process: bool) -> Capabilities:
+        problem = residual_problem(model) is not None
         return cls(
-            hasattr(model, "jacobian_blocks"),
+            problem,
             bool(getattr(engine, "may_solve_through_outputs", False)),
             single_process,
-            hasattr(model, "layer_factors"),
+            problem,
         )
 
 

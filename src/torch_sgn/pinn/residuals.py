@@ -36,8 +36,8 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Uni
 import torch
 from torch import Tensor, nn
 
-from ..engines.jacobian import JacobianBlock
 from ..model.flat_model import FunctionalModel
+from ..residual_problem import JacobianBlock
 from . import layer_kernel
 
 __all__ = ["Residual", "Residuals"]
@@ -275,7 +275,7 @@ class Residuals(nn.Module):
     def jacobian_blocks(
         self, fmodel: FunctionalModel, inputs: Sequence[Tensor]
     ) -> List[JacobianBlock]:
-        """One :class:`~torch_sgn.engines.jacobian.JacobianBlock` per residual block: the
+        """One :class:`~torch_sgn.residual_problem.JacobianBlock` per residual block: the
         weighted rows of one point, evaluated at a flat parameter vector."""
         out = []
         for (name, pts), block in zip(self.split(inputs).items(), self.blocks):
