@@ -54,7 +54,7 @@ from .step_info import StepInfo, step_info
 if TYPE_CHECKING:
     from .options import Options
 
-__all__ = ["CurveSteps", "SCALED_TRIALS", "SHARED_FORWARD_SIZE", "UNSUPPORTED"]
+__all__ = ["CurveSteps", "SCALED_TRIALS", "SHARED_FORWARD_SIZE"]
 
 #: The most trial points of one step of the scaled trust region (:meth:`CurveSteps.scaled_step`).
 SCALED_TRIALS = 10
@@ -64,14 +64,6 @@ SCALED_TRIALS = 10
 #: graph kept, costs little more than a plain call (small tensor operations cost their dispatch),
 #: where a rejected trial's would waste a forward pass of ``P`` times the plain one's work.
 SHARED_FORWARD_SIZE = 1 << 14
-
-#: SGN's options (with the values they must have) outside what :class:`CurveSteps` takes:
-#: a fit with another value of one of them runs through the optimizer.
-UNSUPPORTED = {
-    "gradient_averaging": 0.0,
-    "weight_decay": 0.0,
-    "curvature_fraction": 1.0,
-}
 
 
 class CurveSteps:

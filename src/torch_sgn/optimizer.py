@@ -20,7 +20,14 @@ from .engines.selection import curvature_subset, select_engine
 from .linearization import Engine, Linearization, RowSample, check_loss_parameters, weight_penalty
 from .losses import LossSpec, resolve_loss
 from .model.flat_model import FunctionalModel
-from .options import ARGUMENT_NAMES, KEYS, PAPER_OPTIONS, Options, Setup, check_loaded_state
+from .options import (
+    OPTION_ARGUMENTS,
+    PAPER_OPTIONS,
+    SETUP_KEYS,
+    Options,
+    Setup,
+    check_loaded_state,
+)
 from .route_plan import Capabilities, Plan, fits_one_batch, forms_jacobian, through_outputs
 from .solve import auto, direct, geodesic, sampled
 from .solve.descents import (
@@ -328,12 +335,11 @@ class SGN(torch.optim.Optimizer):
         solver: str = "auto",
         direct_max_params: int = direct.DEFAULT_DIRECT_MAX_PARAMS,
     ):
-        given = locals()  # the options kept in param_groups, by their keys (options.KEYS)
-        defaults = {key: given[ARGUMENT_NAMES.get(key, key)] for key in KEYS}
-        self._options = Options.of(defaults)  # the options of the step in progress
-        self._setup = setup = Setup.of(
-            engine, cuda_graphs, compile, curvature_fraction, solver, direct_max_params
-        )
+        given = locals()  # the arguments: options (kept in param_groups) and settings
+        # the options of the step in progress
+        self._options = Options().replace(**{name: given[name] for name in OPTION_ARGUMENTS})
+        self._setup = setup = Setup().replace(**{key: given[key] for key in SETUP_KEYS})
+        defaults = self._options.group()
 
         if isinstance(model, nn.parallel.DistributedDataParallel) and process_group is None:
             process_group = model.process_group  # (FunctionalModel takes the module it wraps)

@@ -41,7 +41,8 @@ from .solve.routes import choose_route
 from .solve.state import StepState
 
 __all__ = [
-    "ENGINE", "FACTORS", "ROWS", "Capabilities", "Plan", "exact_allowed", "fits_one_batch",
+    "ENGINE", "FACTORS", "ROWS", "Capabilities", "Plan", "curve_steps_allowed", "exact_allowed",
+    "fits_one_batch",
     "forms_jacobian", "start", "through_outputs", "with_jacobian", "with_route",
 ]  # fmt: skip
 
@@ -114,11 +115,25 @@ class Capabilities:
 
 def exact_allowed(caps: Capabilities, setup: Setup, options: Options) -> bool:
     """An exact step's conditions: one process, no momentum, no curvature subset."""
+    return caps.single_process and _exact_options(setup, options)
+
+
+def _exact_options(setup: Setup, options: Options) -> bool:
+    return options.gradient_averaging == 0 and setup.curvature_fraction == 1
+
+
+def curve_steps_allowed(setup: Setup, options: Options, numel: int) -> bool:
+    """Whether a least-squares fit's steps may be taken without the optimizer, by
+    :class:`~torch_sgn.curve_steps.CurveSteps`: exact steps (``solver`` ``"auto"`` or
+    ``"direct"``) under :func:`exact_allowed`'s conditions (it runs in one process), no weight
+    decay (its loss is the residuals' alone), and a ``P x P`` matrix of at most
+    ``direct_max_params`` rows."""
     return (
-        caps.single_process
-        and options.gradient_averaging == 0
-        and setup.curvature_fraction == 1
-    )  # fmt: skip
+        setup.solver != "cg"
+        and _exact_options(setup, options)
+        and options.weight_decay == 0
+        and numel <= setup.direct_max_params
+    )
 
 
 def through_outputs(caps: Capabilities, setup: Setup, options: Options) -> bool:
