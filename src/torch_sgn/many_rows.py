@@ -113,7 +113,7 @@ def next_state(
     on)."""
     if stage != sampled.SAMPLE:
         return state
-    losses = [*(state.sampled_losses or ()), loss0][-2 * sampled.WINDOW :]
+    losses = sampled.STALL_TEST.kept(state.sampled_losses, loss0)
     if sampled.stalled(losses):
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         batch = Batch(args, args[0].new_zeros(0))

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from .descents import CG
+from .stall import StallTest
 from .state import StepState
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CG_TOL", "KEYS", "MARGIN", "NESTED_NOTICE", "ONE_BATCH_CG_ITERS", "ONE_BATCH_CG_RTOL",
-    "PROBE_EVERY", "STALL", "WINDOW", "BatchMemory", "CGSettings", "Phase", "advance",
+    "PROBE_EVERY", "STALL", "STALL_TEST", "WINDOW", "BatchMemory", "CGSettings", "Phase", "advance",
     "cg_settings", "plan",
 ]  # fmt: skip
 
@@ -143,13 +144,15 @@ def exact_wins(exact_loss: float, cg_loss: float) -> bool:
     return exact_loss < cg_loss - MARGIN * abs(cg_loss)
 
 
+#: The stall test of the CG steps' batch losses.
+STALL_TEST = StallTest(WINDOW, STALL)
+
+
 def stalled(losses: list) -> bool:
     """Whether the last :data:`WINDOW` losses' mean fell by less than :data:`STALL` (as a share)
-    below the mean of the :data:`WINDOW` before; ``False`` until both windows are full."""
-    if len(losses) < 2 * WINDOW:
-        return False
-    before, last = sum(losses[-2 * WINDOW : -WINDOW]), sum(losses[-WINDOW:])
-    return before - last <= STALL * abs(before)
+    below the mean of the :data:`WINDOW` before (:data:`STALL_TEST`); ``False`` until both
+    windows are full."""
+    return STALL_TEST.stalled(losses)
 
 
 def plan(
@@ -192,7 +195,7 @@ def advance(
         state = replace(state, next_probe=t + PROBE_EVERY)
         if candidate is not None:
             state = replace(state, candidate=candidate)
-    recent = [*(state.recent or ()), loss0][-2 * WINDOW :]
+    recent = STALL_TEST.kept(state.recent, loss0)
     state = replace(state, recent=recent)
     if reason is None and stalled(recent):
         reason = "stall"
