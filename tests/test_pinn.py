@@ -15,6 +15,7 @@ from torch_sgn.engines.jacobian import jacobian_rows, per_sample, with_jacobian
 from torch_sgn.losses import resolve_loss
 from torch_sgn.model.flat_model import FunctionalModel
 from torch_sgn.pinn import Residual, Residuals, laplacian
+from torch_sgn.route_plan import ROWS
 
 D = torch.float64
 
@@ -165,10 +166,10 @@ def test_direct_steps_from_the_row_jacobian_equal_the_layerwise_engines():
         for _ in range(3):
             ia, ib = opt_a.step(xs, ys), opt_b.step(xs, ys)
             assert ia.solver == ib.solver == "direct"
+            assert ia.plan.jacobian == ROWS  # the traced model's J by rows: it is per-sample
             torch.testing.assert_close(ia.loss_after, ib.loss_after, rtol=1e-9, atol=1e-14)
         for p, q in zip(a.parameters(), b.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-8, atol=1e-12)
-    assert opt_a._per_sample and all(opt_a._per_sample.values())
     del wrapped
 
 

@@ -20,7 +20,7 @@ from torch_sgn.model.flat_model import FunctionalModel
 from torch_sgn.pinn import Residual, Residuals
 from torch_sgn.solve import sampled
 from torch_sgn.solve.stall import StallTest
-from torch_sgn.solve.state import StepState
+from torch_sgn.solve.state import DampingState, StepState
 
 D = torch.float64
 
@@ -143,7 +143,7 @@ def test_many_rows_per_parameter_take_the_stages_where_the_matrix_fits():
     fewer, more = poisson_residuals(400, 40), poisson_residuals(1600, 160)
     numel = sum(p.numel() for p in fewer.parameters())
     assert 440 < sampled.ROWS_PER_PARAMETER * numel <= 1760
-    state = StepState(step=0, damping=1e-4)
+    state = StepState(step=0, damping=DampingState(1e-4))
     assert many_rows.stage(fewer, Batch(*fewer.batch()), numel, max_params, state) is None
     assert many_rows.stage(more, Batch(*more.batch()), numel, max_params, state) == sampled.SAMPLE
     info = SGN(more, more.loss, direct_max_params=max_params).step(*more.batch())

@@ -19,9 +19,10 @@ by a rule on sizes, memory and the losses, never on timings:
    preconditioned by a sample's Gauss-Newton matrix: the steps converge to the minimizer of
    the whole problem, not to a neighbourhood of it.
 
-The stalls so far and the stall test's losses are kept in the optimizer's
-:class:`~torch_sgn.solve.state.StepState` (``stalls``, ``sampled_losses``), saved with its
-state dict, so a resumed run takes the same steps.
+The stalls so far and the stall test's losses are this part's own state
+(:class:`~torch_sgn.solve.state.RowsState` in the optimizer's
+:class:`~torch_sgn.solve.state.StepState`), advanced here (:func:`advance`) and saved with the
+optimizer's state dict, so a resumed run takes the same steps.
 """
 
 from __future__ import annotations
@@ -39,10 +40,10 @@ from .losses import OutputLoss
 from .model.flat_model import FunctionalModel
 from .residual_problem import ResidualProblem
 from .solve import sampled
-from .solve.state import StepState
+from .solve.state import RowsState, StepState
 
 __all__ = [
-    "linearized", "next_state", "points_used", "sample_points", "sampled_batch", "stage",
+    "advance", "linearized", "points_used", "sample_points", "sampled_batch", "stage",
 ]  # fmt: skip
 
 logger = logging.getLogger("torch_sgn")
@@ -60,7 +61,8 @@ def stage(
     rows = model.count(batch.args)
     if rows <= max_params or (numel <= max_params and rows < sampled.ROWS_PER_PARAMETER * numel):
         return None
-    return sampled.SAMPLE if sample_points(model, batch, max_params, state.stalls) else sampled.ALL
+    points = sample_points(model, batch, max_params, state.rows.stalls)
+    return sampled.SAMPLE if points else sampled.ALL
 
 
 def sample_points(model: ResidualProblem, batch: Batch, max_params: int, stalls: int) -> int:
@@ -83,7 +85,7 @@ def sampled_batch(
     if stage != sampled.SAMPLE:
         return batch, None
     counts = model.points(batch.args)
-    points = sample_points(model, batch, max_params, state.stalls)
+    points = sample_points(model, batch, max_params, state.rows.stalls)
     index = sampled.draw(counts, points, state.step, batch.targets.device)
     inputs = model.subset(batch.args, index)
     return Batch(inputs, batch.targets.new_zeros(model.count(inputs))), index
@@ -99,18 +101,19 @@ def linearized(
     return by_factors(fmodel, loss, flat, batch, points)
 
 
-def next_state(
-    state: StepState,
-    stage: str,
+def advance(
+    state: RowsState,
+    t: int,
+    stage: Optional[str],
     loss0: float,
     model: ResidualProblem,
     inputs: object,
     max_params: int,
-) -> StepState:
-    """The state after a step of ``stage``: a sampled step's loss joins the stall test; once
-    the losses stall, the sample doubles, or past the largest the steps go on all rows where
-    the layers' factors follow the network and fit in memory (else the largest sample goes
-    on)."""
+) -> RowsState:
+    """The rows' state after step ``t`` of ``stage``: a sampled step's loss joins the stall
+    test; once the losses stall, the sample doubles, or past the largest the steps go on all
+    rows where the layers' factors follow the network and fit in memory (else the largest
+    sample goes on)."""
     if stage != sampled.SAMPLE:
         return state
     losses = sampled.STALL_TEST.kept(state.sampled_losses, loss0)
@@ -122,8 +125,8 @@ def next_state(
         fit = factors and sampled.all_rows_fit(model, model.points(args), args, args[0].device)
         if grows or fit:
             what = "the sample doubles" if grows else "steps on all rows"
-            logger.info("step %d: the sampled steps stalled; %s", state.step, what)
-            return replace(state, stalls=state.stalls + 1, sampled_losses=None)
+            logger.info("step %d: the sampled steps stalled; %s", t, what)
+            return RowsState(stalls=state.stalls + 1)
     return replace(state, sampled_losses=losses)
 
 

@@ -27,9 +27,10 @@ each step's progress unmade (``benchmarks/pinns/pinn_autograd.py``); SGN says on
 (:data:`NESTED_NOTICE`) that the same problem written with :mod:`torch_sgn.pinn` takes exact
 steps.
 
-The state lives in the optimizer's :class:`~torch_sgn.solve.state.StepState` (its fields
-:data:`KEYS`), saved with the optimizer's state dict, so a resumed run takes the same steps. A
-data-parallel group decides alike on every rank: the losses compared are reduced.
+The state is its own part of the optimizer's :class:`~torch_sgn.solve.state.StepState`
+(:class:`~torch_sgn.solve.state.AutoState`), advanced here (:func:`advance`) and saved with the
+optimizer's state dict, so a resumed run takes the same steps. A data-parallel group decides
+alike on every rank: the losses compared are reduced.
 """
 
 from __future__ import annotations
@@ -43,13 +44,13 @@ from torch import Tensor
 
 from .descents import CG
 from .stall import StallTest
-from .state import StepState
+from .state import AutoState
 
 if TYPE_CHECKING:
     from ..options import Options
 
 __all__ = [
-    "CG_TOL", "KEYS", "MARGIN", "NESTED_NOTICE", "ONE_BATCH_CG_ITERS", "ONE_BATCH_CG_RTOL",
+    "CG_TOL", "MARGIN", "NESTED_NOTICE", "ONE_BATCH_CG_ITERS", "ONE_BATCH_CG_RTOL",
     "PROBE_EVERY", "STALL", "STALL_TEST", "WINDOW", "BatchMemory", "CGSettings", "Phase", "advance",
     "cg_settings", "plan",
 ]  # fmt: skip
@@ -80,11 +81,6 @@ NESTED_NOTICE = (
 #: CG's absolute tolerance where ``cg_tol=None`` (the default) on float32 parameters: the
 #: original's and the paper's ``CG_TOL``, near the rounding of a float32 loss's gradient.
 CG_TOL = 1e-6
-
-#: The fields of :class:`~torch_sgn.solve.state.StepState` this module keeps: ``"exact"``
-#: (switched), ``"next_probe"`` (the step of the next probe), ``"candidate"`` (the last probe's
-#: point, judged at the next step) and ``"recent"`` (the last ``2 * WINDOW`` batch losses).
-KEYS = ("exact", "next_probe", "candidate", "recent")
 
 
 @dataclass(frozen=True)
@@ -156,7 +152,7 @@ def stalled(losses: list) -> bool:
 
 
 def plan(
-    state: StepState,
+    state: AutoState,
     t: int,
     route: str,
     loss0: float,
@@ -179,8 +175,8 @@ def plan(
 
 
 def advance(
-    state: StepState, t: int, phase: Phase, loss0: float, candidate: Optional[Tensor]
-) -> tuple[StepState, Optional[str]]:
+    state: AutoState, t: int, phase: Phase, loss0: float, candidate: Optional[Tensor]
+) -> tuple[AutoState, Optional[str]]:
     """The state after the committed step ``t`` of ``solver="auto"`` whose exact route existed
     (``phase`` from :func:`plan`, ``candidate`` the probe's point, ``None`` where its exact step
     did not move), and the reason of a switch made here (``"probe"``, ``"stall"``) or
@@ -200,7 +196,7 @@ def advance(
     if reason is None and stalled(recent):
         reason = "stall"
     if reason is not None:
-        state = replace(state, exact=True, next_probe=None, candidate=None, recent=None)
+        state = AutoState(exact=True)
     return state, reason
 
 
