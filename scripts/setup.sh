@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv (once) with the pinned torch first, then torch-sgn with its experiment tooling
-# (numpy, tqdm, matplotlib) and its test tools (pytest, ruff, scipy, lightning, DeepXDE).
+# (numpy, tqdm, matplotlib) and its test tools (pytest, ruff, scipy, lightning, DeepXDE, and the
+# documentation site's MkDocs, mkdocstrings, build and twine: the `docs` extra).
 # torch comes from pip's configured index (TORCH_INDEX_URL replaces it, for instance
 # https://download.pytorch.org/whl/cpu for the CPU build; PyPI's Linux wheel is the CUDA build).
 # A bare `torch` requirement in a fresh environment would pull a multi-GB CUDA build.

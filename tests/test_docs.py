@@ -1,13 +1,22 @@
-"""Every Python block of README.md and docs/*.md runs.
+"""Every Python block of README.md and docs/*.md runs; the documentation site builds.
 
 A block runs on its own, in a fresh namespace, on one thread. A block whose first line is
 ``# an excerpt of examples/NAME.py`` is not run: each of its lines (without comments; ``...``
-marks lines left out) is a line of that example, which a test file runs instead.
+marks lines left out) is a line of that example, which a test file runs instead. A block that
+is one line ``--8<-- "examples/NAME.py"`` shows that example whole on the site (docs/EXAMPLES.md).
+
+Each row of docs/RESULTS.md names the commits, clock and processors its records state
+(scripts/check_results.py). The site (mkdocs.yml) builds with warnings as errors, its API
+reference has an entry for every public name, and the public names' docstrings leave out
+nothing beyond the listed gaps (scripts/check_docstrings.py, scripts/docstring_gaps.txt).
 """
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +26,11 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
 EXCERPT = re.compile(r"#\s*an excerpt of (examples/\w+\.py)")
+SNIPPET = re.compile(r'--8<-- "(examples/\w+\.py)"\s*')
+sys.path.insert(0, str(ROOT / "scripts"))
+import check_docstrings  # noqa: E402
+import check_results  # noqa: E402
+from docs_hooks import public_names  # noqa: E402
 
 
 def blocks() -> list:
@@ -40,6 +54,10 @@ def test_the_docs_have_blocks():
 
 @pytest.mark.parametrize("source", blocks())
 def test_block_runs(source: str):
+    snippet = SNIPPET.fullmatch(source)
+    if snippet:
+        assert (ROOT / snippet.group(1)).is_file(), snippet.group(1)
+        return
     excerpt = EXCERPT.match(source)
     if excerpt:
         example = (ROOT / excerpt.group(1)).read_text().splitlines()
@@ -58,3 +76,67 @@ def test_block_runs(source: str):
     finally:
         torch.set_num_threads(threads)
         torch.set_default_dtype(dtype)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """The documentation site, built with warnings as errors."""
+    out = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    build = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert build.returncode == 0, build.stderr[-4000:]
+    return out
+
+
+def test_the_site_builds_without_a_warning(site: Path):
+    assert (site / "index.html").is_file() and (site / "api" / "torch_sgn.html").is_file()
+
+
+@pytest.mark.parametrize(
+    "module", ["torch_sgn", "torch_sgn.pinn", "torch_sgn.deepxde", "torch_sgn.distributed"]
+)
+def test_the_api_reference_has_every_public_name(site: Path, module: str):
+    pages = "".join(p.read_text() for p in (site / "api").glob("*.html"))
+    names = public_names(module)
+    assert names
+    missing = [n for n in names if f'id="{module}.{n}"' not in pages]
+    assert not missing, f"{module}: no API entry for {missing}"
+
+
+def test_docstring_gaps_are_the_listed_ones():
+    listed = {
+        line
+        for line in (ROOT / "scripts" / "docstring_gaps.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    }
+    found = set(check_docstrings.gaps())
+    assert not found - listed, f"document these (Args/Returns/Raises): {sorted(found - listed)}"
+    assert not listed - found, f"no longer gaps, delete from the list: {sorted(listed - found)}"
+
+
+def test_the_changelog_names_the_package_version():
+    import torch_sgn
+
+    newest = re.search(r"^## (\d+\.\d+\.\d+)", (ROOT / "CHANGELOG.md").read_text(), re.M)
+    assert newest and newest.group(1) == torch_sgn.__version__
+
+
+def test_results_rows_match_their_records():
+    assert check_results.problems(check_results.RESULTS.read_text()) == []
+
+
+def test_the_results_check_finds_a_commit_that_is_not_the_runs():
+    # The Boston grid's row named a docs commit once; its record says cf445c0.
+    text = check_results.RESULTS.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| Boston"))
+    wrong = text.replace(row, row.replace("| cf445c0 |", "| 477356d |"))
+    assert wrong != text
+    found = check_results.problems(wrong)
+    assert any("not named: ['cf445c0']" in p for p in found), found
+    assert any("do not state: ['477356d']" in p for p in found), found

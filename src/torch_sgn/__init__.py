@@ -24,4 +24,4 @@ __all__ = [
     "NystromApproximation",
     "nystrom",
 ]
-__version__ = "0.1.0"
+__version__ = "0.5.0"

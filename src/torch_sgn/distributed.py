@@ -76,6 +76,10 @@ def init_from_env(timeout: float = 300.0, backend: Optional[str] = None) -> bool
     Returns:
         Whether this process is part of a multi-process job (``WORLD_SIZE`` > 1 in the
         environment, as ``torchrun`` sets it).
+
+    Raises:
+        RuntimeError: NCCL was chosen and this node starts more processes than it has CUDA
+            devices.
     """
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
@@ -100,17 +104,38 @@ def _active(group: ProcessGroup = None) -> bool:
 
 
 def rank(group: ProcessGroup = None) -> int:
-    """This process's rank in ``group`` (default: the world); 0 when not distributed."""
+    """This process's rank in ``group`` (default: the world); 0 when not distributed.
+
+    Args:
+        group: the process group; ``None`` for the default (world) group.
+
+    Returns:
+        The rank, 0 where no process group of more than one process is initialised.
+    """
     return dist.get_rank(group) if _active(group) else 0
 
 
 def world_size(group: ProcessGroup = None) -> int:
-    """The number of processes in ``group`` (default: the world); 1 when not distributed."""
+    """The number of processes in ``group`` (default: the world); 1 when not distributed.
+
+    Args:
+        group: the process group; ``None`` for the default (world) group.
+
+    Returns:
+        The group's size, 1 where no process group of more than one process is initialised.
+    """
     return dist.get_world_size(group) if _active(group) else 1
 
 
 def is_main_process(group: ProcessGroup = None) -> bool:
-    """Whether this process should write files and show progress (rank 0, or no job)."""
+    """Whether this process should write files and show progress (rank 0, or no job).
+
+    Args:
+        group: the process group; ``None`` for the default (world) group.
+
+    Returns:
+        ``True`` on rank 0 of ``group``, and where the job is not distributed.
+    """
     return rank(group) == 0
 
 
@@ -121,6 +146,13 @@ def shard(*tensors: Tensor, group: ProcessGroup = None) -> tuple[Tensor, ...]:
     as :func:`torch.tensor_split`); SGN weights each rank by its share, so unequal slices give
     the full batch's step exactly. Every rank must pass the same full batch (draw the batch
     order from a generator seeded identically on every rank).
+
+    Args:
+        *tensors: the full batch's tensors, each with the batch along its first dimension.
+        group: the process group; ``None`` for the default (world) group.
+
+    Returns:
+        This rank's slice of each tensor, in the order given (views, not copies).
 
     Example:
         >>> x_r, y_r = shard(x, y)

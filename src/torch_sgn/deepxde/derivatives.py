@@ -9,8 +9,8 @@ functions of the parameters: the layers' factors (:mod:`torch_sgn.pinn.layer_ker
 them, and SGN's exact steps cost what they cost on a problem written with
 :mod:`torch_sgn.pinn`.
 
-* :func:`chain_of`: a DeepXDE ``FNN`` as an ``nn.Sequential`` over its own linear layers, which
-  the forward jets take;
+* :func:`chain_of` (:mod:`.networks`): a DeepXDE ``FNN`` or ``PFNN``, with a feature transform
+  or none, as an ``nn.Sequential`` over its own linear layers, which the forward jets take;
 * :func:`network_jet`: the jet of the network (its output transform included) at points;
 * :class:`Answers`: the derivatives a PDE asks for, from one jet; :func:`answering` puts them in
   place of ``dde.grad``'s for the length of a call.
@@ -24,39 +24,12 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tupl
 import torch
 from torch import Tensor, nn
 
-from ..pinn.operators import HessianJet, Sin, hessian_jet, jet
+from ..pinn.operators import HessianJet, hessian_jet, jet
+from .networks import chain_of
 
 __all__ = ["Answers", "answering", "chain_of", "network_jet"]
 
 Pair = Tuple[int, int]
-
-
-def chain_of(net: nn.Module) -> Optional[nn.Sequential]:
-    """``net`` (a DeepXDE ``FNN`` with no feature transform and a smooth activation) as an
-    ``nn.Sequential`` of its own ``nn.Linear`` modules and activation modules; ``None`` for any
-    other network (its jets then come from ``torch.func``)."""
-    from deepxde import backend as bkd
-
-    smooth = {
-        bkd.tanh: nn.Tanh, bkd.sin: Sin, bkd.sigmoid: nn.Sigmoid, bkd.silu: nn.SiLU,
-        bkd.gelu: nn.GELU,
-    }  # fmt: skip
-    linears = getattr(net, "linears", None)
-    if (
-        type(net).__name__ != "FNN"
-        or not isinstance(linears, nn.ModuleList)
-        or getattr(net, "_input_transform", None) is not None
-    ):
-        return None
-    count = len(linears) - 1
-    acts = net.activation if isinstance(net.activation, list) else [net.activation] * count
-    if any(a not in smooth for a in acts[:count]):
-        return None
-    layers: List[nn.Module] = []
-    for linear, act in zip(linears[:-1], acts):
-        layers += [linear, smooth[act]()]
-    layers.append(linears[-1])
-    return nn.Sequential(*layers)
 
 
 def network_jet(

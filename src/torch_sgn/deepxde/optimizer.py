@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional
 
 import torch
 from torch import Tensor
@@ -11,6 +11,9 @@ from torch import Tensor
 from ..optimizer import SGN as _SGN
 from ..step_info import StepInfo
 from .problem import Problem, check_model
+
+if TYPE_CHECKING:
+    import deepxde
 
 __all__ = ["SGN"]
 
@@ -48,7 +51,7 @@ class SGN(torch.optim.Optimizer):
         last_info: the :class:`~torch_sgn.StepInfo` of the last step.
     """
 
-    def __init__(self, model, **options):
+    def __init__(self, model: deepxde.Model, **options):
         check_model(model)
         self.model = model
         # The functional engine: DeepXDE's functions (NumPy inside) seldom trace.
@@ -101,8 +104,21 @@ class SGN(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Tensor:
-        """One SGN step on DeepXDE's current training points. ``closure`` (DeepXDE's) is called
-        once, at the first step, to check that DeepXDE's loss is the residuals' loss."""
+        """One SGN step on DeepXDE's current training points.
+
+        Args:
+            closure: DeepXDE's closure (its loss, with a backward pass); called once, at the
+                first step, to check that DeepXDE's loss is the residuals' loss, and not
+                needed after.
+
+        Returns:
+            The loss before the step (a 0-d tensor, as DeepXDE's loop reads it); the step's
+            full record is :attr:`last_info`.
+
+        Raises:
+            ValueError: at the first step, DeepXDE's loss differs from the residuals' (a
+                ``compile`` loss other than ``"MSE"``); nothing is changed.
+        """
         self._sync()
         self.problem.refresh()
         residuals = self.problem.residuals
@@ -129,9 +145,19 @@ class SGN(torch.optim.Optimizer):
         self._checked = True
 
     def state_dict(self) -> dict:
+        """The state of the SGN optimizer inside, as ``model.save`` stores it.
+
+        Returns:
+            :meth:`torch_sgn.SGN.state_dict` of the SGN optimizer this one drives.
+        """
         return self.sgn.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Loads a state :meth:`state_dict` returned, after taking ``compile``'s settings.
+
+        Args:
+            state_dict: the state, as :meth:`state_dict` returned it.
+        """
         self._sync()
         self.sgn.load_state_dict(state_dict)
         self._share()

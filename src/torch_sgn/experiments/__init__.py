@@ -15,3 +15,11 @@ Modules:
     report: tables and plots of finished runs.
     cli: the ``torch-sgn`` command (``run``, ``grid``, ``report``).
 """
+
+try:
+    import numpy  # noqa: F401  (every module of the tooling reads or writes arrays with it)
+except ImportError as error:  # the library installed without its experiments extra
+    raise ImportError(
+        "torch_sgn.experiments (the torch-sgn command) needs its extra: pip install "
+        '"torch-sgn[experiments]" (numpy, tqdm, matplotlib)'
+    ) from error

@@ -7,8 +7,11 @@
   :func:`laplacian`, :func:`divergence`, :func:`time_derivative`, :func:`jet`, :func:`hessian`,
   :func:`hessian_jet`, :func:`derivative`), propagated forward through the network's layers
   (the forward Laplacian), so every engine differentiates them as ordinary operations.
+* :mod:`.jet_layers`: layers the forward jets take beside ``nn.Linear`` and activations
+  (:class:`ParallelLinear`, branches side by side; :class:`InputMap`, a map of the points).
 """
 
+from .jet_layers import InputMap, ParallelLinear
 from .operators import (
     HessianJet,
     Jet,
@@ -26,7 +29,9 @@ from .residuals import Residual, Residuals
 
 __all__ = [
     "HessianJet",
+    "InputMap",
     "Jet",
+    "ParallelLinear",
     "Residual",
     "Residuals",
     "Sin",

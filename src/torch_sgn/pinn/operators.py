@@ -95,10 +95,12 @@ def jet(
     r"""The value, input gradient and (partial) Laplacian of ``u`` at the points ``x``.
 
     For an ``nn.Sequential`` (nested ones too) of ``nn.Linear``, ``nn.Identity`` and smooth
-    elementwise activations, the forward Laplacian propagates, per point, the pre-activation
-    :math:`z`, its gradient :math:`G_k = \partial z / \partial x_k` and its partial Laplacian
-    :math:`L = \sum_{k \in K} \partial^2 z / \partial x_k^2`, starting from
-    :math:`z = x, G_k = e_k, L = 0`:
+    elementwise activations (and the layers of :mod:`torch_sgn.pinn.jet_layers`: branches side
+    by side, :class:`ParallelLinear`, and a first layer mapping the points, :class:`InputMap`,
+    which starts the propagation from its own derivatives), the forward Laplacian propagates,
+    per point, the pre-activation :math:`z`, its gradient :math:`G_k = \partial z / \partial
+    x_k` and its partial Laplacian :math:`L = \sum_{k \in K} \partial^2 z / \partial x_k^2`,
+    starting from :math:`z = x, G_k = e_k, L = 0`:
 
     .. math::
 
@@ -487,7 +489,11 @@ def _forward_layers(u: object, required: bool) -> Optional[list[nn.Module]]:
             )
         if isinstance(layer, nn.Identity):
             continue
-        if type(layer) is nn.Linear or _derivatives_of(layer) is not None:
+        if _is_input_map(layer):
+            if layers and unsupported is None:  # it reads the points, not a layer's output
+                unsupported = f"{name} ({type(layer).__name__}, which must come first)"
+            layers.append(layer)
+        elif _is_linear(layer) or _derivatives_of(layer) is not None:
             layers.append(layer)
         elif unsupported is None:
             unsupported = f"{name} ({type(layer).__name__})"
@@ -496,28 +502,54 @@ def _forward_layers(u: object, required: bool) -> Optional[list[nn.Module]]:
     if required:
         raise ValueError(
             f"method='forward' does not support u's layer {unsupported}: it takes nn.Linear, "
-            f"nn.Identity, {', '.join(t.__name__ for t in _ACTIVATIONS)}, Sin, or a module "
-            "with derivatives(z) -> (f, f', f''); use method='auto' or 'func' for the fallback"
+            f"nn.Identity, ParallelLinear, an InputMap first, "
+            f"{', '.join(t.__name__ for t in _ACTIVATIONS)}, Sin, or a module with "
+            "derivatives(z) -> (f, f', f''); use method='auto' or 'func' for the fallback"
         )
     return None
+
+
+def _is_input_map(layer: nn.Module) -> bool:
+    """A first layer that maps the points themselves and gives its own jet there
+    (``input_jet``, ``input_taylor``: :class:`InputMap`), which the layers after it propagate."""
+    return callable(getattr(layer, "input_jet", None))
+
+
+def _is_linear(layer: nn.Module) -> bool:
+    """A layer that maps every channel of a jet by one linear map: ``nn.Linear``, or a module
+    with ``propagate(channels)`` (:class:`ParallelLinear`)."""
+    return type(layer) is nn.Linear or callable(getattr(layer, "propagate", None))
+
+
+def _linear(layer: nn.Module, channels: list[Tensor]) -> list[Tensor]:
+    """``layer`` applied to the channels of a jet: ``channels[0]`` the value, which takes the
+    bias, the others derivatives (each ``(..., N, in)``), which do not; recorded for
+    :mod:`~torch_sgn.pinn.layer_kernel`'s ``J J^T``."""
+    if type(layer) is not nn.Linear:
+        return layer.propagate(channels)
+    weight = layer.weight
+    out = [F.linear(channels[0], weight, layer.bias)] + [c @ weight.T for c in channels[1:]]
+    record(layer, channels, out, (True,) + (False,) * (len(channels) - 1))
+    return out
 
 
 def _forward_laplacian(layers: list[nn.Module], x: Tensor, dims: tuple[int, ...]) -> Jet:
     n, d = x.shape
     with_laplacian = len(dims) > 0
-    value = x
-    grad = torch.eye(d, dtype=x.dtype, device=x.device)[:, None, :].expand(d, n, d)
-    lap = x.new_zeros(n, d) if with_laplacian else None
+    if layers and _is_input_map(layers[0]):
+        value, grad, second = layers[0].input_jet(x, [(k, k) for k in dims])
+        lap = second.sum(0) if with_laplacian else None
+        layers = layers[1:]
+    else:
+        value = x
+        grad = torch.eye(d, dtype=x.dtype, device=x.device)[:, None, :].expand(d, n, d)
+        lap = x.new_zeros(n, d) if with_laplacian else None
     for layer in layers:
-        if type(layer) is nn.Linear:
-            weight = layer.weight
-            before = (value, grad) if lap is None else (value, grad, lap)
-            value = F.linear(value, weight, layer.bias)
-            grad = grad @ weight.T  # all d directions in one product
-            if with_laplacian:
-                lap = lap @ weight.T
-            after = (value, grad) if lap is None else (value, grad, lap)
-            record(layer, before, after, (True, False, False))  # for layer_kernel's J J^T
+        if _is_linear(layer):  # all d directions in one product
+            if lap is None:
+                value, grad = _linear(layer, [value, grad])
+            else:
+                value, grad, lap = _linear(layer, [value, grad, lap])
             continue
         f, d1, d2 = _derivatives_of(layer)(value)
         if with_laplacian:
@@ -534,15 +566,16 @@ def _forward_hessian(
     n, d = x.shape
     first = torch.tensor([k for k, _ in pairs], dtype=torch.long, device=x.device)
     second = torch.tensor([j for _, j in pairs], dtype=torch.long, device=x.device)
-    value = x
-    grad = torch.eye(d, dtype=x.dtype, device=x.device)[:, None, :].expand(d, n, d)
-    hess = x.new_zeros(len(pairs), n, d)
+    if layers and _is_input_map(layers[0]):
+        value, grad, hess = layers[0].input_jet(x, pairs)
+        layers = layers[1:]
+    else:
+        value = x
+        grad = torch.eye(d, dtype=x.dtype, device=x.device)[:, None, :].expand(d, n, d)
+        hess = x.new_zeros(len(pairs), n, d)
     for layer in layers:
-        if type(layer) is nn.Linear:
-            before = (value, grad, hess)
-            value = F.linear(value, layer.weight, layer.bias)
-            grad, hess = grad @ layer.weight.T, hess @ layer.weight.T
-            record(layer, before, (value, grad, hess), (True, False, False))
+        if _is_linear(layer):
+            value, grad, hess = _linear(layer, [value, grad, hess])
             continue
         f, d1, d2 = _derivatives_of(layer)(value)[:3]
         hess = d2 * grad[first] * grad[second] + d1 * hess
@@ -582,8 +615,8 @@ _HIGHER: dict[type, Callable[[Tensor], tuple]] = {
 
 def _higher_of(layer: nn.Module) -> Optional[Callable[[Tensor], tuple]]:
     """``z -> (sigma, sigma_1, ..., sigma_4)`` of an activation, or None where it has no
-    fourth derivative here (a linear layer: its identity)."""
-    if type(layer) is nn.Linear:
+    fourth derivative here (a linear layer or an input map: its identity; not called)."""
+    if _is_linear(layer) or _is_input_map(layer):
         return lambda z: (z,)
     rule = _HIGHER.get(type(layer))
     if rule is not None:
@@ -600,16 +633,17 @@ def _higher_of(layer: nn.Module) -> Optional[Callable[[Tensor], tuple]]:
 
 def _forward_taylor(layers: list[nn.Module], x: Tensor, dim: int, order: int) -> Tensor:
     n = x.shape[0]
-    value = x
-    direction = x.new_zeros(n, x.shape[1])
-    direction[:, dim] = 1
-    zs = [direction] + [x.new_zeros(n, x.shape[1]) for _ in range(order - 1)]
+    if layers and _is_input_map(layers[0]):
+        value, zs = layers[0].input_taylor(x, dim, order)
+        layers = layers[1:]
+    else:
+        value = x
+        direction = x.new_zeros(n, x.shape[1])
+        direction[:, dim] = 1
+        zs = [direction] + [x.new_zeros(n, x.shape[1]) for _ in range(order - 1)]
     for layer in layers:
-        if type(layer) is nn.Linear:
-            before = (value, *zs)
-            value = F.linear(value, layer.weight, layer.bias)
-            zs = [z @ layer.weight.T for z in zs]
-            record(layer, before, (value, *zs), (True,) + (False,) * order)
+        if _is_linear(layer):
+            value, *zs = _linear(layer, [value, *zs])
             continue
         s = _higher_of(layer)(value) if order > 2 else _derivatives_of(layer)(value)[:3]
         z1 = zs[0]

@@ -32,6 +32,8 @@ class CGResult:
         again: ``b -> -A^{-1} b``, the same system solved for another right-hand side, where
             the caller attached it (the geodesic acceleration's second solve,
             :class:`~torch_sgn.solve.descents.SampledDescent`); ``None`` otherwise.
+        breakdown: whether ``reason`` flags a breakdown (``"non_positive_curvature"`` or
+            ``"non_finite"``).
     """
 
     x: Tensor
@@ -98,6 +100,9 @@ def conjugate_gradient(
 
     Returns:
         A :class:`CGResult`.
+
+    Raises:
+        ValueError: ``max_iters``, ``tol``, ``rtol`` or ``progress_tol`` is negative.
 
     .. note::
         Where the paper's Algorithm 2 applies ``H + rho I`` to a matrix that already holds

@@ -51,6 +51,7 @@ class NystromApproximation:
         eigenvectors: ``U``, ``(P, s)`` with orthonormal columns, float64.
         eigenvalues: :math:`\hat\lambda`, ``(s,)``, non-increasing and ``>= 0``, float64.
         dtype: the dtype of the vectors the preconditioner is applied to (the products').
+        rank: ``s``, the number of eigenpairs kept.
     """
 
     eigenvectors: Tensor
@@ -79,6 +80,12 @@ class NystromApproximation:
 
         Args:
             damping: :math:`\rho > 0`, the damping of the system CG solves.
+
+        Returns:
+            The function ``v -> P^{-1} v`` (``v`` of length ``P``, in :attr:`dtype`).
+
+        Raises:
+            ValueError: ``damping`` is not positive.
 
         .. note::
             The paper's Eq. (5.3) uses :math:`\hat\lambda_s`, the smallest eigenvalue kept.
@@ -139,6 +146,11 @@ def nystrom(
     Returns:
         A :class:`NystromApproximation`; :meth:`NystromApproximation.preconditioner` gives
         ``P^{-1}`` for any damping.
+
+    Raises:
+        ValueError: ``rank`` is outside ``[1, n]``, ``matvec`` returns vectors of another
+            length, or the Gram matrix stays indefinite after the shifts (``matvec`` is not
+            symmetric positive semi-definite).
 
     References:
         Frangella, Tropp, Udell, "Randomized Nystrom Preconditioning", SIAM J. Matrix Anal.
