@@ -256,6 +256,14 @@ class SGN(torch.optim.Optimizer):
             (its rows: parameters, or the batch's outputs). Default 4000 (the matrix and its
             factor take about 384 MB: they are float64).
 
+    Raises:
+        ValueError: an invalid option or setting (the message names it and its valid range),
+            ``cuda_graphs=True`` in a data-parallel group of several processes,
+            ``curvature_fraction < 1`` on a :class:`~torch_sgn.pinn.Residuals` problem, or
+            ``solver="direct"`` on a model whose ``P x P`` matrices do not fit in its device's
+            free memory (where its steps cannot go through the batch's outputs).
+        TypeError: a model or loss of the wrong kind.
+
     :meth:`SGN.paper` builds the paper's configuration
     (:data:`~torch_sgn.options.PAPER_OPTIONS`) whatever the
     defaults here.
@@ -392,6 +400,14 @@ class SGN(torch.optim.Optimizer):
         return cls(model, loss, **{**PAPER_OPTIONS, **overrides})
 
     def add_param_group(self, param_group: dict) -> None:
+        """Adds SGN's one parameter group (called once, by the constructor).
+
+        Args:
+            param_group: the group: the model's trainable parameters and SGN's options.
+
+        Raises:
+            ValueError: a second group: SGN optimizes the whole model given to it.
+        """
         if self.param_groups:
             raise ValueError(
                 "SGN optimizes the whole model given to it and doesn't support parameter groups"
@@ -400,7 +416,15 @@ class SGN(torch.optim.Optimizer):
 
     # --- state -------------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict) -> None:
-        """Loads SGN's state; another optimizer's ``state_dict`` raises ``ValueError`` here."""
+        """Loads SGN's state (its options and :class:`~torch_sgn.solve.state.StepState`).
+
+        Args:
+            state_dict: what :meth:`state_dict` returned, of an SGN on the same model.
+
+        Raises:
+            ValueError: another optimizer's ``state_dict``, one lacking an SGN option or one
+                whose values SGN refuses (:func:`~torch_sgn.options.check_loaded_state`).
+        """
         check_loaded_state(state_dict)
         super().load_state_dict(state_dict)
         self._nystrom.reset()  # built afresh at the next step that uses it

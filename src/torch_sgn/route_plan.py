@@ -75,6 +75,7 @@ class Plan:
             (:data:`~torch_sgn.solve.descents.ROUTES`; ``"cg"`` where only CG can run).
         phase: what the step does (:class:`~torch_sgn.solve.auto.Phase`: the route it takes,
             and for ``solver="auto"`` the exact route probed beside it, a probe's verdict).
+        route: the route the step takes (its ``phase``'s; a property).
     """
 
     rows: Optional[str]
