@@ -332,3 +332,15 @@ def test_euler_beam_fourth_derivative_as_deepxde_writes_it():
     # (the small u''' term moves the solution a little from the pure beam's)
     assert np.abs(model.predict(x) - exact).max() < 5e-3
     assert opt.problem.residuals.factors_follow
+
+
+def test_a_pde_whose_residuals_turn_nan_is_named_not_taken_for_another_loss():
+    model = _poisson()
+    pde = model.data.pde
+    model.data.pde = lambda x, y: pde(x, y) * torch.log(x[:, 0:1] - 0.5)  # NaN left of x = 0.5
+    model.compile(torch_sgn.deepxde.SGN(model))
+    before = [p.detach().clone() for p in model.net.parameters()]
+    with pytest.raises(FloatingPointError, match="not finite in block 'pde' at [0-9]+ of its"):
+        model.train(iterations=1, verbose=0)
+    for p, q in zip(before, model.net.parameters()):
+        assert torch.equal(p, q)

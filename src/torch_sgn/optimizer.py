@@ -523,7 +523,7 @@ class SGN(torch.optim.Optimizer):
             if trainable is not None:  # restricted to the parameters still trainable
                 lin, work = lin.restricted(trainable), state.restricted(trainable)
             # Check: a finite loss and gradient, else raise with nothing changed.
-            loss0, grad_norm = finite_loss(lin, batch, self._loss)
+            loss0, grad_norm = finite_loss(lin, batch, self._loss, self._router.problem)
             # Choose the route: the right-hand side, the descent that may solve exactly, and
             # for solver="auto" whether this step takes it (or probes it).
             rhs = core.right_hand_side(lin.grad, work, options)

@@ -12,7 +12,9 @@ functions) tells the step how its rows are formed, which a general model cannot:
   (:mod:`torch_sgn.engines.jacobian`);
 * the layers' factors of ``J`` (:meth:`~ResidualProblem.layer_factors`, ``None`` where the
   network's layers do not give them) and whether they were checked against ``J``'s rows and
-  followed them (:attr:`~ResidualProblem.factors_follow`).
+  followed them (:attr:`~ResidualProblem.factors_follow`);
+* where its residuals are not finite (:meth:`~ResidualProblem.non_finite`), which a step that
+  meets a NaN loss names.
 
 :func:`residual_problem` reads a model once: the protocol, or ``None``. Nothing else in the
 package asks a model whether it has one of these methods.
@@ -61,6 +63,9 @@ class ResidualProblem(Protocol):
     def layer_factors(self, fmodel: Any, flat: Tensor, inputs: Sequence[Tensor]) -> Optional[Any]:
         """``J``'s factors from the network's layers
         (:class:`~torch_sgn.pinn.layer_kernel.LayerFactors`), or ``None``."""
+
+    def non_finite(self, inputs: Sequence[Tensor]) -> Optional[str]:
+        """Which blocks and points give residuals that are not finite (``None``: none)."""
 
     @property
     def factors_follow(self) -> bool:

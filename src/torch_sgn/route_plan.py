@@ -220,6 +220,8 @@ class Router:
 
     def __init__(self, caps: Capabilities, setup: Setup, fmodel: FunctionalModel):
         self.caps, self.setup, self.fmodel = caps, setup, fmodel
+        #: the model as a residual problem (``None``: it is not one)
+        self.problem = residual_problem(fmodel.model)
         self._per_sample: dict = {}  # batch shapes -> whether the model is per-sample on them
         self._last_inputs = auto.BatchMemory()  # the last step's inputs (fits_one_batch)
 

@@ -353,6 +353,41 @@ class Residuals(nn.Module):
                 out[name] = float(r.square().sum()) / n
         return out
 
+    def non_finite(self, inputs: Sequence[Tensor]) -> Optional[str]:
+        """Where the residuals are NaN or infinite, said for an error message.
+
+        Args:
+            inputs: every block's point tensors, as :meth:`batch` lays them out.
+
+        Returns:
+            Each block whose residuals are not finite everywhere, with how many of its points
+            give such a residual and the first of them (its index and coordinates); ``None``
+            where every residual is finite.
+        """
+        found = []
+        with torch.no_grad():
+            for (name, pts), block in zip(self.split(inputs).items(), self.blocks):
+                n = pts[0].shape[0] if pts else 1
+                if n == 0 or block.weight == 0:
+                    continue
+                r = self.residual(name, *pts)
+                rows = r.reshape(n, -1) if pts else r.reshape(1, -1)
+                bad = ~torch.isfinite(rows).all(dim=1)
+                if not bool(bad.any()):
+                    continue
+                if not pts:
+                    found.append(f"block {name!r} (a residual of the parameters alone)")
+                    continue
+                first = int(bad.nonzero()[0])
+                at = ", ".join(
+                    f"{[round(v, 6) for v in p[first].reshape(-1).tolist()]}" for p in pts
+                )
+                found.append(
+                    f"block {name!r} at {int(bad.sum())} of its {n} points (the first: point "
+                    f"{first}, {at})"
+                )
+        return "; ".join(found) if found else None
+
     # --- the row-batched Jacobian (torch_sgn.engines.jacobian) --------------------------------
     def jacobian_blocks(
         self, fmodel: FunctionalModel, inputs: Sequence[Tensor]
