@@ -78,6 +78,27 @@ class PFNN(dde.nn.NN):
         return x
 
 
+class FNN(dde.nn.NN):
+    """PINNacle's fully connected network (``src/model/fnn.py``): one activation, a torch
+    function (``torch.tanh``) rather than DeepXDE's."""
+
+    def __init__(self, layer_sizes):
+        super().__init__()
+        self.activation = torch.tanh
+        self.linears = nn.ModuleList(nn.Linear(a, b) for a, b in zip(layer_sizes, layer_sizes[1:]))
+
+    def forward(self, inputs):
+        x = inputs
+        if self._input_transform is not None:
+            x = self._input_transform(x)
+        for linear in self.linears[:-1]:
+            x = self.activation(linear(x))
+        x = self.linears[-1](x)
+        if self._output_transform is not None:
+            x = self._output_transform(inputs, x)
+        return x
+
+
 def _periodic(x):  # DeepXDE's periodic features
     return torch.cat([torch.cos(PI * x), torch.sin(PI * x)], 1)
 
@@ -125,6 +146,7 @@ CASES = {
     "pfnn-parallel": (lambda: _pfnn([2, [6, 6], [5, 5], 2], "sin"), 2),
     "pfnn-rejoin": (lambda: _pfnn([2, [5, 4], 7, [3, 4], [1, 2]]), 2),
     "pfnn-features": (lambda: _with_features(_pfnn([4, [6, 6], [5, 5], 2]), _periodic), 2),
+    "pinnacle-fnn-fourier": (lambda: _with_features(FNN([10, 8, 8, 2]), _fourier), 2),
     "pinnacle-pfnn-masked": (
         lambda: PFNN([3, [6, 6], [5, 5], 2], "tanh", np.array([[[1, 1, 1]], [[1, 1, 0]]])),
         3,

@@ -211,7 +211,10 @@ def run(pde_name: str, method: str, args, partial: Optional[Path] = None) -> Dic
         loss_weights = np.ones(pde.num_loss)
         iterations = ITERATIONS
         if method == "sgn":
-            optimizer = torch_sgn.deepxde.SGN(model)
+            try:
+                optimizer = torch_sgn.deepxde.SGN(model)
+            except Exception as e:  # noqa: BLE001 - recorded: SGN cannot take this model
+                return {**record, "l2re": None, "error": f"{type(e).__name__}: {e}"}
             iterations = 10**9  # until the budget is spent
         elif method == "adam_lbfgs":
             from src.optimizer import Adam_LBFGS
@@ -326,7 +329,7 @@ def table(folder: Path) -> str:
         if "missing" in r:
             return "missing in the checkout"
         if r.get("l2re") is None:
-            return f"failed ({r.get('error')})"
+            return f"failed ({str(r.get('error'))[:60]}...)"
         note = " (error)" if r.get("error") else ""
         return f"{r['l2re']:.2e} ({r['cpu_s']:.0f}){note}"
 

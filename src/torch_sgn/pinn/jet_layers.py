@@ -14,14 +14,14 @@ The forward-propagated derivatives of :mod:`torch_sgn.pinn.operators` go through
   with respect to the ``d`` coordinates of a point) come from ``torch.func``; the network after
   it takes them forward as it takes the identity's.
 
-A layer of any other kind can join them: ``propagate(channels)`` for a linear map (the
-protocol of :class:`ParallelLinear`), ``input_jet`` and ``input_taylor`` for a first layer
-(that of :class:`InputMap`).
+A layer of any other kind joins them by the same protocol: :class:`JetLinear`
+(``propagate(channels)``, a linear map) or :class:`JetInput` (``input_jet`` and
+``input_taylor``, a first layer).
 """
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +29,37 @@ from torch import Tensor, nn
 
 from .layer_kernel import record
 
-__all__ = ["InputMap", "ParallelLinear"]
+__all__ = ["InputMap", "JetInput", "JetLinear", "ParallelLinear"]
+
+
+@runtime_checkable
+class JetLinear(Protocol):
+    """A layer that maps every channel of a jet by one linear map (:class:`ParallelLinear`;
+    ``nn.Linear`` itself is taken as it is)."""
+
+    def propagate(self, channels: Sequence[Tensor]) -> List[Tensor]:
+        """The layer applied to each channel (each ``(..., N, in)``): ``channels[0]`` the
+        value, which takes the biases, the others derivatives, which do not; each linear layer
+        it applies reported by :func:`~torch_sgn.pinn.layer_kernel.record`."""
+        ...
+
+
+@runtime_checkable
+class JetInput(Protocol):
+    """A first layer that maps the points themselves and gives its own jet there
+    (:class:`InputMap`), which the layers after it propagate."""
+
+    def input_jet(
+        self, x: Tensor, pairs: Sequence[Tuple[int, int]]
+    ) -> Tuple[Tensor, Tensor, Tensor]:
+        """Value ``(N, k)``, gradient directions ``(d, N, k)``, second partials ``pairs``
+        ``(P, N, k)`` at the points ``x``."""
+        ...
+
+    def input_taylor(self, x: Tensor, dim: int, order: int) -> Tuple[Tensor, List[Tensor]]:
+        """Value ``(N, k)`` and derivatives of orders ``1..order`` along ``dim``, each
+        ``(N, k)``."""
+        ...
 
 
 class ParallelLinear(nn.Module):

@@ -379,14 +379,16 @@ def _factors(problem: nn.Module, fmodel, flat: Tensor, inputs, slots) -> Optiona
 def _merge(inputs: List[Tensor], deltas: List[List[Tensor]]) -> Tuple[Tensor, List[Tensor]]:
     """The channels of one layer in one block, equal input channels merged (their ``Delta``
     summed: ``J``'s rows are :math:`\\sum_c \\Delta_c \\otimes A_c`), as ``C x n x in'`` and
-    per component ``C x n x out``."""
+    per component ``C x n x out``. A channel whose ``A`` or whose ``Delta`` is zero is left out:
+    the first layer's Laplacian; a sub-network's derivatives in a block that reads only its
+    value (a parallel network's other outputs)."""
     a = torch.cat(inputs, 0)
     ds = [torch.cat(d, 0) for d in deltas]
     keep: List[int] = []
     target = list(range(a.shape[0]))
-    nonzero = [bool(a[c].any()) for c in range(a.shape[0])]
+    nonzero = [bool(a[c].any()) and any(bool(d[c].any()) for d in ds) for c in range(a.shape[0])]
     for c in range(a.shape[0]):
-        if not nonzero[c]:  # a zero channel (the first layer's Laplacian) adds nothing
+        if not nonzero[c]:  # a zero channel adds nothing
             continue
         twin = next((k for k in keep if torch.equal(a[k], a[c])), None)
         if twin is None:

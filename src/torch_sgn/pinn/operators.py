@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .jet_layers import JetInput, JetLinear
 from .layer_kernel import record
 
 __all__ = [
@@ -510,15 +511,15 @@ def _forward_layers(u: object, required: bool) -> Optional[list[nn.Module]]:
 
 
 def _is_input_map(layer: nn.Module) -> bool:
-    """A first layer that maps the points themselves and gives its own jet there
-    (``input_jet``, ``input_taylor``: :class:`InputMap`), which the layers after it propagate."""
-    return callable(getattr(layer, "input_jet", None))
+    """A first layer that gives its own jet at the points (a
+    :class:`~torch_sgn.pinn.jet_layers.JetInput`)."""
+    return isinstance(layer, JetInput)
 
 
 def _is_linear(layer: nn.Module) -> bool:
-    """A layer that maps every channel of a jet by one linear map: ``nn.Linear``, or a module
-    with ``propagate(channels)`` (:class:`ParallelLinear`)."""
-    return type(layer) is nn.Linear or callable(getattr(layer, "propagate", None))
+    """A layer that maps every channel of a jet by one linear map: ``nn.Linear``, or a
+    :class:`~torch_sgn.pinn.jet_layers.JetLinear`."""
+    return type(layer) is nn.Linear or isinstance(layer, JetLinear)
 
 
 def _linear(layer: nn.Module, channels: list[Tensor]) -> list[Tensor]:
