@@ -181,12 +181,12 @@ def test_output_transform_and_steps():
     assert opt.problem.residuals.factors_follow
 
 
-def test_feature_transform_takes_the_func_route():
+def test_feature_transform_takes_the_forward_route():
     net = dde.nn.FNN([4, 8, 1], "tanh", "Glorot uniform")
     net.apply_feature_transform(lambda x: torch.cat([x, torch.sin(PI * x)], 1))
     model = _poisson(net=net)
     opt = _compiled(model)
-    assert opt.problem.network.chain is None
+    assert opt.problem.network.chain is not None  # its jets forward (torch_sgn.pinn.InputMap)
     _assert_same_loss_and_gradient(model, opt)
     model.train(iterations=2, verbose=0)
 
