@@ -1,6 +1,7 @@
 """Levenberg-Marquardt acceptance, the damping rules, and the paper's configuration."""
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -9,7 +10,7 @@ from torch import nn
 
 from cases import LOSSES, MODELS, dense_ggn, flat_parameters, loss_fn, make_batch
 from torch_sgn import SGN
-from torch_sgn.solve import direct
+from torch_sgn.solve import core, direct
 from torch_sgn.solve.damping import DAMPING_MAX, nielsen_update, rejected_update
 
 pytestmark = pytest.mark.usefixtures("each_engine")  # every test, once per engine
@@ -118,7 +119,7 @@ def test_attempts_count_the_solves_and_one_attempt_is_the_paper_step(monkeypatch
     assert info.attempts == len(solves) == 1
 
 
-def test_a_step_that_raises_during_a_retry_changes_nothing():
+def test_a_step_that_raises_during_a_retry_changes_nothing(monkeypatch):
     model, x, y = _hard_batch()
     model = nn.Sequential(*model, nn.Dropout(0.1))  # training-mode randomness too
     opt = SGN(model, "mse", damping=1e-8, damping_min=1e-12, attempts=5, damping_update="nielsen")
@@ -126,15 +127,19 @@ def test_a_step_that_raises_during_a_retry_changes_nothing():
     state = copy.deepcopy(opt.state_dict())
     rng = torch.get_rng_state()
     calls = []
-    original = opt._loss_at
+    take = core.take
 
-    def failing(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:  # the second attempt's trial
-            raise RuntimeError("boom")
-        return original(*args, **kwargs)
+    def failing_trials(lin, state, options, phase, exact, rhs, loss0, point):
+        def loss_at(flat):
+            calls.append(1)
+            if len(calls) == 2:  # the second attempt's trial
+                raise RuntimeError("boom")
+            return point.loss_at(flat)
 
-    opt._loss_at = failing
+        point = dataclasses.replace(point, loss_at=loss_at)
+        return take(lin, state, options, phase, exact, rhs, loss0, point)
+
+    monkeypatch.setattr(core, "take", failing_trials)
     with pytest.raises(RuntimeError, match="boom"):
         opt.step(x, y)
     assert len(calls) == 2
