@@ -14,8 +14,9 @@ from cases import flat_parameters
 from torch_sgn import SGN, curve_steps, fitting
 from torch_sgn.curve_steps import CurveSteps
 from torch_sgn.fitting import least_squares
-from torch_sgn.options import Options
+from torch_sgn.options import Options, Setup
 from torch_sgn.pinn import Residual, Residuals
+from torch_sgn.route_plan import curve_steps_allowed
 from torch_sgn.solve import geodesic
 from torch_sgn.solve import step as step_module
 from torch_sgn.solve.line_search import backtracking
@@ -208,9 +209,7 @@ IDS = [c[0] for c in CASES]
 
 
 def _group(module: nn.Module, fn, **options) -> Options:
-    problem = Residuals(module, {"residuals": Residual(fn)})
-    opt = SGN(problem, Residuals.loss, solver="direct", engine="functional", **options)
-    return Options.of(opt.param_groups[0])
+    return Options().replace(**options)
 
 
 def _spy(monkeypatch) -> list:
@@ -463,17 +462,14 @@ def test_fits_with_options_it_does_not_take_run_through_the_optimizer(options, m
 
 
 def test_options_it_does_not_take_are_refused():
-    params = list(Params(a=1.0, k=0.3, c=0.1).parameters())
-    assert fitting._takes_curve_steps({}, "auto", params)
-    assert fitting._takes_curve_steps({}, "direct", params)
-    assert not fitting._takes_curve_steps({}, "cg", params)
-    for key, value in [
-        ("curvature_fraction", 0.5),
-        ("gradient_averaging", 0.5),
-        ("weight_decay", 1e-3),
-        ("direct_max_params", 2),
-    ]:
-        assert not fitting._takes_curve_steps({key: value}, "auto", params), key
+    numel = 3
+    assert curve_steps_allowed(Setup(), Options(), numel)
+    assert curve_steps_allowed(Setup(solver="direct"), Options(), numel)
+    assert not curve_steps_allowed(Setup(solver="cg"), Options(), numel)
+    assert not curve_steps_allowed(Setup(curvature_fraction=0.5), Options(), numel)
+    assert not curve_steps_allowed(Setup(direct_max_params=2), Options(), numel)
+    for key, value in [("momentum", 0.5), ("weight_decay", 1e-3)]:
+        assert not curve_steps_allowed(Setup(), Options().replace(**{key: value}), numel), key
 
 
 def test_a_plain_fit_constructs_it_and_a_residuals_problem_does_not(monkeypatch):

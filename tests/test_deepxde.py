@@ -181,12 +181,12 @@ def test_output_transform_and_steps():
     assert opt.problem.residuals.factors_follow
 
 
-def test_feature_transform_takes_the_func_route():
+def test_feature_transform_takes_the_forward_route():
     net = dde.nn.FNN([4, 8, 1], "tanh", "Glorot uniform")
     net.apply_feature_transform(lambda x: torch.cat([x, torch.sin(PI * x)], 1))
     model = _poisson(net=net)
     opt = _compiled(model)
-    assert opt.problem.network.chain is None
+    assert opt.problem.network.chain is not None  # its jets forward (torch_sgn.pinn.InputMap)
     _assert_same_loss_and_gradient(model, opt)
     model.train(iterations=2, verbose=0)
 
@@ -332,3 +332,59 @@ def test_euler_beam_fourth_derivative_as_deepxde_writes_it():
     # (the small u''' term moves the solution a little from the pure beam's)
     assert np.abs(model.predict(x) - exact).max() < 5e-3
     assert opt.problem.residuals.factors_follow
+
+
+def test_a_pde_whose_residuals_turn_nan_is_named_not_taken_for_another_loss():
+    model = _poisson()
+    pde = model.data.pde
+    model.data.pde = lambda x, y: pde(x, y) * torch.log(x[:, 0:1] - 0.5)  # NaN left of x = 0.5
+    model.compile(torch_sgn.deepxde.SGN(model))
+    before = [p.detach().clone() for p in model.net.parameters()]
+    with pytest.raises(FloatingPointError, match="not finite in block 'pde' at [0-9]+ of its"):
+        model.train(iterations=1, verbose=0)
+    for p, q in zip(before, model.net.parameters()):
+        assert torch.equal(p, q)
+
+
+def _inverse_style_model():
+    """A PDE written as PINNacle's inverse problems write theirs: the output's columns sliced
+    (u, a) and the divergence of a product of them differentiated, besides a quotient, a sine,
+    an exponential and a power of the output."""
+
+    def pde(x, ua):
+        u, a = ua[:, 0:1], ua[:, 1:2]
+        u_x = dde.grad.jacobian(u, x, i=0, j=0)
+        u_y = dde.grad.jacobian(u, x, i=0, j=1)
+        d_au = dde.grad.jacobian(a * u_x, x, i=0, j=0) + dde.grad.jacobian(a * u_y, x, i=0, j=1)
+        odd = dde.grad.jacobian(
+            torch.sin(u) / (2 + a * a) - torch.exp(-x[:, 0:1]) * u**2, x, i=0, j=1
+        )
+        return [-d_au - torch.sin(PI * x[:, 0:1]), odd + 0.5 * a - 1]
+
+    geom = dde.geometry.Rectangle([0, 0], [1, 1])
+    bc = dde.icbc.DirichletBC(geom, lambda x: 0, lambda _, on: on, component=0)
+    data = dde.data.PDE(geom, pde, [bc], num_domain=30, num_boundary=12)
+    return dde.Model(data, dde.nn.FNN([2, 8, 8, 2], "tanh", "Glorot uniform"))
+
+
+def test_a_pde_that_differentiates_a_product_of_its_outputs_gets_deepxdes_loss_and_gradient():
+    model = _inverse_style_model()
+    opt = _compiled(model)
+    _assert_same_loss_and_gradient(model, opt)
+    start = _our_loss_and_grad(opt)[0]
+    model.train(iterations=5, verbose=0)
+    assert _our_loss_and_grad(opt)[0] < 0.5 * start
+    assert opt.problem.residuals.factors_follow  # exact steps by the layers' factors
+
+
+def test_a_product_differentiated_twice_is_refused_with_what_it_is():
+    def pde(x, ua):
+        u, a = ua[:, 0:1], ua[:, 1:2]
+        au_x = dde.grad.jacobian(a * u, x, i=0, j=0)
+        return dde.grad.jacobian(au_x, x, i=0, j=0) - a
+
+    geom = dde.geometry.Rectangle([0, 0], [1, 1])
+    data = dde.data.PDE(geom, pde, [], num_domain=10)
+    model = dde.Model(data, dde.nn.FNN([2, 8, 2], "tanh", "Glorot uniform"))
+    with pytest.raises(NotImplementedError, match="differentiates such a derivative again"):
+        torch_sgn.deepxde.SGN(model)  # (its PDE is evaluated once when it is built)

@@ -172,7 +172,7 @@ def failing_captures(monkeypatch):
         calls.append(1)
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setitem(graphs._CAPTURE, "cpu", failing)
+    monkeypatch.setitem(graphs.CAPTURE, "cpu", failing)
     return calls
 
 
@@ -482,15 +482,15 @@ def test_traced_graphs_do_not_apply_to_dropout_kept_on_in_evaluation_mode(cpu_gr
 def test_draws_that_are_not_dropouts_stay_in_the_graph_and_are_refused():
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from torch_sgn.engines.traced.replay import _draws_as_inputs
+    from torch_sgn.engines.traced.replay import draws_as_inputs
     from torch_sgn.engines.traced.trace import Untraceable
 
     x = torch.randn(4, 3)
     evaluation = make_fx(lambda t: torch.ops.aten.native_dropout(t, 0.3, False)[0] * 2)(x)
-    rewritten, draws = _draws_as_inputs(evaluation)  # no draw: nothing taken out
+    rewritten, draws = draws_as_inputs(evaluation)  # no draw: nothing taken out
     assert draws == [] and torch.equal(rewritten(x), evaluation(x))
     # one that does not draw beside one that does: one layout, the real one, for the latter
-    from torch_sgn.engines.traced.replay import _drawn_layouts
+    from torch_sgn.engines.traced.replay import drawn_layouts
     from torch_sgn.model.flat_model import FunctionalModel
 
     def both(t):
@@ -498,16 +498,16 @@ def test_draws_that_are_not_dropouts_stay_in_the_graph_and_are_refused():
         return torch.ops.aten.native_dropout(kept.t(), 0.3, True)[0]
 
     graph = make_fx(both)(x)
-    layouts = _drawn_layouts(graph, [x], FunctionalModel(nn.Linear(1, 1)))
+    layouts = drawn_layouts(graph, [x], FunctionalModel(nn.Linear(1, 1)))
     assert layouts == [((3, 4), (1, 3))]
-    assert [d.stride for d in _draws_as_inputs(graph, layouts)[1]] == [(1, 3)]
+    assert [d.stride for d in draws_as_inputs(graph, layouts)[1]] == [(1, 3)]
     refused = [
         lambda t: t.clone().bernoulli_(0.5) * t,  # a sample into a tensor with values
         lambda t: torch.randn_like(t) + t,  # another random operator
     ]
     for f in refused:
         with pytest.raises(Untraceable, match="stays in the graph"):
-            _draws_as_inputs(make_fx(f)(x))
+            draws_as_inputs(make_fx(f)(x))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -624,7 +624,7 @@ def test_draws_taken_out_of_a_graph_are_those_it_would_draw(op):
     # CUDA's dropout records native_dropout, the CPU's bernoulli_ into a new tensor
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from torch_sgn.engines.traced.replay import _draws_as_inputs
+    from torch_sgn.engines.traced.replay import draws_as_inputs
 
     def f(x):
         y = torch.tanh(x)
@@ -636,7 +636,7 @@ def test_draws_taken_out_of_a_graph_are_those_it_would_draw(op):
 
     x = torch.randn(5, 7, dtype=torch.float64)
     graph = make_fx(f)(x)
-    rewritten, draws = _draws_as_inputs(graph)
+    rewritten, draws = draws_as_inputs(graph)
     assert len(draws) == 1 and draws[0].shape == (5, 7) and draws[0].op == op
     drawing = (torch.ops.aten.native_dropout.default, torch.ops.aten.bernoulli_.float)
     assert not any(n.target in drawing for n in rewritten.graph.nodes)

@@ -15,8 +15,8 @@ from torch_sgn.fitting import (
     MESSAGES,
     STEPS_PER_PARAMETER,
     LeastSquaresResult,
-    _test,
     least_squares,
+    termination,
 )
 from torch_sgn.pinn import Residual, Residuals
 
@@ -257,16 +257,16 @@ def _info(**kw) -> StepInfo:
 def test_a_step_not_taken_at_a_prediction_within_rounding_meets_ftol():
     # predicted 1e-14 (cost units 5e-15): within the loss's rounding (100 eps), above ftol F
     x = torch.ones(3, dtype=torch.float64)
-    assert _test(_info(), x, x, 1.0, 0.0, 1e-15) == 2
+    assert termination(_info(), x, x, 1.0, 0.0, 1e-15) == 2
     # the same step taken (a reduction within rounding, ratio 0): it goes on
     moved = x + 1e-9
     taken = _info(taken=True, step_size=1.0, loss_after=1.0 - 1e-16, line_search_ok=True)
-    assert _test(taken, x, moved, 1.0, 0.0, 1e-15) is None
+    assert termination(taken, x, moved, 1.0, 0.0, 1e-15) is None
     # a step not taken at a prediction above rounding (its ratio a number): it goes on
     rejected = _info(tr_ratio=-3.0, predicted_change=-1e-6)
-    assert _test(rejected, x, x, 1.0, 0.0, 1e-15) is None
+    assert termination(rejected, x, x, 1.0, 0.0, 1e-15) is None
     # ftol off: never
-    assert _test(_info(), x, x, 1.0, 0.0, 0.0) is None
+    assert termination(_info(), x, x, 1.0, 0.0, 0.0) is None
 
 
 def test_flat_gradient_puts_zeros_where_a_parameter_is_not_reached():

@@ -1,6 +1,7 @@
 """Levenberg-Marquardt acceptance, the damping rules, and the paper's configuration."""
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -9,6 +10,7 @@ from torch import nn
 
 from cases import LOSSES, MODELS, dense_ggn, flat_parameters, loss_fn, make_batch
 from torch_sgn import SGN
+from torch_sgn.solve import core, direct
 from torch_sgn.solve.damping import DAMPING_MAX, nielsen_update, rejected_update
 
 pytestmark = pytest.mark.usefixtures("each_engine")  # every test, once per engine
@@ -90,36 +92,34 @@ def test_the_threshold_rule_retries_with_its_own_factor():
     torch.testing.assert_close(flat_parameters(model), expected, rtol=1e-7, atol=1e-9)
 
 
-def test_attempts_count_the_solves_and_one_attempt_is_the_paper_step():
+def test_attempts_count_the_solves_and_one_attempt_is_the_paper_step(monkeypatch):
     model, x, y = _hard_batch()
-    solves = []
-    original = SGN._descent
+    solves, depth = [], []
+    for name in ("solve_damped", "solve_in_sample_space"):  # the exact routes' solves
+        original = getattr(direct, name)
 
-    def counting(self, *args):
-        solve = original(self, *args)
+        def counting(space, rhs, damping, *args, _original=original, **kwargs):
+            if not depth:  # (the route through the outputs solves through solve_damped)
+                solves.append(damping)
+            depth.append(1)
+            try:
+                return _original(space, rhs, damping, *args, **kwargs)
+            finally:
+                depth.pop()
 
-        def wrapped(damping):
-            solves.append(damping)
-            return solve(damping)
-
-        return wrapped
-
-    SGN._descent = counting
-    try:
-        info = SGN(model, "mse", damping=1e-8, damping_min=1e-12, attempts=3, solver="direct").step(
-            x, y
-        )
-        assert info.attempts == len(solves) == 3  # every attempt failed here: all were used
-        assert solves == sorted(solves) and solves[0] < solves[1] < solves[2]
-        solves.clear()
-        one = SGN(copy.deepcopy(model), "mse", damping=1e-8, damping_min=1e-12, solver="direct")
-        info = one.step(x, y)
-        assert info.attempts == len(solves) == 1
-    finally:
-        SGN._descent = original
+        monkeypatch.setattr(direct, name, counting)
+    info = SGN(model, "mse", damping=1e-8, damping_min=1e-12, attempts=3, solver="direct").step(
+        x, y
+    )
+    assert info.attempts == len(solves) == 3  # every attempt failed here: all were used
+    assert solves == sorted(solves) and solves[0] < solves[1] < solves[2]
+    solves.clear()
+    one = SGN(copy.deepcopy(model), "mse", damping=1e-8, damping_min=1e-12, solver="direct")
+    info = one.step(x, y)
+    assert info.attempts == len(solves) == 1
 
 
-def test_a_step_that_raises_during_a_retry_changes_nothing():
+def test_a_step_that_raises_during_a_retry_changes_nothing(monkeypatch):
     model, x, y = _hard_batch()
     model = nn.Sequential(*model, nn.Dropout(0.1))  # training-mode randomness too
     opt = SGN(model, "mse", damping=1e-8, damping_min=1e-12, attempts=5, damping_update="nielsen")
@@ -127,15 +127,19 @@ def test_a_step_that_raises_during_a_retry_changes_nothing():
     state = copy.deepcopy(opt.state_dict())
     rng = torch.get_rng_state()
     calls = []
-    original = opt._loss_at
+    take = core.take
 
-    def failing(*args):
-        calls.append(1)
-        if len(calls) == 2:  # the second attempt's trial
-            raise RuntimeError("boom")
-        return original(*args)
+    def failing_trials(lin, state, options, phase, exact, rhs, loss0, point):
+        def loss_at(flat):
+            calls.append(1)
+            if len(calls) == 2:  # the second attempt's trial
+                raise RuntimeError("boom")
+            return point.loss_at(flat)
 
-    opt._loss_at = failing
+        point = dataclasses.replace(point, loss_at=loss_at)
+        return take(lin, state, options, phase, exact, rhs, loss0, point)
+
+    monkeypatch.setattr(core, "take", failing_trials)
     with pytest.raises(RuntimeError, match="boom"):
         opt.step(x, y)
     assert len(calls) == 2

@@ -571,3 +571,17 @@ def test_a_parameter_made_trainable_after_construction_warns_once_and_keeps_its_
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once only
         opt.step(x, y)
+
+
+def test_each_engine_builds_this_modules_optimizers_with_that_engine(each_engine):
+    """The fixture that runs these tests once per engine reaches the SGN this module names."""
+    import inspect
+
+    import torch_sgn
+
+    model, x, y = make_batch(MODELS[0], LOSSES[0])
+    opt = SGN(model, "mse")
+    assert type(opt) is not torch_sgn.SGN and isinstance(opt, torch_sgn.SGN)
+    assert type(opt).__name__ == f"SGN_{each_engine}"
+    assert inspect.signature(SGN).parameters["engine"].default == each_engine
+    opt.step(x, y)

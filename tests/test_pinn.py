@@ -15,6 +15,7 @@ from torch_sgn.engines.jacobian import jacobian_rows, per_sample, with_jacobian
 from torch_sgn.losses import resolve_loss
 from torch_sgn.model.flat_model import FunctionalModel
 from torch_sgn.pinn import Residual, Residuals, laplacian
+from torch_sgn.route_plan import ROWS
 
 D = torch.float64
 
@@ -165,10 +166,10 @@ def test_direct_steps_from_the_row_jacobian_equal_the_layerwise_engines():
         for _ in range(3):
             ia, ib = opt_a.step(xs, ys), opt_b.step(xs, ys)
             assert ia.solver == ib.solver == "direct"
+            assert ia.plan.jacobian == ROWS  # the traced model's J by rows: it is per-sample
             torch.testing.assert_close(ia.loss_after, ib.loss_after, rtol=1e-9, atol=1e-14)
         for p, q in zip(a.parameters(), b.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-8, atol=1e-12)
-    assert opt_a._per_sample and all(opt_a._per_sample.values())
     del wrapped
 
 
@@ -247,3 +248,23 @@ def test_a_residual_that_does_not_depend_on_the_parameters_or_points_of_the_wron
         SGN(wide, wide.loss).step(*wide.batch())
     for p, q in zip(net.parameters(), before):
         assert torch.equal(p, q)
+
+
+def test_a_nan_residual_is_named_with_its_block_and_point_and_nothing_changes():
+    net = nn.Sequential(nn.Linear(1, 4), nn.Tanh(), nn.Linear(4, 1)).to(D)
+    x = torch.linspace(-1, 1, 9, dtype=D)[:, None]  # x = -1, -0.75, ..., 1
+    problem = Residuals(net, {
+        "fit": Residual(lambda u, x: u(x) - x, points=x),
+        "root": Residual(lambda u, x: u(x) - torch.sqrt(x), points=x),  # NaN where x < 0
+    })  # fmt: skip
+    opt = SGN(problem, problem.loss)
+    before = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(FloatingPointError) as raised:
+        opt.step(*problem.batch())
+    message = str(raised.value)
+    assert "block 'root' at 4 of its 9 points (the first: point 0, [-1.0])" in message
+    assert "'fit'" not in message
+    for p, q in zip(before, net.parameters()):
+        assert torch.equal(p, q)
+    problem.blocks[1].fn = lambda u, x: u(x) - x.abs().sqrt()
+    assert problem.non_finite(problem.batch()[0]) is None

@@ -17,22 +17,22 @@ from torch_sgn.options import Setup
 from torch_sgn.route_plan import ENGINE, FACTORS, ROWS, Capabilities, Plan
 from torch_sgn.solve import sampled
 from torch_sgn.solve.descents import CG, MATRIX, SAMPLED, SAMPLES
-from torch_sgn.solve.state import StepState
+from torch_sgn.solve.state import DampingState, StepState
 
 D = torch.float64
 
 
 def _plans(caplog, opt: SGN, batch, steps: int = 1):
-    """The plans of ``steps`` steps, read from the ``torch_sgn`` logger's DEBUG records, with
-    each step's :class:`StepInfo`."""
+    """The plans of ``steps`` steps, as each step's :class:`StepInfo` shows it and as the
+    ``torch_sgn`` logger's DEBUG record says it, with the :class:`StepInfo`."""
     out = []
     for _ in range(steps):
         caplog.clear()
         with caplog.at_level(logging.DEBUG, logger="torch_sgn"):
             info = opt.step(*batch)
-        plans = [r.args[1] for r in caplog.records if r.args and isinstance(r.args[-1], Plan)]
-        assert len(plans) == 1  # one plan per step
-        out.append((plans[0], info))
+        logged = [r.args[1] for r in caplog.records if r.args and isinstance(r.args[-1], Plan)]
+        assert logged == [info.plan]  # one plan per step, the one it reports
+        out.append((info.plan, info))
     return out
 
 
@@ -94,7 +94,7 @@ def test_a_mini_batch_stream_plans_cg_with_probes_of_the_exact_route(caplog):
 )
 def test_rows_are_the_batchs_wherever_the_stages_do_not_apply(what):
     problem = poisson_residuals(400, 40)
-    batch, state = Batch(*problem.batch()), StepState(step=0, damping=1e-4)
+    batch, state = Batch(*problem.batch()), StepState(step=0, damping=DampingState(1e-4))
     caps = Capabilities.of(problem, object(), single_process=what != "two processes")
     assert caps.residual_problem and caps.layer_factors
     numel = sum(p.numel() for p in problem.parameters())

@@ -19,7 +19,8 @@ from torch_sgn.linearization import RowSample
 from torch_sgn.model.flat_model import FunctionalModel
 from torch_sgn.pinn import Residual, Residuals
 from torch_sgn.solve import sampled
-from torch_sgn.solve.state import StepState
+from torch_sgn.solve.stall import StallTest
+from torch_sgn.solve.state import DampingState, StepState
 
 D = torch.float64
 
@@ -142,7 +143,7 @@ def test_many_rows_per_parameter_take_the_stages_where_the_matrix_fits():
     fewer, more = poisson_residuals(400, 40), poisson_residuals(1600, 160)
     numel = sum(p.numel() for p in fewer.parameters())
     assert 440 < sampled.ROWS_PER_PARAMETER * numel <= 1760
-    state = StepState(step=0, damping=1e-4)
+    state = StepState(step=0, damping=DampingState(1e-4))
     assert many_rows.stage(fewer, Batch(*fewer.batch()), numel, max_params, state) is None
     assert many_rows.stage(more, Batch(*more.batch()), numel, max_params, state) == sampled.SAMPLE
     info = SGN(more, more.loss, direct_max_params=max_params).step(*more.batch())
@@ -201,7 +202,7 @@ def test_a_resumed_run_takes_the_same_steps(monkeypatch):
     """The samples, the stall test and the switch to all rows resume from the state dict, and
     the steps are the same to the bit (fails where anything of them lives outside it, or where
     a sum's order follows the objects' addresses)."""
-    monkeypatch.setattr(sampled, "WINDOW", 2)  # the switch to all rows within the run
+    monkeypatch.setattr(sampled, "STALL_TEST", StallTest(2, sampled.STALL))  # all rows soon
     problem = poisson_residuals(300, 30)
     inputs, targets = problem.batch()
     opt = SGN(problem, problem.loss, direct_max_params=40)
@@ -336,3 +337,14 @@ def test_cuda_all_rows_linearization_matches_cpu_and_its_steps_descend():
     infos = [opt.step(*gpu.batch()) for _ in range(3)]
     assert [i.solver for i in infos] == ["cg"] * 3
     assert all(i.loss_after < i.loss for i in infos if i.taken) and infos[0].taken
+
+
+def test_the_stall_test_keeps_two_windows_and_compares_their_means():
+    test = StallTest(3, 0.1)
+    losses: list = []
+    for loss in [9.0, 8.0, 7.0, 1.0, 1.0, 1.0, 0.95]:
+        losses = test.kept(losses, loss)
+    assert losses == [8.0, 7.0, 1.0, 1.0, 1.0, 0.95]
+    assert not test.stalled(losses)  # 16 -> 2.95: a fall
+    assert test.stalled([1.0, 1.0, 1.0, 1.0, 1.0, 0.95])  # 3 -> 2.95: less than 10%
+    assert not test.stalled([1.0] * 5)  # the windows not yet full

@@ -10,7 +10,7 @@ from torch import nn
 from cases import sgn_options
 from torch_sgn import SGN
 from torch_sgn.solve.descents import CGDescent, MatrixDescent
-from torch_sgn.solve.state import KEYS, StepState
+from torch_sgn.solve.state import KEYS, DampingState, StepState
 from torch_sgn.solve.step import DampingRule, LineSearch, Problem, damped_step
 
 
@@ -46,7 +46,7 @@ def test_a_huge_damping_steps_along_minus_the_gradient_over_the_damping():
         lr=1.0, line_search=True, ls_c=1e-4, ls_shrink=0.5, ls_max_evals=10, reject_uphill=True,
     )  # fmt: skip
     out = damped_step(
-        MatrixDescent(lambda: G, g), Problem(g, g, 0.0, loss_at), StepState(0, rho),
+        MatrixDescent(lambda: G, g), Problem(g, g, 0.0, loss_at), StepState(0, DampingState(rho)),
         DampingRule.of(group, exact=True), LineSearch.of(group),
     )  # fmt: skip
     torch.testing.assert_close(out.trial.step, -g / rho, rtol=1e-8, atol=0)
@@ -75,3 +75,22 @@ def test_the_stored_state_is_step_state_as_a_dict_and_round_trips():
     assert all(
         torch.equal(v, again[k]) if torch.is_tensor(v) else v == again[k] for k, v in stored.items()
     )
+
+
+def test_state_dicts_with_the_flat_keys_load_into_the_typed_parts():
+    """A state dict saved before the state had parts (its keys as they have always been) loads
+    into them, and writes back the same keys and values."""
+    buffer, direction = torch.arange(3.0), torch.ones(3)
+    old = {
+        "step": 7, "damping": 0.5, "damping_growth": 4.0, "momentum_buffer": buffer,
+        "prev_direction": direction, "exact": True, "recent": [1.0, 0.5], "stalls": 2,
+        "sampled_losses": [0.25],
+    }  # fmt: skip
+    state = StepState.of(old)
+    assert state.damping == DampingState(0.5, 4.0)
+    assert state.history.momentum_buffer is buffer and state.history.prev_direction is direction
+    assert state.history.prev_step is None
+    assert state.auto.exact and state.auto.recent == [1.0, 0.5] and state.auto.candidate is None
+    assert state.rows.stalls == 2 and state.rows.sampled_losses == [0.25]
+    assert state.as_dict() == old
+    assert list(state.as_dict()) == [k for k in KEYS if k in old]  # the stored order

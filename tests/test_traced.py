@@ -456,7 +456,7 @@ def test_batch_norm_rule_gives_the_products_of_pytorchs_own_rule(train, monkeypa
 def test_graph_passes_fuse_matrix_products_and_merge_repeats():
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from torch_sgn.engines.traced.passes import _eliminate_common_subexpressions, _fuse_matmul_adds
+    from torch_sgn.engines.traced.passes import eliminate_common_subexpressions, fuse_matmul_adds
 
     def f(a, b, c, d):
         s = torch.tanh(a) + torch.tanh(a)  # the same operation twice
@@ -465,8 +465,8 @@ def test_graph_passes_fuse_matrix_products_and_merge_repeats():
     args = (torch.randn(3, 4), torch.randn(4, 3), torch.randn(3), torch.randn(2, 3, 3))
     gm = make_fx(f)(*args)
     expected = f(*args)
-    _fuse_matmul_adds(gm.graph)
-    _eliminate_common_subexpressions(gm.graph)
+    fuse_matmul_adds(gm.graph)
+    eliminate_common_subexpressions(gm.graph)
     gm.recompile()
     targets = [n.target for n in gm.graph.nodes]
     aten = torch.ops.aten
@@ -483,7 +483,7 @@ def test_graph_passes_fuse_matrix_products_and_merge_repeats():
 
     gm = make_fx(g)(args[0])
     before = len(gm.graph.nodes)
-    _eliminate_common_subexpressions(gm.graph)
+    eliminate_common_subexpressions(gm.graph)
     assert len(gm.graph.nodes) == before
 
     def h(a, b, c):  # a factor written after the product: the product stays where it is
@@ -492,7 +492,7 @@ def test_graph_passes_fuse_matrix_products_and_merge_repeats():
         return c + t
 
     gm = make_fx(h)(*[t.clone() for t in args[:3]])
-    _fuse_matmul_adds(gm.graph)
+    fuse_matmul_adds(gm.graph)
     gm.recompile()
     assert aten.addmm.default not in [n.target for n in gm.graph.nodes]
     torch.testing.assert_close(
@@ -539,7 +539,7 @@ def test_activation_derivatives_taken_once_per_step_match_the_dense_reference(ho
 def test_matrix_products_accumulate_in_place_into_temporaries_only():
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from torch_sgn.engines.traced.passes import _accumulate_in_place
+    from torch_sgn.engines.traced.passes import accumulate_in_place
 
     def f(a, b, c, bias):
         t = a @ b  # a temporary read once: the sum accumulates into it
@@ -553,7 +553,7 @@ def test_matrix_products_accumulate_in_place_into_temporaries_only():
     args = (torch.randn(3, 3), torch.randn(3, 3), torch.randn(3, 3), torch.randn(3))
     gm = make_fx(f)(*args)
     expected = f(*args)
-    _accumulate_in_place(gm.graph)
+    accumulate_in_place(gm.graph)
     gm.recompile()
     aten = torch.ops.aten
     targets = [n.target for n in gm.graph.nodes]
@@ -568,7 +568,7 @@ def test_matrix_products_accumulate_in_place_into_temporaries_only():
     for a, b in zip(args, saved):  # no input written
         assert torch.equal(a, b)
     gm = make_fx(g)(*args[:3])
-    _accumulate_in_place(gm.graph)
+    accumulate_in_place(gm.graph)
     gm.recompile()
     assert [n.target for n in gm.graph.nodes].count(aten.addmm.default) == 1
     torch.testing.assert_close(gm(*args[:3]), g(*saved[:3]))

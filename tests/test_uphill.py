@@ -14,7 +14,7 @@ from cases import flat_parameters, sgn_options
 from torch_sgn import SGN
 from torch_sgn.options import PAPER_OPTIONS
 from torch_sgn.solve.descents import CGDescent
-from torch_sgn.solve.state import StepState
+from torch_sgn.solve.state import DampingState, StepState
 from torch_sgn.solve.step import UPHILL_RESOLVES, DampingRule, LineSearch, Problem, damped_step
 
 STEPS = 4
@@ -183,7 +183,7 @@ def _linear_step(rhs_sign, loss_at, reject_uphill=True):
     )  # fmt: skip
     problem = Problem(grad, rhs, 1.0, loss_at)
     outcome = damped_step(
-        counted, problem, StepState(0, 1e-4), DampingRule.of(group, exact=False),
+        counted, problem, StepState(0, DampingState(1e-4)), DampingRule.of(group, exact=False),
         LineSearch.of(group),
     )  # fmt: skip
     return outcome, dampings

@@ -194,13 +194,13 @@ def test_the_routes_through_the_outputs_and_through_g_take_the_same_accelerated_
 ):
     """With the geodesic acceleration on (a float64 model), whose second solve reuses each
     route's factorization of the penalized system."""
-    from torch_sgn.solve import routes
+    from torch_sgn import route_plan
 
     model, x, y = make_batch(MODELS[0], loss_case)
     options = dict(solver="direct", weight_decay=0.2, damping=0.1, geodesic_acceleration=True)
     by_outputs = copy.deepcopy(model)
     first = SGN(by_outputs, loss_case.make(), **options).step(x, y)
-    monkeypatch.setattr(routes, "samples_fit", lambda *args: False)
+    monkeypatch.setattr(route_plan, "samples_fit", lambda *args: False)
     second = SGN(model, loss_case.make(), **options).step(x, y)
     torch.testing.assert_close(
         flat_parameters(by_outputs), flat_parameters(model), rtol=1e-9, atol=1e-11

@@ -12,17 +12,24 @@ from torch import Tensor
 from .batch import Batch, Inputs
 from .linearization import Linearization
 from .losses import OutputLoss
+from .residual_problem import ResidualProblem
 
 __all__ = ["all_finite", "check_batch", "finite_loss"]
 
 
-def finite_loss(lin: Linearization, batch: Batch, loss_fn: OutputLoss) -> tuple[float, float]:
+def finite_loss(
+    lin: Linearization,
+    batch: Batch,
+    loss_fn: OutputLoss,
+    problem: Optional[ResidualProblem] = None,
+) -> tuple[float, float]:
     """The loss and the gradient's norm (one host transfer); raises unless both are finite.
 
     The batch is scanned for NaN and infinite values only then, to name the cause: a
     non-finite entry that reaches the loss or the gradient is found without a pass over the
     batch in every step (on a distributed step, every rank sees the reduced values, so all
-    raise together).
+    raise together). On a residual problem (``problem``) the blocks and points whose residuals
+    are not finite are named.
     """
     norm = torch.linalg.vector_norm(lin.grad).to(lin.loss.dtype)
     loss, grad_norm = torch.stack([lin.loss.reshape(()), norm]).tolist()
@@ -34,10 +41,12 @@ def finite_loss(lin: Linearization, batch: Batch, loss_fn: OutputLoss) -> tuple[
         _check_finite_batch(batch.inputs, batch.targets)
         _check_counted_targets(batch.targets, loss_fn)
     if not math.isfinite(loss):
+        where = None if problem is None else problem.non_finite(batch.args)
         raise FloatingPointError(
-            f"the loss is {loss} at the current parameters on this batch; the parameters were "
-            "not changed. Check the data and the model's output (e.g. lower the learning rate "
-            "of an earlier optimizer, or raise `damping`)"
+            f"the loss is {loss} at the current parameters on this batch"
+            + (f": the residuals are not finite in {where}" if where else "")
+            + "; the parameters were not changed. Check the data and the model's output (e.g. "
+            "lower the learning rate of an earlier optimizer, or raise `damping`)"
         )
     if not finite:
         raise FloatingPointError(

@@ -5,7 +5,7 @@ A curve fit (a few parameters, one fixed batch of residuals) spends most of an
 linearization through :func:`torch.func.functional_call`, ``J`` by ``vmap`` of ``jacrev``, the
 checks of a new batch and the optimizer's state. :class:`CurveSteps` takes the same step (the
 damped Gauss-Newton solve, its Levenberg-Marquardt attempts, trust region, line search,
-geodesic acceleration and uphill rule: :func:`~torch_sgn.solve.step.damped_step` with
+geodesic acceleration and uphill rule: the step core, :func:`torch_sgn.solve.core.take`, with
 SGN's options) from a lighter linearization:
 
 * the residuals at a trial point: the parameters written in place and the user's residual
@@ -43,18 +43,20 @@ import torch
 from torch import Tensor, nn
 
 from .distributed import SingleProcess
+from .linearization import Linearization
 from .model.flat_model import flat_gradient
-from .solve import geodesic
-from .solve.descents import MATRIX, MatrixDescent
+from .solve import core, geodesic
+from .solve.auto import Phase
+from .solve.descents import MATRIX
 from .solve.scaled_trust_region import ACCEPT, Radius, Scaled, update
 from .solve.state import StepState
-from .solve.step import DampingRule, LineSearch, Problem, damped_step, next_state
-from .step_info import StepInfo, step_info
+from .solve.step import LineSearch
+from .step_info import StepInfo
 
 if TYPE_CHECKING:
     from .options import Options
 
-__all__ = ["CurveSteps", "SCALED_TRIALS", "SHARED_FORWARD_SIZE", "UNSUPPORTED"]
+__all__ = ["CurveSteps", "SCALED_TRIALS", "SHARED_FORWARD_SIZE"]
 
 #: The most trial points of one step of the scaled trust region (:meth:`CurveSteps.scaled_step`).
 SCALED_TRIALS = 10
@@ -64,14 +66,6 @@ SCALED_TRIALS = 10
 #: graph kept, costs little more than a plain call (small tensor operations cost their dispatch),
 #: where a rejected trial's would waste a forward pass of ``P`` times the plain one's work.
 SHARED_FORWARD_SIZE = 1 << 14
-
-#: SGN's options (with the values they must have) outside what :class:`CurveSteps` takes:
-#: a fit with another value of one of them runs through the optimizer.
-UNSUPPORTED = {
-    "gradient_averaging": 0.0,
-    "weight_decay": 0.0,
-    "curvature_fraction": 1.0,
-}
 
 
 class CurveSteps:
@@ -105,7 +99,6 @@ class CurveSteps:
         names = {id(p): n for n, p in module.named_parameters()}
         self.names = [names[id(p)] for p in params]
         self.options = options
-        self.rule = DampingRule.of(options, exact=True)
         # Backtracking stops at the loss's rounding: a fit to the last digits reaches it, and
         # comparisons of losses there would pick a step by the noise.
         self.search = replace(LineSearch.of(options), above_rounding=True)
@@ -315,26 +308,22 @@ class CurveSteps:
                 matrix = 2.0 * (jac.T @ jac)
             return matrix
 
-        def loss_at(displacement: Tensor, a: float = 1.0) -> float:
-            return self.loss_at(theta + displacement)
-
-        problem = Problem(grad, grad, loss0, loss_at)
-        accelerate = None
-        if self.accelerate:
-            accelerate = geodesic.accelerator(
+        def accelerator(route: str) -> core.Accelerate:
+            return geodesic.accelerator(
                 theta, self.residuals_at, lambda centre: lambda t: 2.0 * t,
                 lambda u: jac.T @ u, self.shares, theta.numel(), 0.5 * self.lr**2,
                 centre=r, jvp=lambda v: jac @ v,
             )  # fmt: skip
-        run = damped_step(
-            MatrixDescent(ggn, grad), problem, self.state, self.rule, self.search, accelerate
-        )
-        self.state = next_state(
-            self.options, "direct", self.state, run, MATRIX, None, loss0, None, None
-        )
-        point = theta + run.trial.displacement(run.step_factor) if run.moved else theta
+
+        lin = Linearization(loss=r.new_tensor(loss0), grad=grad, ggn_vp=None, dense_ggn=ggn)
+        point = core.Point(theta, self.loss_at, accelerator, search=self.search)
+        phase, rhs = Phase(MATRIX), (grad, None)
+        taken = core.take(lin, self.state, self.options, phase, MATRIX, rhs, loss0, point)
+        self.state = core.next_state(self.state, taken, self.options, "direct")
+        moved = taken.displacement
+        point = theta + moved if moved is not None else theta
         grad_norm = float(torch.linalg.vector_norm(grad))
-        return point, step_info(run, loss0, grad_norm, run.evals, self.lr)
+        return point, taken.info(grad_norm, self.lr)
 
     def scaled_step(
         self, theta: Tensor, r: Tensor, jac: Tensor, cost_grad: Tensor

@@ -49,15 +49,15 @@ import torch
 from torch import Tensor, nn
 
 from .batch import Batch
-from .curve_steps import UNSUPPORTED, CurveSteps
+from .curve_steps import CurveSteps
 from .engines.jacobian import jacobian_rows
 from .model.flat_model import FunctionalModel, flat_gradient
 from .optimizer import SGN, StepInfo
-from .options import Options
+from .options import SETUP_KEYS, Options, Setup
 from .pinn.residuals import Residual, Residuals
-from .solve.direct import DEFAULT_DIRECT_MAX_PARAMS
+from .route_plan import curve_steps_allowed
 
-__all__ = ["LeastSquaresResult", "least_squares"]
+__all__ = ["LeastSquaresResult", "least_squares", "termination"]
 
 #: scipy's messages for its status codes (``scipy.optimize.least_squares``).
 MESSAGES = {
@@ -241,16 +241,23 @@ def _run(
     curve: Optional[Tuple[ResidualFn, nn.Module]],
 ) -> LeastSquaresResult:
     """The fit: its phases (:class:`_Phase`) run by :func:`_drive`, and their result."""
-    opt = SGN(problem, problem.loss, solver=solver, keep_grad=True, **sgn_options)
-    group = opt.param_groups[0]
-    limit = sgn_options.get("direct_max_params", DEFAULT_DIRECT_MAX_PARAMS) ** 2
-    jacobians = _Jacobians(limit)
-    exact = max_steps > 0 and _takes_curve_steps({**group, **sgn_options}, solver, params)
+    options, setup = _settings(solver, sgn_options)
+    numel = sum(p.numel() for p in params)
+    jacobians = _Jacobians(setup.direct_max_params**2)
+    exact = (
+        max_steps > 0
+        and curve_steps_allowed(setup, options, numel)
+        and all(p.is_floating_point() for p in params)
+    )
     leans: List[CurveSteps] = []  # (each closed at the end)
 
     def lean_steps(fn: ResidualFn, module: nn.Module, check=None) -> CurveSteps:
-        leans.append(CurveSteps(fn, module, params, Options.of(group), check=check))
+        leans.append(CurveSteps(fn, module, params, options, check=check))
         return leans[-1]
+
+    def optimizer() -> _Optimizer:  # SGN itself, built where its steps run
+        opt = SGN(problem, problem.loss, solver=solver, keep_grad=True, **sgn_options)
+        return _Optimizer(opt, problem, params, inputs, targets, jacobians)
 
     phases: List[Callable[[], _Phase]]
     if curve is not None and exact:
@@ -263,7 +270,7 @@ def _run(
             lambda: _Curve.scaled(lean, jacobians),
         ]
     else:
-        phases = [lambda: _Optimizer(opt, problem, params, inputs, targets, jacobians)]
+        phases = [optimizer]
         if exact:  # (CurveSteps made where it takes over: it rewrites the parameters' storage)
             fn = lambda m: m(*inputs)  # noqa: E731
             phases.append(lambda: _Curve.scaled(lean_steps(fn, problem), jacobians))
@@ -273,7 +280,7 @@ def _run(
             lean.write(theta)
             lean.close()
 
-    run = _drive(phases, _flat(params), xtol, ftol, gtol, max_steps, group["lr"], finish)
+    run = _drive(phases, _flat(params), xtol, ftol, gtol, max_steps, options.lr, finish)
     message = MESSAGES[run.status]
     if run.restarted is not None:
         message += (
@@ -299,17 +306,17 @@ def _run(
     )
 
 
-def _takes_curve_steps(options: dict, solver: str, params: List[nn.Parameter]) -> bool:
-    """Whether the fit's steps may run through :class:`~torch_sgn.curve_steps.CurveSteps`:
-    exact steps, options it takes, a matrix of at most ``direct_max_params`` rows, floating
-    parameters."""
-    return (
-        solver in ("auto", "direct")
-        and all(options.get(k, v) == v for k, v in UNSUPPORTED.items())
-        and sum(p.numel() for p in params)
-        <= options.get("direct_max_params", DEFAULT_DIRECT_MAX_PARAMS)
-        and all(p.is_floating_point() for p in params)
-    )
+def _settings(solver: str, sgn_options: dict) -> Tuple[Options, Setup]:
+    """The fit's options and settings, checked as :class:`~torch_sgn.SGN` checks its
+    arguments (``keep_grad`` on: the driver reads each step's gradient)."""
+    setup_args = {k: v for k, v in sgn_options.items() if k in SETUP_KEYS}
+    rest = {k: v for k, v in sgn_options.items() if k not in SETUP_KEYS and k not in _ONLY_SGN}
+    options = Options().replace(keep_grad=True, **rest)
+    return options, Setup().replace(solver=solver, **setup_args)
+
+
+#: SGN's arguments that are neither options nor settings (passed to it as they are).
+_ONLY_SGN = ("process_group",)
 
 
 # --- the driver ---------------------------------------------------------------------------------
@@ -387,7 +394,7 @@ def _drive(
 ) -> _Run:
     """The fit's steps from ``theta``, stopped by scipy's tests: ``gtol`` (and a gradient that
     is not finite) at each point before its step, ``ftol`` and ``xtol`` after it
-    (:func:`_test`). Without steps (``max_steps=0``), the start's ``gtol`` alone.
+    (:func:`termination`). Without steps (``max_steps=0``), the start's ``gtol`` alone.
 
     The first phase's steps first; where they stop on a plateau (``J``'s norm below
     ``sqrt(eps)`` times its norm at the start, :func:`_plateau`) with steps left, the fit starts
@@ -415,7 +422,7 @@ def _drive(
                         break
                     evaluations += phase.step_evaluations + info.loss_evals
                     steps += 1
-                    status = _test(info, theta, point, lr, xtol, ftol)
+                    status = termination(info, theta, point, lr, xtol, ftol)
                     theta = point
             end = phase.end(theta)
             if max_steps == 0 and _sup(end[1]) < gtol:
@@ -553,10 +560,12 @@ def _vanished(norms: Tuple[float, float], dtype: torch.dtype, restarted: bool) -
     )
 
 
-def _test(
+def termination(
     info: StepInfo, before: Tensor, after: Tensor, lr: float, xtol: float, ftol: float
 ) -> Optional[int]:
-    """scipy's ``check_termination`` on one step (``None``: go on)."""
+    """scipy's ``check_termination`` on one step from ``before`` to ``after`` (its
+    :class:`~torch_sgn.StepInfo` ``info``, SGN's step size ``lr``): the status a fit ends with
+    (2 ``ftol``, 3 ``xtol``, 4 both; see the module's docstring), or ``None`` to go on."""
     cost = info.loss / 2
     reduction = (info.loss - info.loss_after) / 2
     predicted_full = max(-info.predicted_change / 2, 0.0)

@@ -110,7 +110,11 @@ class GGN:
         )
 
     def to_dense(self) -> Tensor:
-        """The ``n x n`` matrix, one product per column (for small models and checks)."""
+        """The ``n x n`` matrix, one product per column (for small models and checks).
+
+        Returns:
+            ``G`` as a dense ``n x n`` tensor in the operator's dtype and device.
+        """
         return self @ torch.eye(self._fmodel.numel, dtype=self.dtype, device=self.device)
 
     def __repr__(self) -> str:

@@ -19,9 +19,10 @@ by a rule on sizes, memory and the losses, never on timings:
    preconditioned by a sample's Gauss-Newton matrix: the steps converge to the minimizer of
    the whole problem, not to a neighbourhood of it.
 
-The stalls so far and the stall test's losses are kept in the optimizer's
-:class:`~torch_sgn.solve.state.StepState` (``stalls``, ``sampled_losses``), saved with its
-state dict, so a resumed run takes the same steps.
+The stalls so far and the stall test's losses are this part's own state
+(:class:`~torch_sgn.solve.state.RowsState` in the optimizer's
+:class:`~torch_sgn.solve.state.StepState`), advanced here (:func:`advance`) and saved with the
+optimizer's state dict, so a resumed run takes the same steps.
 """
 
 from __future__ import annotations
@@ -30,28 +31,29 @@ import logging
 from dataclasses import replace
 from typing import List, Optional, Tuple
 
-from torch import Tensor, nn
+from torch import Tensor
 
 from .batch import Batch
 from .engines.jacobian import by_factors
 from .linearization import Linearization, RowSample
 from .losses import OutputLoss
 from .model.flat_model import FunctionalModel
+from .residual_problem import ResidualProblem
 from .solve import sampled
-from .solve.state import StepState
+from .solve.state import RowsState, StepState
 
 __all__ = [
-    "linearized", "next_state", "points_used", "sample_points", "sampled_batch", "stage",
+    "advance", "linearized", "points_used", "sample_points", "sampled_batch", "stage",
 ]  # fmt: skip
 
 logger = logging.getLogger("torch_sgn")
 
 
 def stage(
-    model: nn.Module, batch: Batch, numel: int, max_params: int, state: StepState
+    model: ResidualProblem, batch: Batch, numel: int, max_params: int, state: StepState
 ) -> Optional[str]:
-    """``SAMPLE`` or ``ALL`` for a residual problem (``model``: one that forms its layers'
-    factors, :attr:`torch_sgn.route_plan.Capabilities.layer_factors`) too large for an exact
+    """``SAMPLE`` or ``ALL`` for a residual problem (``model``, one that may form its layers'
+    factors, :class:`~torch_sgn.residual_problem.ResidualProblem`) too large for an exact
     step, or with at least :data:`~torch_sgn.solve.sampled.ROWS_PER_PARAMETER` times as many
     rows as parameters (see the module's docstring), ``None`` for any other batch."""
     if bool(batch.targets.any()):
@@ -59,10 +61,11 @@ def stage(
     rows = model.count(batch.args)
     if rows <= max_params or (numel <= max_params and rows < sampled.ROWS_PER_PARAMETER * numel):
         return None
-    return sampled.SAMPLE if sample_points(model, batch, max_params, state.stalls) else sampled.ALL
+    points = sample_points(model, batch, max_params, state.rows.stalls)
+    return sampled.SAMPLE if points else sampled.ALL
 
 
-def sample_points(model: nn.Module, batch: Batch, max_params: int, stalls: int) -> int:
+def sample_points(model: ResidualProblem, batch: Batch, max_params: int, stalls: int) -> int:
     """The points a sample draws after ``stalls`` stalls: :data:`~torch_sgn.solve.sampled.POINTS`
     doubled at each, and no more rows than ``max_params`` (at the most rows a point has); 0
     once the largest sample has stalled."""
@@ -75,14 +78,14 @@ def sample_points(model: nn.Module, batch: Batch, max_params: int, stalls: int) 
 
 
 def sampled_batch(
-    stage: Optional[str], model: nn.Module, batch: Batch, max_params: int, state: StepState
+    stage: Optional[str], model: ResidualProblem, batch: Batch, max_params: int, state: StepState
 ) -> Tuple[Batch, Optional[List[Tensor]]]:
     """A ``SAMPLE`` step's batch, the points drawn at its step (zero targets), and the points'
     indices in each block; ``(batch, None)`` for any other step."""
     if stage != sampled.SAMPLE:
         return batch, None
     counts = model.points(batch.args)
-    points = sample_points(model, batch, max_params, state.stalls)
+    points = sample_points(model, batch, max_params, state.rows.stalls)
     index = sampled.draw(counts, points, state.step, batch.targets.device)
     inputs = model.subset(batch.args, index)
     return Batch(inputs, batch.targets.new_zeros(model.count(inputs))), index
@@ -98,26 +101,32 @@ def linearized(
     return by_factors(fmodel, loss, flat, batch, points)
 
 
-def next_state(
-    state: StepState, stage: str, loss0: float, model: nn.Module, inputs: object, max_params: int
-) -> StepState:
-    """The state after a step of ``stage``: a sampled step's loss joins the stall test; once
-    the losses stall, the sample doubles, or past the largest the steps go on all rows where
-    the layers' factors follow the network and fit in memory (else the largest sample goes
-    on)."""
+def advance(
+    state: RowsState,
+    t: int,
+    stage: Optional[str],
+    loss0: float,
+    model: ResidualProblem,
+    inputs: object,
+    max_params: int,
+) -> RowsState:
+    """The rows' state after step ``t`` of ``stage``: a sampled step's loss joins the stall
+    test; once the losses stall, the sample doubles, or past the largest the steps go on all
+    rows where the layers' factors follow the network and fit in memory (else the largest
+    sample goes on)."""
     if stage != sampled.SAMPLE:
         return state
-    losses = [*(state.sampled_losses or ()), loss0][-2 * sampled.WINDOW :]
+    losses = sampled.STALL_TEST.kept(state.sampled_losses, loss0)
     if sampled.stalled(losses):
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         batch = Batch(args, args[0].new_zeros(0))
         grows = sample_points(model, batch, max_params, state.stalls + 1) > 0
-        factors = getattr(model, "factors_follow", False)  # (else all rows would be CG)
+        factors = model.factors_follow  # (else all rows would be CG)
         fit = factors and sampled.all_rows_fit(model, model.points(args), args, args[0].device)
         if grows or fit:
             what = "the sample doubles" if grows else "steps on all rows"
-            logger.info("step %d: the sampled steps stalled; %s", state.step, what)
-            return replace(state, stalls=state.stalls + 1, sampled_losses=None)
+            logger.info("step %d: the sampled steps stalled; %s", t, what)
+            return RowsState(stalls=state.stalls + 1)
     return replace(state, sampled_losses=losses)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from dataclasses import replace
@@ -15,32 +16,29 @@ from .batch import Batch, Inputs
 from .checks import check_batch, finite_loss
 from .diagnostics import warn
 from .distributed import ProcessGroup, SingleProcess, communicator
-from .engines.jacobian import per_sample, with_jacobian
+from .engines.jacobian import with_jacobian
 from .engines.selection import curvature_subset, select_engine
-from .linearization import Engine, Linearization, RowSample, check_loss_parameters, weight_penalty
+from .linearization import Engine, Linearization, check_loss_parameters, weight_penalty
 from .losses import LossSpec, resolve_loss
 from .model.flat_model import FunctionalModel
-from .options import ARGUMENT_NAMES, KEYS, PAPER_OPTIONS, Options, Setup, check_loaded_state
-from .route_plan import Capabilities, Plan, fits_one_batch, forms_jacobian, through_outputs
-from .solve import auto, direct, geodesic, sampled
+from .options import (
+    OPTION_ARGUMENTS,
+    PAPER_OPTIONS,
+    SETUP_KEYS,
+    Options,
+    Setup,
+    check_loaded_state,
+)
+from .route_plan import Capabilities, Plan, Router, through_outputs
+from .solve import auto, core, direct, geodesic, sampled
 from .solve.descents import (
-    CG,
-    MATRIX,
     SAMPLED,
     SAMPLES,
-    CGDescent,
-    Descent,
-    MatrixDescent,
-    SampledDescent,
-    SampleSpaceDescent,
 )
-from .solve.direct import DirectResult
 from .solve.nystrom import NystromCache
-from .solve.quadratic import QuadraticDescent
 from .solve.state import StepState
-from .solve.step import DampingRule, LineSearch, Outcome, Problem, damped_step, next_state
 from .step_call import batch_of_call, refuse_grad_scaler
-from .step_info import StepInfo, log_step, step_info
+from .step_info import StepInfo, log_step
 
 __all__ = ["SGN", "StepInfo"]
 
@@ -258,6 +256,14 @@ class SGN(torch.optim.Optimizer):
             (its rows: parameters, or the batch's outputs). Default 4000 (the matrix and its
             factor take about 384 MB: they are float64).
 
+    Raises:
+        ValueError: an invalid option or setting (the message names it and its valid range),
+            ``cuda_graphs=True`` in a data-parallel group of several processes,
+            ``curvature_fraction < 1`` on a :class:`~torch_sgn.pinn.Residuals` problem, or
+            ``solver="direct"`` on a model whose ``P x P`` matrices do not fit in its device's
+            free memory (where its steps cannot go through the batch's outputs).
+        TypeError: a model or loss of the wrong kind.
+
     :meth:`SGN.paper` builds the paper's configuration
     (:data:`~torch_sgn.options.PAPER_OPTIONS`) whatever the
     defaults here.
@@ -328,12 +334,11 @@ class SGN(torch.optim.Optimizer):
         solver: str = "auto",
         direct_max_params: int = direct.DEFAULT_DIRECT_MAX_PARAMS,
     ):
-        given = locals()  # the options kept in param_groups, by their keys (options.KEYS)
-        defaults = {key: given[ARGUMENT_NAMES.get(key, key)] for key in KEYS}
-        self._options = Options.of(defaults)  # the options of the step in progress
-        self._setup = setup = Setup.of(
-            engine, cuda_graphs, compile, curvature_fraction, solver, direct_max_params
-        )
+        given = locals()  # the arguments: options (kept in param_groups) and settings
+        # the options of the step in progress
+        self._options = Options().replace(**{name: given[name] for name in OPTION_ARGUMENTS})
+        self._setup = setup = Setup().replace(**{key: given[key] for key in SETUP_KEYS})
+        defaults = self._options.group()
 
         if isinstance(model, nn.parallel.DistributedDataParallel) and process_group is None:
             process_group = model.process_group  # (FunctionalModel takes the module it wraps)
@@ -359,8 +364,7 @@ class SGN(torch.optim.Optimizer):
                 "to its blocks, not to one batch of samples to draw a subset from; use "
                 "curvature_fraction=1 (exact steps form G from every residual)"
             )
-        self._per_sample: dict = {}  # batch shapes -> whether the model is per-sample on them
-        self._last_inputs = auto.BatchMemory()  # the last step's inputs (route_plan.fits_one_batch)
+        self._router = Router(self._caps, setup, self._fmodel)  # the route decisions
         self._nystrom = NystromCache()  # CG's preconditioner="nystrom"
         self._nested_warned = False  # the notice of auto.NESTED_NOTICE given
         if setup.solver == "direct" and not through_outputs(self._caps, setup, self._options):
@@ -396,6 +400,14 @@ class SGN(torch.optim.Optimizer):
         return cls(model, loss, **{**PAPER_OPTIONS, **overrides})
 
     def add_param_group(self, param_group: dict) -> None:
+        """Adds SGN's one parameter group (called once, by the constructor).
+
+        Args:
+            param_group: the group: the model's trainable parameters and SGN's options.
+
+        Raises:
+            ValueError: a second group: SGN optimizes the whole model given to it.
+        """
         if self.param_groups:
             raise ValueError(
                 "SGN optimizes the whole model given to it and doesn't support parameter groups"
@@ -404,7 +416,15 @@ class SGN(torch.optim.Optimizer):
 
     # --- state -------------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict) -> None:
-        """Loads SGN's state; another optimizer's ``state_dict`` raises ``ValueError`` here."""
+        """Loads SGN's state (its options and :class:`~torch_sgn.solve.state.StepState`).
+
+        Args:
+            state_dict: what :meth:`state_dict` returned, of an SGN on the same model.
+
+        Raises:
+            ValueError: another optimizer's ``state_dict``, one lacking an SGN option or one
+                whose values SGN refuses (:func:`~torch_sgn.options.check_loaded_state`).
+        """
         check_loaded_state(state_dict)
         super().load_state_dict(state_dict)
         self._nystrom.reset()  # built afresh at the next step that uses it
@@ -429,12 +449,12 @@ class SGN(torch.optim.Optimizer):
         if "_comm" in self.__dict__:  # load_state_dict's call: the optimizer is built already
             return
         self._comm = SingleProcess()
-        self._per_sample, self._nystrom = {}, NystromCache()
-        self._last_inputs = auto.BatchMemory()
+        self._nystrom = NystromCache()
         with warnings.catch_warnings():  # the original already warned about its engine
             warnings.simplefilter("ignore")
             self._engine = self._selected_engine()
         self._caps = Capabilities.of(self._fmodel.model, self._engine, True)
+        self._router = Router(self._caps, self._setup, self._fmodel)
 
     def _global_state(self) -> dict:
         """SGN's state (:class:`~torch_sgn.solve.state.StepState` as a dict), kept on the first
@@ -492,55 +512,49 @@ class SGN(torch.optim.Optimizer):
         state, theta, buffers = StepState.of(stored), self._fmodel.flat(), {}
         # Plan the rows: more than an exact step takes go by samples of them, then all.
         most, fm = self._setup.direct_max_params, self._fmodel
-        plan = route_plan.start(self._caps, self._setup, options, fm.model, batch, fm.numel, state)
-        batch, drawn = many_rows.sampled_batch(plan.rows, self._fmodel.model, batch, most, state)
-        trainable = self._fmodel.trainable_mask()
-        self._fmodel.warn_unfrozen()
-        with self._fmodel.consistent():
+        plan = self._router.start(options, batch, state)
+        batch, drawn = many_rows.sampled_batch(plan.rows, fm.model, batch, most, state)
+        trainable = fm.trainable_mask()
+        fm.warn_unfrozen()
+        with fm.consistent():
             # Linearize: the loss, its gradient and v -> G v at theta on the batch.
             lin, plan = self._linearize(plan, state.step, theta, batch, buffers)
             work = state  # what the direction is computed from
             if trainable is not None:  # restricted to the parameters still trainable
                 lin, work = lin.restricted(trainable), state.restricted(trainable)
             # Check: a finite loss and gradient, else raise with nothing changed.
-            loss0, grad_norm = finite_loss(lin, batch, self._loss)
+            loss0, grad_norm = finite_loss(lin, batch, self._loss, self._router.problem)
             # Choose the route: the right-hand side, the descent that may solve exactly, and
             # for solver="auto" whether this step takes it (or probes it).
-            rhs, momentum_buffer = self._momentum(lin.grad, work)
-            plan = self._route(plan, state, loss0, lin, rhs, batch)
+            rhs = core.right_hand_side(lin.grad, work, options)
+            loss_at = functools.partial(self._loss_at, lin, batch=batch)
+            plan = self._router.route(plan, options, lin, rhs[0], batch, state, loss0, loss_at)
             logger.debug("step %d: %s", state.step, plan)
-            # On all of too many rows: a sample of J's rows preconditions CG.
-            sample = lin.rows(state.step) if plan.route == SAMPLED and lin.rows else None
+            if plan.phase.one_batch and not self._nested_warned:
+                self._nested_warned = True
+                warn(auto.NESTED_NOTICE)
             # Solve with damping attempts, then the line search (nothing written).
-            problem = Problem(lin.grad, rhs, loss0, self._trial_loss(lin, theta, batch))
-            run = self._solve(plan.phase, lin, problem, work, theta, batch, trainable, sample)
-            candidate, evals = None, run.evals
-            if plan.phase.probe is not None:  # the exact step too, judged on the next batch
-                probe = auto.Phase(plan.phase.probe)
-                exact = self._solve(probe, lin, problem, work, theta, batch, trainable)
-                evals += exact.evals
-                if exact.moved:
-                    candidate = theta + exact.trial.displacement(exact.step_factor)
-                exact = None
+            point = self._point(lin, theta, batch, loss_at, trainable, state.step, plan.route)
+            taken = core.take(lin, work, options, plan.phase, plan.exact, rhs, loss0, point)
         # Commit: nothing above has touched the model or the optimizer's state.
-        if run.moved:
-            self._fmodel.write(theta + run.trial.displacement(run.step_factor))
-        self._fmodel.write_buffers(buffers)
+        if taken.run.moved:
+            fm.write(theta + taken.displacement)
+        fm.write_buffers(buffers)
         if options.keep_grad:
-            self._fmodel.write_grad(lin.grad)
-        after = next_state(
-            options, self._setup.solver, state, run, plan.exact, plan.phase, loss0, candidate,
-            momentum_buffer,
-        )  # fmt: skip
-        if plan.rows is not None:
-            after = many_rows.next_state(after, plan.rows, loss0, fm.model, inputs, most)
+            fm.write_grad(lin.grad)
+        after = core.next_state(state, taken, options, self._setup.solver)
+        if plan.rows is not None:  # the rows' stages advance their own part
+            rows = many_rows.advance(
+                after.rows, state.step, plan.rows, loss0, fm.model, inputs, most
+            )
+            after = replace(after, rows=rows)
         after.write(stored)
         # Report.
         decay = options.weight_decay
         penalty = weight_penalty(theta, decay) if decay else 0.0
-        info = step_info(run, loss0, grad_norm, evals, options.lr, float(penalty))
+        info = replace(taken.info(grad_norm, options.lr, float(penalty)), plan=plan)
         if plan.rows is not None:
-            info = replace(info, sample=many_rows.points_used(sample, drawn))
+            info = replace(info, sample=many_rows.points_used(point.sample, drawn))
         log_step(state.step, info)
         return info
 
@@ -558,7 +572,7 @@ class SGN(torch.optim.Optimizer):
             lin = many_rows.linearized(fm, self._loss, theta, batch, most)
         lin = lin or self._comm.linearize(t, self._step_engine(t), theta, batch, buffers)
         check_loss_parameters(self._loss, self._fmodel, lin, theta, batch)
-        row_by_row = lin.rows is None and self._jacobian_applies(lin, theta, batch)
+        row_by_row = self._router.row_by_row(lin, theta, batch)
         if row_by_row:
             lin = with_jacobian(lin, self._fmodel, self._loss, theta, batch)
         plan = route_plan.with_jacobian(plan, lin, row_by_row)
@@ -566,92 +580,27 @@ class SGN(torch.optim.Optimizer):
         # the same theta) and before the mask of frozen parameters (which keeps them still).
         return lin.regularized(self._options.weight_decay, theta), plan
 
-    def _momentum(self, grad: Tensor, state: StepState) -> tuple[Tensor, Optional[Tensor]]:
-        """The right-hand side ``m_hat`` and the new moving average (None without momentum)."""
-        beta = self._options.gradient_averaging
-        if beta == 0:
-            return grad, None
-        m = state.momentum_buffer
-        m = (1 - beta) * grad if m is None else beta * m + (1 - beta) * grad
-        return m / (1 - beta ** (state.step + 1)), m
-
-    def _route(
+    def _point(
         self,
-        plan: Plan,
-        state: StepState,
-        loss0: float,
         lin: Linearization,
-        rhs: Tensor,
-        batch: Batch,
-    ) -> Plan:
-        """The plan with the route this step could take exactly and the phase it takes
-        (:func:`torch_sgn.route_plan.with_route`)."""
-        fm = self._fmodel
-        return route_plan.with_route(
-            plan, self._setup, self._options, lin, rhs, fm.numel, fm.device, state, loss0,
-            lambda point: self._loss_at(lin, point, batch),
-            lambda: fits_one_batch(self._caps, self._last_inputs.repeated(batch.args)),
-            fm.calls_autograd,
-        )  # fmt: skip
-
-    def _solve(
-        self,
-        phase: auto.Phase,
-        lin: Linearization,
-        problem: Problem,
-        state: StepState,
         theta: Tensor,
         batch: Batch,
-        trainable: Optional[Tensor],
-        sample: Optional[RowSample] = None,
-    ) -> Outcome:
-        """The step by ``phase``'s route: its descent's damping attempts and the line search."""
-        options, route = self._options, phase.route
-        if phase.one_batch and not self._nested_warned:
-            self._nested_warned = True
-            warn(auto.NESTED_NOTICE)
-        descent = self._descent(lin, problem.rhs, state, route, sample, phase.one_batch)
-        if route == CG and options.step_rule == "quadratic":
-            descent = QuadraticDescent(descent, lin.ggn_vp, lin.grad, problem.rhs, state.prev_step)
-        accelerate = self._accelerator(lin, batch, theta, route, trainable)
-        rule = DampingRule.of(options, exact=route != CG)
-        return damped_step(descent, problem, state, rule, LineSearch.of(options), accelerate)
-
-    def _descent(
-        self,
-        lin: Linearization,
-        rhs: Tensor,
-        state: StepState,
+        loss_at: Callable[[Tensor], float],
+        mask: Optional[Tensor],
+        t: int,
         route: str,
-        sample: Optional[RowSample] = None,
-        one_batch: bool = False,
-    ) -> Descent:
-        r"""``damping -> solution`` of :math:`(G + \rho I) d = -\hat m` for this step's
-        linearization by ``route``: the step's attempts share it and differ only in the
-        damping (the direct solver forms its matrix once and factors it for each)."""
-        if route == SAMPLED:
-            assert sample is not None
-            return SampledDescent(lin.ggn_vp, rhs, sampled.SampledPreconditioner(sample))
-        if route == SAMPLES:
-            assert lin.sample_space is not None and rhs is lin.grad
-            return SampleSpaceDescent(lin.sample_space, lin.grad, lin.ggn_vp)
-        if route == MATRIX:
-            return MatrixDescent(lin.ggn_matrix, rhs)
-        options = self._options
-        cg = auto.cg_settings(options, state.step, one_batch, rhs.dtype)
-        x0 = None
-        if options.warm_start > 0 and state.prev_direction is not None:
-            x0 = options.warm_start * state.prev_direction
-        kind = cg.preconditioner
-        exponent = options.preconditioner_exponent if kind in (True, "diagonal") else None
-        approx = None
-        if kind == "nystrom":
-            rank, every = options.preconditioner_rank, options.preconditioner_every
-            approx = self._nystrom.at(lin.ggn_vp, rhs, state.step, rank, every)
-        return CGDescent(
-            lin.ggn_vp, rhs, cg.iters, cg.tol, cg.rtol, options.cg_progress_tol, x0, exponent,
-            approx,
-        )  # fmt: skip
+    ) -> core.Point:
+        """How the step core evaluates at other points of this step's batch: the objective
+        (``loss_at``), and the geodesic acceleration's outputs; on all of too many rows, the
+        sample that preconditions CG."""
+        sample = lin.rows(t) if route == SAMPLED and lin.rows else None
+        return core.Point(
+            theta=theta,
+            loss_at=loss_at,
+            accelerator=lambda route: self._accelerator(lin, batch, theta, route, mask),
+            sample=sample,
+            nystrom=self._nystrom,
+        )
 
     def _accelerator(
         self,
@@ -660,16 +609,12 @@ class SGN(torch.optim.Optimizer):
         theta: Tensor,
         route: str,
         mask: Optional[Tensor],
-    ) -> Optional[Callable[[DirectResult], Optional[Tensor]]]:
+    ) -> core.Accelerate:
         r"""``solution -> (lr^2 / 2) a``, the geodesic acceleration's term of an exact step
-        (:func:`torch_sgn.solve.geodesic.accelerator`), or ``None`` where no step takes one:
-        CG steps, or the option off.
+        by ``route`` (:func:`torch_sgn.solve.geodesic.accelerator`).
 
         In a data-parallel group each rank differences its shard's outputs and the shards'
         ``J^T H f_vv`` are reduced as the gradient is, so every rank takes the same step."""
-        options = self._options
-        if route == CG or not geodesic.wanted(options.geodesic_acceleration, theta.dtype):
-            return None
         outputs_at = lin.outputs_at
         if outputs_at is None:
             outputs_at = lambda flat: self._fmodel(flat, batch.inputs)  # noqa: E731
@@ -681,18 +626,8 @@ class SGN(torch.optim.Optimizer):
         return geodesic.accelerator(
             theta, outputs_at, lambda centre: self._loss.hessian(centre, batch.targets), vjp,
             self._comm.shares, lin.sample_space.size if samples else theta.numel(),
-            0.5 * options.lr**2, mask,
+            0.5 * self._options.lr**2, mask,
         )  # fmt: skip
-
-    def _trial_loss(self, lin: Linearization, theta: Tensor, batch: Batch) -> Callable[..., float]:
-        """``(displacement, a) -> loss`` at ``theta + displacement`` on the batch."""
-
-        def loss_at(displacement: Tensor, a: float = 1.0) -> float:
-            value = self._loss_at(lin, theta + displacement, batch)
-            logger.debug("  line search: a=%.4g loss=%.6g", a, value)
-            return value
-
-        return loss_at
 
     # --- helpers -----------------------------------------------------------------------------
     def _selected_engine(self) -> Engine:
@@ -708,21 +643,6 @@ class SGN(torch.optim.Optimizer):
         if fraction < 1:
             return curvature_subset(self._engine, self._loss, fraction, seed=t)
         return self._engine
-
-    def _jacobian_applies(self, lin: Linearization, theta: Tensor, batch: Batch) -> bool:
-        """Whether this step's exact solves form ``J`` row by row
-        (:func:`torch_sgn.route_plan.forms_jacobian`), the model being per-sample on batches
-        of this shape (checked once per shape and mode)."""
-        if not forms_jacobian(self._caps, self._setup, lin):
-            return False
-        key = (
-            tuple((tuple(x.shape), x.dtype) for x in batch.args),
-            self._fmodel.model.training,
-            self._fmodel.settings(),
-        )
-        if key not in self._per_sample:
-            self._per_sample[key] = per_sample(self._fmodel, theta, batch)
-        return self._per_sample[key]
 
     def _single_process(self) -> bool:
         return isinstance(self._comm, SingleProcess)

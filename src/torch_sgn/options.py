@@ -18,12 +18,15 @@ from typing import Callable, Mapping, Optional, Union
 
 from .engines.selection import ENGINE_ALIASES, ENGINES, engine_name
 from .solve.damping import DAMPING_SCHEDULES, DAMPING_UPDATES
-from .solve.direct import SOLVERS
+from .solve.direct import DEFAULT_DIRECT_MAX_PARAMS, SOLVERS
 from .solve.quadratic import STEP_RULES
 
 __all__ = [
     "ARGUMENT_NAMES",
     "KEYS",
+    "KEY_OF",
+    "OPTION_ARGUMENTS",
+    "SETUP_KEYS",
     "PAPER_OPTIONS",
     "PRECONDITIONERS",
     "Options",
@@ -37,39 +40,42 @@ __all__ = [
 @dataclass(frozen=True)
 class Options:
     """SGN's options as one step reads them: the keys of its parameter group besides
-    ``"params"`` (:data:`KEYS`), read once per step by :meth:`of`, which checks them. Their
-    defaults and meaning are :class:`~torch_sgn.SGN`'s arguments of the same name
-    (``gradient_averaging``: its ``momentum``, :data:`ARGUMENT_NAMES`)."""
+    ``"params"`` (:data:`KEYS`). ``Options()`` holds the defaults, which :class:`~torch_sgn.SGN`'s
+    signature repeats (``tests/test_options.py`` ties the two together); their meaning is
+    :class:`~torch_sgn.SGN`'s argument of the same name (``gradient_averaging``: its
+    ``momentum``, :data:`ARGUMENT_NAMES`). A step reads them once, checked, by :meth:`of`;
+    :meth:`replace` makes checked variants (:func:`torch_sgn.least_squares` builds its options
+    so)."""
 
-    lr: float
-    damping: float
-    damping_min: Optional[float]
-    cg_iters: int
-    cg_tol: Optional[float]
-    cg_rtol: float
-    cg_progress_tol: float
-    attempts: int
-    damping_update: str
-    line_search: bool
-    trust_region: bool
-    gradient_averaging: float
-    warmup_cg_iters: Optional[int]
-    warmup_steps: int
-    damping_schedule: str
-    damping_decay_steps: int
-    preconditioner: Union[bool, str]
-    preconditioner_exponent: float
-    preconditioner_rank: int
-    preconditioner_every: int
-    warm_start: float
-    ls_c: float
-    ls_shrink: float
-    ls_max_evals: int
-    keep_grad: bool
-    geodesic_acceleration: Union[None, bool, str]
-    reject_uphill: bool
-    weight_decay: float
-    step_rule: str
+    lr: float = 1.0
+    damping: float = 1e-4
+    damping_min: Optional[float] = None
+    cg_iters: int = 10
+    cg_tol: Optional[float] = None
+    cg_rtol: float = 0.0
+    cg_progress_tol: float = 0.0
+    attempts: int = 1
+    damping_update: str = "threshold"
+    line_search: bool = True
+    trust_region: bool = True
+    gradient_averaging: float = 0.0
+    warmup_cg_iters: Optional[int] = None
+    warmup_steps: int = 10
+    damping_schedule: str = "constant"
+    damping_decay_steps: int = 10
+    preconditioner: Union[bool, str] = False
+    preconditioner_exponent: float = 1.0
+    preconditioner_rank: int = 100
+    preconditioner_every: int = 10
+    warm_start: float = 0.0
+    ls_c: float = 1e-4
+    ls_shrink: float = 0.5
+    ls_max_evals: int = 10
+    keep_grad: bool = False
+    geodesic_acceleration: Union[None, bool, str] = None
+    reject_uphill: bool = True
+    weight_decay: float = 0.0
+    step_rule: str = "lr"
 
     @classmethod
     def of(cls, group: Mapping, in_step: bool = False) -> Options:
@@ -79,6 +85,25 @@ class Options:
         check_options(group, in_step)
         return cls(**{key: group[key] for key in KEYS})
 
+    def replace(self, **changes: object) -> Options:
+        """A copy with ``changes``, named as :class:`~torch_sgn.SGN`'s arguments
+        (``momentum`` for ``gradient_averaging``), checked as SGN checks its arguments.
+
+        Raises:
+            TypeError: a name that is not one of these options.
+            ValueError: an invalid value (the message names it and its valid range).
+        """
+        unknown = sorted(set(changes) - set(OPTION_ARGUMENTS))
+        if unknown:
+            raise TypeError(f"unknown option(s) {unknown}: SGN's options are {OPTION_ARGUMENTS}")
+        group = {key: getattr(self, key) for key in KEYS}
+        group.update({KEY_OF.get(name, name): value for name, value in changes.items()})
+        return Options.of(group)
+
+    def group(self) -> dict:
+        """The options as the keys of SGN's parameter group."""
+        return {key: getattr(self, key) for key in KEYS}
+
 
 #: SGN's options, the keys of its parameter group besides ``"params"``.
 KEYS = tuple(f.name for f in fields(Options))
@@ -87,14 +112,15 @@ KEYS = tuple(f.name for f in fields(Options))
 @dataclass(frozen=True)
 class Setup:
     """SGN's settings fixed at construction, not kept in ``param_groups`` (see
-    :class:`~torch_sgn.SGN`'s arguments of the same names); :meth:`of` checks them."""
+    :class:`~torch_sgn.SGN`'s arguments of the same names); ``Setup()`` holds their defaults,
+    :meth:`of` and :meth:`replace` check them."""
 
-    engine: str  # its canonical name (engine_name)
-    cuda_graphs: bool
-    compile: bool
-    curvature_fraction: float
-    solver: str
-    direct_max_params: int
+    engine: str = "auto"  # its canonical name (engine_name)
+    cuda_graphs: bool = False
+    compile: bool = False
+    curvature_fraction: float = 1.0
+    solver: str = "auto"
+    direct_max_params: int = DEFAULT_DIRECT_MAX_PARAMS
 
     @classmethod
     def of(
@@ -113,12 +139,33 @@ class Setup:
             direct_max_params,
         )  # fmt: skip
 
+    def replace(self, **changes: object) -> Setup:
+        """A copy with ``changes`` (:data:`SETUP_KEYS`), checked.
+
+        Raises:
+            TypeError: a name that is not one of these settings.
+            ValueError: an invalid value.
+        """
+        unknown = sorted(set(changes) - set(SETUP_KEYS))
+        if unknown:
+            raise TypeError(f"unknown setting(s) {unknown}: SGN's settings are {SETUP_KEYS}")
+        values = {key: getattr(self, key) for key in SETUP_KEYS}
+        values.update(changes)
+        return Setup.of(**values)
+
+
+#: SGN's settings fixed at construction (:class:`Setup`).
+SETUP_KEYS = tuple(f.name for f in fields(Setup))
 
 #: The values of ``preconditioner``: none, the paper's diagonal, a randomized Nystrom one.
 PRECONDITIONERS = (False, True, "diagonal", "nystrom")
 
 #: The constructor's argument for each group key named otherwise.
 ARGUMENT_NAMES = {"gradient_averaging": "momentum"}
+#: The group key of each constructor argument named otherwise.
+KEY_OF = {name: key for key, name in ARGUMENT_NAMES.items()}
+#: SGN's options by the names of its arguments, in :data:`KEYS`'s order.
+OPTION_ARGUMENTS = tuple(ARGUMENT_NAMES.get(key, key) for key in KEYS)
 
 #: The paper's configuration (Gargiani et al., 2020, Section 4, with the original
 #: implementation's settings of its runs): the arguments :meth:`SGN.paper` passes, and the one

@@ -6,12 +6,10 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from .solve.direct import DirectResult
-
 if TYPE_CHECKING:
-    from .solve.step import Outcome
+    from .route_plan import Plan
 
-__all__ = ["StepInfo", "log_step", "step_info"]
+__all__ = ["StepInfo", "log_step"]
 
 logger = logging.getLogger("torch_sgn")
 
@@ -73,6 +71,10 @@ class StepInfo:
             ``loss_after`` and ``grad_norm`` are then the sample's, estimates of the whole
             problem's), or those whose rows preconditioned CG on every row (``"cg"``);
             ``None`` where the step used no sample.
+        plan: the step's :class:`~torch_sgn.route_plan.Plan`: the rows it used, how its ``J``
+            was formed, the exact route it could take and the route it took (with
+            ``solver="auto"``'s probe and verdict). ``None`` for steps not taken by
+            :meth:`SGN.step` (the curve-fit steps of :func:`torch_sgn.least_squares`).
     """
 
     loss: float
@@ -95,36 +97,7 @@ class StepInfo:
     uphill_resolves: int = 0
     penalty: float = 0.0
     sample: Optional[tuple] = None
-
-
-def step_info(
-    run: Outcome, loss0: float, grad_norm: float, evals: int, lr: float, penalty: float = 0.0
-) -> StepInfo:
-    """The :class:`StepInfo` of a step's outcome (:func:`~torch_sgn.solve.step.damped_step`):
-    ``loss0`` and ``grad_norm`` at its start, ``evals`` loss evaluations, step length ``lr``
-    and the weight decay's ``penalty`` in ``loss0``."""
-    trial, search, result = run.trial, run.search, run.trial.result
-    return StepInfo(
-        loss=loss0,
-        loss_after=search.loss if run.moved else loss0,
-        grad_norm=grad_norm,
-        iterations=result.iterations,
-        residual=trial.solution.residual_norm,
-        stop_reason=result.reason,
-        damping=run.damping,
-        next_damping=run.next_damping,
-        step_size=lr * run.step_factor,
-        tr_ratio=run.ratio,
-        predicted_change=trial.solution.predicted,
-        loss_evals=evals,
-        line_search_ok=search.success,
-        attempts=run.attempts,
-        solver="direct" if isinstance(result, DirectResult) else "cg",
-        accelerated=run.moved and trial.curve is not None,
-        taken=run.moved,
-        uphill_resolves=run.resolves,
-        penalty=penalty,
-    )
+    plan: Optional[Plan] = None
 
 
 def log_step(t: int, info: StepInfo) -> None:

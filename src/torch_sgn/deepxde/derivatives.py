@@ -23,6 +23,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tupl
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from ..pinn.operators import HessianJet, hessian_jet, jet
 from .networks import chain_of
@@ -83,6 +84,16 @@ class Answers:
 
     The first call's jet has the second partials ``pairs`` (those the function asked for
     before: :attr:`asked` after a call); one it did not take costs another jet with all of them.
+
+    A PDE may also differentiate what it computed from these tensors, to the first order: a
+    component sliced from the output (``u, a = ua[:, 0:1], ua[:, 1:2]``, which then stands for
+    that component), and sums, products, quotients, powers and ``sin``, ``cos``, ``exp``,
+    ``tanh`` of the output, its first derivatives and the points (PINNacle's inverse problems:
+    ``dde.grad.jacobian(a * u_x, x, i=0, j=0)``). While the PDE runs (:func:`answering`), each
+    such tensor is recorded with how it was made (:meth:`record`); its gradient in the points
+    is formed only when it is differentiated, by the chain rule from the jet's first and second
+    partials. Tensors that do not come from the points (data, the network's parameters) are
+    constants, as they are to DeepXDE's autograd.
     """
 
     def __init__(
@@ -101,6 +112,9 @@ class Answers:
         # the derivative of u_c along dims, ("deriv", c, dims): that derivative, (N, 1)
         self._kinds: Dict[int, tuple] = {id(self.jet.value): ("value",)}
         self._alive: List[Tensor] = [self.jet.value]
+        # the tensors the PDE made from tracked ones: id -> () -> their gradient in the points,
+        # shape (*tensor.shape, d) (raises where it cannot be formed)
+        self._made: Dict[int, Callable[[], Tensor]] = {}
 
     @property
     def value(self) -> Tensor:
@@ -108,6 +122,8 @@ class Answers:
         return self.jet.value
 
     def jacobian(self, ys: Tensor, xs: Tensor, i: Optional[int] = None, j: Optional[int] = None):
+        if xs is self.x and id(ys) not in self._kinds and id(ys) in self._made:
+            return self._made_jacobian(ys, i, j)
         kind = self._kind(ys, xs, "jacobian")
         if i is None:
             if ys.shape[1] > 1:
@@ -118,6 +134,10 @@ class Answers:
             i = 0
         if kind[0] == "value":
             c, dims = i, ()
+        elif kind[0] == "component":  # a column sliced from the output
+            if i != 0:
+                raise NotImplementedError("dde.grad.jacobian of a (N, 1) component takes i=0")
+            c, dims = kind[1], ()
         elif kind[0] == "row":  # component i of a gradient: one more coordinate
             c, dims = kind[1], kind[2] + (i,)
         else:
@@ -132,6 +152,8 @@ class Answers:
         kind = self._kind(ys, xs, "hessian")
         if kind[0] == "value":
             return self._derivative(component, (i, j))
+        if kind[0] == "component" and component == 0:
+            return self._derivative(kind[1], (i, j))
         if kind[0] == "deriv" and component == 0:
             return self._derivative(kind[1], kind[2] + (i, j))
         raise NotImplementedError(
@@ -173,6 +195,96 @@ class Answers:
             source = self._full
         return source.hessian[:, c, k, j : j + 1]
 
+    # --- tensors the PDE makes from the tracked ones (first order) ---------------------------
+    def record(self, func: Callable, args: tuple, kwargs: dict, out: object) -> None:
+        """Notes ``out = func(*args, **kwargs)`` where an argument is a tracked tensor (the
+        points, the output, a derivative, or a tensor recorded before): a column sliced from
+        the output becomes that component; anything else, a tensor whose gradient in the
+        points :meth:`jacobian` forms when asked (:data:`_RULES`; another function's result
+        cannot be differentiated, and says so then)."""
+        if not isinstance(out, Tensor) or kwargs:
+            return
+        tracked = [a for a in args if isinstance(a, Tensor) and self._tracked(a)]
+        if not tracked:
+            return
+        name = getattr(func, "__name__", "")
+        if name == "__getitem__" and args[0] is self.jet.value:
+            c = _column(args[1], out)
+            if c is not None:
+                self._keep(out, ("component", c))
+                return
+        rule = _RULES.get(name)
+
+        def grad() -> Tensor:
+            if rule is None:
+                raise NotImplementedError(
+                    f"torch_sgn.deepxde differentiates sums, products, quotients, powers, "
+                    f"slices and sin, cos, exp, tanh of the network's output and its first "
+                    f"derivatives; this PDE differentiates the result of {name or func}"
+                )
+            grads = [self._grad_of(a) if isinstance(a, Tensor) else None for a in args]
+            return rule(args, grads, out)
+
+        self._made[id(out)] = grad
+        self._alive.append(out)
+
+    def _tracked(self, t: Tensor) -> bool:
+        return t is self.x or id(t) in self._kinds or id(t) in self._made
+
+    def _grad_of(self, t: Tensor) -> Optional[Tensor]:
+        """``t``'s gradient in the points, shape ``(*t.shape, d)``; ``None`` for a constant (a
+        tensor that does not come from the points)."""
+        d = self.x.shape[1]
+        if t is self.x:
+            eye = torch.eye(d, dtype=t.dtype, device=t.device)
+            return eye.expand(t.shape[0], d, d)
+        if id(t) in self._made:
+            return self._made[id(t)]()
+        kind = self._kinds.get(id(t))
+        if kind is None:
+            return None
+        if kind[0] == "value":
+            return self.jet.gradient
+        if kind[0] == "component":
+            return self.jet.gradient[:, kind[1] : kind[1] + 1, :]
+        if kind[0] == "deriv" and len(kind[2]) == 1:  # d u_c / dx_k, (N, 1): its row of H
+            c, (k,) = kind[1], kind[2]
+            row = torch.cat([self._second(c, k, j) for j in range(d)], 1)
+            return row[:, None, :]
+        if kind[0] == "row" and not kind[2]:  # the gradient of u_c, (N, d): H
+            c = kind[1]
+            rows = [torch.cat([self._second(c, k, j) for j in range(d)], 1) for k in range(d)]
+            return torch.stack(rows, 1)
+        raise NotImplementedError(
+            "torch_sgn.deepxde differentiates expressions of the network's output and its first "
+            "derivatives; this PDE differentiates an expression of a derivative of order "
+            f"{len(kind[2]) if len(kind) > 2 else 2} or more"
+        )
+
+    def _made_jacobian(self, ys: Tensor, i: Optional[int], j: Optional[int]) -> Tensor:
+        """``dde.grad.jacobian`` of a tensor the PDE made (:meth:`record`)."""
+        if ys.dim() != 2:
+            raise NotImplementedError("dde.grad.jacobian of a tensor that is not (N, k)")
+        if i is None:
+            if ys.shape[1] > 1:
+                raise NotImplementedError(
+                    "dde.grad.jacobian(ys, xs, i=None) of a ys with several components: name "
+                    "the component i"
+                )
+            i = 0
+        grad = self._made[id(ys)]()[:, i, :]  # (N, d)
+        out = grad if j is None or self.x.shape[1] == 1 else grad[:, j : j + 1]
+
+        def again() -> Tensor:
+            raise NotImplementedError(
+                "torch_sgn.deepxde differentiates an expression of the network's output once; "
+                "this PDE differentiates such a derivative again"
+            )
+
+        self._made[id(out)] = again
+        self._alive.append(out)
+        return out
+
     def _kind(self, ys: Tensor, xs: Tensor, what: str) -> tuple:
         if xs is not self.x:
             raise NotImplementedError(
@@ -203,6 +315,132 @@ def answering(answers: Answers) -> Iterator[Answers]:
     saved = grad.jacobian, grad.hessian
     grad.jacobian, grad.hessian = answers.jacobian, answers.hessian
     try:
-        yield answers
+        with _Recording(answers):
+            yield answers
     finally:
         grad.jacobian, grad.hessian = saved
+
+
+class _Recording(TorchFunctionMode):
+    """Hands every torch function's result to :meth:`Answers.record`."""
+
+    def __init__(self, answers: Answers):
+        super().__init__()
+        self.answers = answers
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.answers.record(func, args, kwargs, out)
+        return out
+
+
+def _column(index: object, out: Tensor) -> Optional[int]:
+    """``c`` where ``index`` takes column ``c`` of a 2-D tensor as ``(N, 1)``
+    (``[:, c : c + 1]``), else ``None``."""
+    if not (isinstance(index, tuple) and len(index) == 2 and out.dim() == 2):
+        return None
+    rows, cols = index
+    if rows != slice(None) or not isinstance(cols, slice) or cols.step not in (None, 1):
+        return None
+    if cols.start is None or out.shape[1] != 1:
+        return None
+    return int(cols.start)
+
+
+def _grad(g: Optional[Tensor], like: Tensor) -> Tensor:
+    """A gradient, or zeros where the operand is a constant (``None``)."""
+    if g is not None:
+        return g
+    return torch.zeros(*like.shape, 1, dtype=like.dtype, device=like.device)
+
+
+def _unsqueezed(t: object) -> object:
+    """An operand ready to multiply a gradient: a trailing axis for a tensor."""
+    return t[..., None] if isinstance(t, Tensor) else t
+
+
+def _product(args: tuple, grads: list, out: Tensor) -> Tensor:
+    a, b = args[0], args[1]
+    ga, gb = grads[0], grads[1] if len(grads) > 1 else None
+    terms = []
+    if ga is not None:
+        terms.append(ga * _unsqueezed(b))
+    if gb is not None:
+        terms.append(_unsqueezed(a) * gb)
+    return _broadcast(sum(terms), out)
+
+
+def _sum(sign: float) -> Callable:
+    def rule(args: tuple, grads: list, out: Tensor) -> Tensor:
+        ga, gb = grads[0], grads[1] if len(grads) > 1 else None
+        total = _grad(ga, out) if gb is None else (gb * sign if ga is None else ga + sign * gb)
+        return _broadcast(total, out)
+
+    return rule
+
+
+def _reversed_difference(args: tuple, grads: list, out: Tensor) -> Tensor:  # other - self
+    return _broadcast(-grads[0], out)
+
+
+def _quotient(args: tuple, grads: list, out: Tensor) -> Tensor:
+    a, b = args[0], args[1]
+    ga, gb = grads[0], grads[1] if len(grads) > 1 else None
+    total = 0
+    if ga is not None:
+        total = ga / _unsqueezed(b)
+    if gb is not None:
+        total = total - _unsqueezed(a) * gb / _unsqueezed(b * b)
+    return _broadcast(total, out)
+
+
+def _reversed_quotient(args: tuple, grads: list, out: Tensor) -> Tensor:  # other / self
+    t, other = args[0], args[1]
+    return _broadcast(-_unsqueezed(other / (t * t)) * grads[0], out)
+
+
+def _power(args: tuple, grads: list, out: Tensor) -> Tensor:
+    t, p = args[0], args[1]
+    if isinstance(p, Tensor) or len(grads) > 1 and grads[1] is not None:
+        raise NotImplementedError("torch_sgn.deepxde differentiates powers by a constant number")
+    return _broadcast(_unsqueezed(p * t ** (p - 1)) * grads[0], out)
+
+
+def _chain(derivative: Callable[[Tensor, Tensor], Tensor]) -> Callable:
+    def rule(args: tuple, grads: list, out: Tensor) -> Tensor:
+        return _broadcast(_unsqueezed(derivative(args[0], out)) * grads[0], out)
+
+    return rule
+
+
+def _negated(args: tuple, grads: list, out: Tensor) -> Tensor:
+    return -grads[0]
+
+
+def _sliced(args: tuple, grads: list, out: Tensor) -> Tensor:
+    index = args[1] if isinstance(args[1], tuple) else (args[1],)
+    return grads[0][index]
+
+
+def _broadcast(g: Tensor, out: Tensor) -> Tensor:
+    return g.expand(*out.shape, g.shape[-1])
+
+
+#: How the gradient in the points of each function's result follows from its arguments' (the
+#: chain rule), by the function's name.
+_RULES: Dict[str, Callable[[tuple, list, Tensor], Tensor]] = {
+    "__getitem__": _sliced,
+    "__mul__": _product, "__rmul__": _product, "mul": _product, "multiply": _product,
+    "__add__": _sum(1.0), "__radd__": _sum(1.0), "add": _sum(1.0),
+    "__sub__": _sum(-1.0), "sub": _sum(-1.0), "subtract": _sum(-1.0),
+    "__rsub__": _reversed_difference,
+    "__truediv__": _quotient, "div": _quotient, "divide": _quotient, "true_divide": _quotient,
+    "__rtruediv__": _reversed_quotient,
+    "__pow__": _power, "pow": _power,
+    "__neg__": _negated, "neg": _negated, "negative": _negated,
+    "sin": _chain(lambda t, out: torch.cos(t)),
+    "cos": _chain(lambda t, out: -torch.sin(t)),
+    "exp": _chain(lambda t, out: out),
+    "tanh": _chain(lambda t, out: 1 - out * out),
+}  # fmt: skip

@@ -118,6 +118,8 @@ class SGN(torch.optim.Optimizer):
         Raises:
             ValueError: at the first step, DeepXDE's loss differs from the residuals' (a
                 ``compile`` loss other than ``"MSE"``); nothing is changed.
+            FloatingPointError: the loss is not finite (the message names the residual blocks
+                and the points where the residuals are not); nothing is changed.
         """
         self._sync()
         self.problem.refresh()
@@ -135,6 +137,14 @@ class SGN(torch.optim.Optimizer):
         ours = float(residuals.loss(residuals(*inputs), targets))
         dtype = next(residuals.parameters()).dtype
         tol = 1e-3 if dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-8
+        if not (math.isfinite(theirs) and math.isfinite(ours)):
+            where = residuals.non_finite(inputs)
+            raise FloatingPointError(
+                f"DeepXDE's loss on these points is {theirs:.6g}, the residual blocks' weighted "
+                f"mean squares are {ours:.6g}"
+                + (f": the residuals are not finite in {where}" if where else "")
+                + " (nothing was changed)"
+            )
         if not math.isclose(theirs, ours, rel_tol=tol, abs_tol=1e-30):
             raise ValueError(
                 f"DeepXDE's loss on these points is {theirs:.6g}, the residual blocks' weighted "

@@ -129,9 +129,21 @@ class _Substitute(TorchFunctionMode):
 class Problem:
     """The residual blocks of ``model`` (a ``dde.Model`` with ``dde.data.PDE`` or ``TimePDE``
     data): :attr:`residuals` is the :class:`~torch_sgn.pinn.Residuals` SGN steps on, its
-    points read from DeepXDE's training points at each :meth:`refresh`."""
+    points read from DeepXDE's training points at each :meth:`refresh`.
 
-    def __init__(self, model, variables: Sequence[Tensor], weights: Optional[Sequence[float]]):
+    Args:
+        model: the DeepXDE model (``dde.Model``, PyTorch backend).
+        variables: its external trainable variables (an inverse problem's unknowns).
+        weights: the loss weights, one per PDE component and condition (``None``: all 1).
+
+    Raises:
+        ValueError: a model the adapter does not take (:func:`check_model` says why), or
+            ``weights`` of another length than the model's losses.
+    """
+
+    def __init__(
+        self, model: object, variables: Sequence[Tensor], weights: Optional[Sequence[float]]
+    ):
         check_model(model)
         self.model, self.data = model, model.data
         self.network = Network(model.net, variables)
@@ -167,8 +179,11 @@ class Problem:
         return Residual(mean_of_row, weight=weight, sample=lambda step: self._tensors[name])
 
     def refresh(self) -> bool:
-        """Reads DeepXDE's training points where they changed (a first batch, a resampling):
-        returns whether they did."""
+        """Reads DeepXDE's training points where they changed (a first batch, a resampling).
+
+        Returns:
+            Whether they changed.
+        """
         data = self.data
         if data.train_x is None:
             data.train_next_batch()

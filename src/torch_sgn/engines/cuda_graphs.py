@@ -78,19 +78,19 @@ def _capture_cuda(
 
 #: Capture by device type. Tests add an eager stand-in for "cpu" (replay = call again), which
 #: checks the static buffers' plumbing everywhere; only CUDA captures for real.
-_CAPTURE: Dict[str, Capture] = {"cuda": _capture_cuda}
+CAPTURE: Dict[str, Capture] = {"cuda": _capture_cuda}
 
 
 def capture(fns: Sequence[Callable[[], None]], device: torch.device) -> List[Callable[[], None]]:
     """Captures each of ``fns`` on ``device`` (in order, one memory pool; they run before,
     uncaptured) and returns their replays. Raises ``RuntimeError`` where an operation cannot be
     captured. :func:`device_obstacle` says first whether the device can capture at all."""
-    return _CAPTURE[device.type](fns, device)
+    return CAPTURE[device.type](fns, device)
 
 
 def device_obstacle(device: torch.device) -> Optional[str]:
     """Why graphs cannot be captured on ``device``; ``None`` if they can."""
-    if device.type not in _CAPTURE:
+    if device.type not in CAPTURE:
         return f"the model is on {device.type}, not on a CUDA device"
     return None
 

@@ -17,18 +17,18 @@ reverse pass:
 alone.) Whether a model is per-sample is checked, not assumed: the rows' outputs must equal the
 batched forward pass's (:func:`per_sample`), else the route is not taken.
 
-A model may also say how its rows are formed: a module with a ``jacobian_blocks(inputs)``
-method (:class:`torch_sgn.pinn.Residuals`) returns the blocks of rows whose Jacobians are
-taken separately (its residual blocks, each over its own points). One with a
-``layer_factors(fmodel, flat, inputs)`` method may give ``J J^T`` and ``J^T u`` without ``J``
-(:mod:`torch_sgn.pinn.layer_kernel`), or ``None``.
+A residual problem (:class:`~torch_sgn.residual_problem.ResidualProblem`, such as
+:class:`torch_sgn.pinn.Residuals`) says how its rows are formed: the blocks of rows whose
+Jacobians are taken separately (its residual blocks, each over its own points), and maybe
+``J J^T`` and ``J^T u`` without ``J``, from its layers' factors
+(:mod:`torch_sgn.pinn.layer_kernel`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -38,24 +38,16 @@ from ..linearization import Linearization, RowSample, SampleSpace, loss_and_outp
 from ..losses import OutputLoss
 from ..model.flat_model import FunctionalModel
 from ..model.forward_mode import backward_hooks
+from ..residual_problem import JacobianBlock, residual_problem
 from ..solve.sampled import draw
 
-__all__ = ["JacobianBlock", "by_factors", "jacobian_rows", "per_sample", "with_jacobian"]
-
-
-class JacobianBlock:
-    """Rows of the model's outputs taken together: ``rows(flat, *point) -> outputs of one
-    point`` (flat), vmapped over ``points`` (tensors sharing their leading dimension; none for a
-    block of the parameters alone, whose ``rows(flat)`` is taken once)."""
-
-    def __init__(self, rows: Callable[..., Tensor], points: Sequence[Tensor]):
-        self.rows, self.points = rows, tuple(points)
+__all__ = ["by_factors", "jacobian_rows", "per_sample", "with_jacobian"]
 
 
 def _model_blocks(fmodel: FunctionalModel, batch: Batch) -> List[JacobianBlock]:
-    blocks = getattr(fmodel.model, "jacobian_blocks", None)
-    if blocks is not None:
-        return blocks(fmodel, batch.args)
+    problem = residual_problem(fmodel.model)
+    if problem is not None:
+        return problem.jacobian_blocks(fmodel, batch.args)
 
     def rows(flat: Tensor, *point: Tensor) -> Tensor:
         return fmodel(flat, tuple(p.unsqueeze(0) for p in point)).reshape(-1)
@@ -163,8 +155,10 @@ def with_jacobian(
 
     def factors():  # a model's own factors of J (layer_factors), or None
         if not factored:
-            of = getattr(fmodel.model, "layer_factors", None)
-            factored.append(None if of is None else of(fmodel, flat, batch.args))
+            problem = residual_problem(fmodel.model)
+            factored.append(
+                None if problem is None else problem.layer_factors(fmodel, flat, batch.args)
+            )
         return factored[0]
 
     def vjp(u: Tensor) -> Tensor:
@@ -210,8 +204,8 @@ def by_factors(
     ``rows``, a weighted sample of ``J``'s rows at about ``points`` points. ``None`` where the
     model has no factors, or the loss's output-space Hessian is not a multiple ``h I`` of the
     identity."""
-    of = getattr(fmodel.model, "layer_factors", None)
-    factors = None if of is None else of(fmodel, flat, batch.args)
+    problem = residual_problem(fmodel.model)
+    factors = None if problem is None else problem.layer_factors(fmodel, flat, batch.args)
     if factors is None or factors.values is None:
         return None
     outputs = factors.values.to(flat.dtype)

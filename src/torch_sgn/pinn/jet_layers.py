@@ -80,6 +80,10 @@ class ParallelLinear(nn.Module):
         inputs: per branch, the ``(start, stop)`` columns of the input it reads.
         scales: per branch, ``None`` or a constant tensor multiplying its input columns (a
             mask), broadcast against ``(N, stop - start)``.
+
+    Raises:
+        ValueError: as many input ranges as branches not given, or a branch that is not an
+            ``nn.Linear`` reading its range's number of columns.
     """
 
     def __init__(
@@ -102,11 +106,26 @@ class ParallelLinear(nn.Module):
         self.scales = list(scales) if scales is not None else [None] * len(linears)
 
     def forward(self, x: Tensor) -> Tensor:
+        """The layer at the points ``x`` (``(N, in)``).
+
+        Args:
+            x: the layer's input.
+
+        Returns:
+            The branches' outputs, concatenated.
+        """
         return self.propagate([x])[0]
 
     def propagate(self, channels: Sequence[Tensor]) -> List[Tensor]:
-        """The layer applied to each channel of a jet (each ``(..., N, in)``): ``channels[0]``
-        the value, which takes the biases, the others derivatives, which do not."""
+        """The layer applied to each channel of a jet.
+
+        Args:
+            channels: each ``(..., N, in)``: ``channels[0]`` the value, which takes the biases,
+                the others derivatives, which do not.
+
+        Returns:
+            The channels after the layer, in the same order.
+        """
         outs: List[List[Tensor]] = [[] for _ in channels]
         for linear, (start, stop), scale in zip(self.linears, self.inputs, self.scales):
             taken = [c[..., start:stop] for c in channels]
@@ -140,6 +159,14 @@ class InputMap(nn.Module):
         self.fn = fn
 
     def forward(self, x: Tensor) -> Tensor:
+        """The map at the points ``x``.
+
+        Args:
+            x: the points, ``(N, d)``.
+
+        Returns:
+            ``fn(x)``, ``(N, k)``.
+        """
         return self.fn(x)
 
     def _one(self, xi: Tensor) -> Tensor:
@@ -148,8 +175,16 @@ class InputMap(nn.Module):
     def input_jet(
         self, x: Tensor, pairs: Sequence[Tuple[int, int]]
     ) -> Tuple[Tensor, Tensor, Tensor]:
-        """At the points ``x``: the value ``(N, k)``, the gradient directions ``(d, N, k)`` and
-        the second partials ``pairs`` ``(P, N, k)`` (the layouts of the forward jets)."""
+        """The map's jet at the points, in the layouts of the forward jets.
+
+        Args:
+            x: the points, ``(N, d)``.
+            pairs: the second partials ``(i, j)`` to form.
+
+        Returns:
+            The value ``(N, k)``, the gradient directions ``(d, N, k)`` and the second partials
+            ``(P, N, k)``, one per pair.
+        """
         value = self.fn(x)
         n, k = value.shape
         if not pairs:
@@ -167,8 +202,17 @@ class InputMap(nn.Module):
         return value, grad.permute(2, 0, 1), second_partials
 
     def input_taylor(self, x: Tensor, dim: int, order: int) -> Tuple[Tensor, List[Tensor]]:
-        """At the points ``x``: the value ``(N, k)`` and the derivatives of orders ``1`` to
-        ``order`` along coordinate ``dim``, each ``(N, k)``."""
+        """The map's derivatives along one coordinate at the points.
+
+        Args:
+            x: the points, ``(N, d)``.
+            dim: the coordinate.
+            order: the highest order.
+
+        Returns:
+            The value ``(N, k)`` and the derivatives of orders ``1`` to ``order``, each
+            ``(N, k)``.
+        """
         e = torch.zeros(x.shape[1], dtype=x.dtype, device=x.device)
         e[dim] = 1
 

@@ -78,10 +78,25 @@ class Sin(nn.Module):
     """
 
     def forward(self, z: Tensor) -> Tensor:
+        """``sin z``, elementwise.
+
+        Args:
+            z: the pre-activation.
+
+        Returns:
+            ``sin z``.
+        """
         return torch.sin(z)
 
     def derivatives(self, z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Returns ``(sin z, cos z, -sin z)``."""
+        """The value and its first two derivatives, elementwise.
+
+        Args:
+            z: the pre-activation.
+
+        Returns:
+            ``(sin z, cos z, -sin z)``.
+        """
         s = torch.sin(z)
         return s, torch.cos(z), -s
 
@@ -169,9 +184,15 @@ def jet(
 
 
 def gradient(u: Callable[[Tensor], Tensor], x: Tensor, *, method: str = "auto") -> Tensor:
-    r"""The input gradient :math:`\partial u_i / \partial x_k` at ``[n, i, k]``, ``(N, m, d)``.
+    r"""The input gradient :math:`\partial u_i / \partial x_k` at ``[n, i, k]``.
 
-    See :func:`jet` for ``u``, ``x`` and ``method``.
+    Args:
+        u: the model, ``(N, d)`` points to ``(N, m)`` values (see :func:`jet`).
+        x: the points, ``(N, d)``.
+        method: ``"auto"``, ``"forward"`` or ``"func"`` (see :func:`jet`).
+
+    Returns:
+        The gradient, ``(N, m, d)``.
     """
     return jet(u, x, laplacian_dims=(), method=method).gradient
 
@@ -186,8 +207,19 @@ def laplacian(
     r"""The Laplacian :math:`\sum_{k \in K} \partial^2 u_i / \partial x_k^2` at ``[n, i]``.
 
     Shape ``(N, m)``. ``dims`` is :math:`K`, all ``d`` coordinates by default: for the heat
-    equation with points ``(t, x_1, x_2)``, ``dims=[1, 2]`` is the spatial Laplacian. See
-    :func:`jet` for ``u``, ``x`` and ``method``.
+    equation with points ``(t, x_1, x_2)``, ``dims=[1, 2]`` is the spatial Laplacian.
+
+    Args:
+        u: the model, ``(N, d)`` points to ``(N, m)`` values (see :func:`jet`).
+        x: the points, ``(N, d)``.
+        dims: the coordinates :math:`K` summed (``None``: all).
+        method: ``"auto"``, ``"forward"`` or ``"func"`` (see :func:`jet`).
+
+    Returns:
+        The Laplacian, ``(N, m)``.
+
+    Raises:
+        ValueError: ``dims`` empty, or as :func:`jet` raises.
     """
     if dims is not None and len(dims) == 0:
         raise ValueError("dims must name at least one coordinate, or be None for all of them")
@@ -198,8 +230,15 @@ def divergence(u: Callable[[Tensor], Tensor], x: Tensor, *, method: str = "auto"
     r"""The divergence :math:`\sum_i \partial u_i / \partial x_i` of a vector field, ``(N, 1)``.
 
     ``u`` must map ``(N, d)`` points to ``(N, d)`` values. The result keeps a component axis of
-    size one, like every operator here, so it adds to a scalar field's ``(N, 1)`` terms. See
-    :func:`jet` for ``u``, ``x`` and ``method``.
+    size one, like every operator here, so it adds to a scalar field's ``(N, 1)`` terms.
+
+    Args:
+        u: the model, ``(N, d)`` points to ``(N, m)`` values (see :func:`jet`).
+        x: the points, ``(N, d)``.
+        method: ``"auto"``, ``"forward"`` or ``"func"`` (see :func:`jet`).
+
+    Returns:
+        The divergence, ``(N, 1)``.
 
     Raises:
         ValueError: ``u``'s output has ``m != d`` components.
@@ -219,8 +258,16 @@ def time_derivative(
 ) -> Tensor:
     r"""The derivative :math:`\partial u_i / \partial x_{\text{dim}}` at ``[n, i]``, ``(N, m)``.
 
-    ``dim`` is the time coordinate of the points, the first by default. See :func:`jet` for
-    ``u``, ``x`` and ``method``.
+    ``dim`` is the time coordinate of the points, the first by default.
+
+    Args:
+        u: the model, ``(N, d)`` points to ``(N, m)`` values (see :func:`jet`).
+        x: the points, ``(N, d)``.
+        dim: the time coordinate.
+        method: ``"auto"``, ``"forward"`` or ``"func"`` (see :func:`jet`).
+
+    Returns:
+        The derivative, ``(N, m)``.
     """
     _check_points(x)
     (dim,) = _normalize_dims([dim], x.shape[1], "dim")
@@ -258,9 +305,20 @@ def hessian_jet(
     :math:`\sigma''(z) G_k G_l + \sigma'(z) H_{kl}`. The fallback is ``torch.func``'s
     ``jacfwd(jacrev(...))`` per point. See :func:`jet` for ``u``, ``x`` and ``method``.
 
-    ``pairs``: the second partials ``(k, l)`` to propagate on the forward route (each fills
-    ``[k, l]`` and ``[l, k]``; the others hold zeros): the few a PDE uses cost less than all
-    ``d (d + 1) / 2``. ``None`` (default) for all; the fallback computes all in any case.
+    Args:
+        u: the model, ``(N, d)`` points to ``(N, m)`` values (see :func:`jet`).
+        x: the points, ``(N, d)``.
+        method: ``"auto"``, ``"forward"`` or ``"func"`` (see :func:`jet`).
+        pairs: the second partials ``(k, l)`` to propagate on the forward route (each fills
+            ``[k, l]`` and ``[l, k]``; the others hold zeros): the few a PDE uses cost less
+            than all ``d (d + 1) / 2``. ``None`` (default) for all; the fallback computes all
+            in any case.
+
+    Returns:
+        A :class:`HessianJet`.
+
+    Raises:
+        ValueError: ``pairs`` out of range, an unknown ``method``, or as :func:`jet` raises.
     """
     _check_points(x)
     if method not in _METHODS:
@@ -288,8 +346,15 @@ def hessian_jet(
 
 def hessian(u: Callable[[Tensor], Tensor], x: Tensor, *, method: str = "auto") -> Tensor:
     r"""The second partial derivatives :math:`\partial^2 u_i / \partial x_k \partial x_l` at
-    ``[n, i, k, l]``, shape ``(N, m, d, d)`` (symmetric in ``k, l``): :func:`hessian_jet`'s
-    ``hessian``. See :func:`jet` for ``u``, ``x`` and ``method``.
+    ``[n, i, k, l]``: :func:`hessian_jet`'s ``hessian``.
+
+    Args:
+        u: the model, ``(N, d)`` points to ``(N, m)`` values (see :func:`jet`).
+        x: the points, ``(N, d)``.
+        method: ``"auto"``, ``"forward"`` or ``"func"`` (see :func:`jet`).
+
+    Returns:
+        The second partials, ``(N, m, d, d)``, symmetric in ``k, l``.
     """
     return hessian_jet(u, x, method=method).hessian
 
@@ -315,8 +380,17 @@ def derivative(
     :math:`\sigma_j` the activation's ``j``-th derivative. Orders 3 and 4 need the third and
     fourth: ``nn.Tanh``, ``nn.Sigmoid``, :class:`Sin`, or a module whose ``derivatives(z)``
     returns five values :math:`(\sigma, \sigma_1, \dots, \sigma_4)`; other networks take the
-    fallback, ``torch.func.jacfwd`` nested ``order`` times per point. See :func:`jet` for
-    ``u``, ``x`` and ``method``.
+    fallback, ``torch.func.jacfwd`` nested ``order`` times per point.
+
+    Args:
+        u: the model, ``(N, d)`` points to ``(N, m)`` values (see :func:`jet`).
+        x: the points, ``(N, d)``.
+        dim: the coordinate.
+        order: ``p``, 1 to 4.
+        method: ``"auto"``, ``"forward"`` or ``"func"`` (see :func:`jet`).
+
+    Returns:
+        The derivative, ``(N, m)``.
 
     Raises:
         ValueError: ``order`` not in 1 to 4, ``dim`` out of range, or as :func:`jet` does.

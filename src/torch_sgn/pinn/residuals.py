@@ -36,8 +36,8 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Uni
 import torch
 from torch import Tensor, nn
 
-from ..engines.jacobian import JacobianBlock
 from ..model.flat_model import FunctionalModel
+from ..residual_problem import JacobianBlock
 from . import layer_kernel
 
 __all__ = ["Residual", "Residuals"]
@@ -61,6 +61,11 @@ class Residual:
             multiplied by it).
         sample: ``step -> points``, drawn anew at each step (:meth:`Residuals.batch`); replaces
             ``points``.
+
+    Raises:
+        TypeError: ``fn`` or ``sample`` not callable; points that are not tensors.
+        ValueError: a negative or non-finite ``weight``; points without a leading dimension,
+            or tensors that differ in it.
     """
 
     def __init__(
@@ -81,6 +86,7 @@ class Residual:
 
     @property
     def has_points(self) -> bool:
+        """Whether the block has points (fixed, or drawn at each step)."""
         return self.points is not None or self.sample is not None
 
 
@@ -95,6 +101,10 @@ class Residuals(nn.Module):
 
     The module's ``forward(*tensors)`` takes every block's point tensors in order (as
     :meth:`batch` gives them) and returns the weighted residuals, flat.
+
+    Raises:
+        TypeError: ``network`` not an ``nn.Module``; ``blocks`` empty or not all
+            :class:`Residual`.
     """
 
     #: The loss SGN takes with this problem: the sum of squares of :meth:`forward`'s output
@@ -125,9 +135,19 @@ class Residuals(nn.Module):
 
     # --- data ---------------------------------------------------------------------------------
     def batch(self, step: Optional[int] = None) -> Tuple[Tuple[Tensor, ...], Tensor]:
-        """``(inputs, targets)`` for ``opt.step(inputs, targets)``: every block's points (drawn
-        anew with ``step`` where a block has ``sample``; fixed points otherwise) and zero
-        targets, one per residual."""
+        """``(inputs, targets)`` for ``opt.step(inputs, targets)``.
+
+        Args:
+            step: the step, which blocks with ``sample`` draw their points with (``None``: as
+                at step 0); fixed points are the same at every step.
+
+        Returns:
+            Every block's point tensors in order, and zero targets, one per residual.
+
+        Raises:
+            ValueError: a block's ``sample`` returned another number of tensors than at step
+                0, or points on another device than the network's parameters.
+        """
         like = next(self.network.parameters(), None)
         tensors: List[Tensor] = []
         for name, block, arity in zip(self.names, self.blocks, self._arity):
@@ -160,7 +180,14 @@ class Residuals(nn.Module):
         """The number of residuals ``R`` on ``inputs``: each block's rows per point, from its
         residuals at two of its points, times its points (a block's rows per point do not
         change), the first time the points have these shapes; remembered after. Memory of two
-        points, whatever their number."""
+        points, whatever their number.
+
+        Args:
+            inputs: every block's point tensors, as :meth:`batch` lays them out.
+
+        Returns:
+            ``R``.
+        """
         key = (
             tuple(tuple(p.shape) for p in inputs),
             tuple(block.weight == 0 for block in self.blocks),  # a block of weight 0 adds none
@@ -188,7 +215,18 @@ class Residuals(nn.Module):
         return total
 
     def split(self, inputs: Sequence[Tensor]) -> Dict[str, Tuple[Tensor, ...]]:
-        """The block's point tensors of ``inputs`` (as :meth:`batch` lays them out), by name."""
+        """The blocks' point tensors.
+
+        Args:
+            inputs: every block's point tensors, as :meth:`batch` lays them out.
+
+        Returns:
+            Each block's tensors, by its name.
+
+        Raises:
+            ValueError: another number of tensors than the blocks take, or a block's tensors
+                that differ in their leading dimension.
+        """
         if len(inputs) != sum(self._arity):
             raise ValueError(
                 f"Residuals takes {sum(self._arity)} point tensors (blocks "
@@ -208,13 +246,29 @@ class Residuals(nn.Module):
         return out
 
     def points(self, inputs: Sequence[Tensor]) -> List[int]:
-        """The number of points of each block in ``inputs`` (0 for a block without points)."""
+        """The number of points of each block.
+
+        Args:
+            inputs: every block's point tensors, as :meth:`batch` lays them out.
+
+        Returns:
+            Each block's points, in the blocks' order (0 for a block without points).
+        """
         return [pts[0].shape[0] if pts else 0 for pts in self.split(inputs).values()]
 
     def subset(self, inputs: Sequence[Tensor], index: Sequence[Tensor]) -> Tuple[Tensor, ...]:
-        """``inputs`` with only the points ``index[b]`` of each block ``b`` (in the layout of
-        :meth:`batch`). The weighted residuals of the subset estimate the full problem's
-        without bias: each block's mean squared residual is taken over its points drawn."""
+        """A subset of the points. The weighted residuals of the subset estimate the full
+        problem's without bias: each block's mean squared residual is taken over its points
+        drawn.
+
+        Args:
+            inputs: every block's point tensors, as :meth:`batch` lays them out.
+            index: for each block, the indices of its points to keep.
+
+        Returns:
+            ``inputs`` with only the points ``index[b]`` of each block ``b``, in the same
+            layout.
+        """
         out: List[Tensor] = []
         for pts, idx in zip(self.split(inputs).values(), index):
             out.extend(p[idx.to(p.device)] for p in pts)
@@ -222,7 +276,19 @@ class Residuals(nn.Module):
 
     # --- residuals ----------------------------------------------------------------------------
     def residual(self, name: str, *points: Tensor) -> Tensor:
-        """Block ``name``'s residuals on ``points``, unweighted, one row per point."""
+        """One block's residuals.
+
+        Args:
+            name: the block's name.
+            *points: its point tensors.
+
+        Returns:
+            Its residuals on ``points``, unweighted, one row per point.
+
+        Raises:
+            TypeError: ``fn`` returned something other than a tensor.
+            ValueError: residuals without one row per point.
+        """
         block = self.blocks[self.names.index(name)]
         try:
             r = block.fn(self.network, *points)
@@ -241,6 +307,16 @@ class Residuals(nn.Module):
         return r
 
     def forward(self, *inputs: Tensor, only: Optional[str] = None) -> Tensor:
+        r"""The weighted residual vector.
+
+        Args:
+            *inputs: every block's point tensors, as :meth:`batch` lays them out.
+            only: a block's name: that block's unweighted rows on ``inputs`` (its own point
+                tensors) instead.
+
+        Returns:
+            The residuals :math:`\sqrt{w_b / N_b}\, r_b` of every block, flat.
+        """
         if only is not None:  # one block's unweighted rows (the Jacobian's blocks)
             return self.residual(only, *inputs)
         parts = []
@@ -256,8 +332,14 @@ class Residuals(nn.Module):
         return torch.cat(parts)
 
     def losses(self, inputs: Optional[Sequence[Tensor]] = None) -> Dict[str, float]:
-        """Each block's mean squared residual (unweighted) on ``inputs`` (:meth:`batch`'s by
-        default)."""
+        """Each block's mean squared residual, unweighted.
+
+        Args:
+            inputs: every block's point tensors (:meth:`batch`'s by default).
+
+        Returns:
+            The mean squared residual of each block, by its name.
+        """
         if inputs is None:
             inputs = self.batch()[0]
         with torch.no_grad():
@@ -271,12 +353,56 @@ class Residuals(nn.Module):
                 out[name] = float(r.square().sum()) / n
         return out
 
+    def non_finite(self, inputs: Sequence[Tensor]) -> Optional[str]:
+        """Where the residuals are NaN or infinite, said for an error message.
+
+        Args:
+            inputs: every block's point tensors, as :meth:`batch` lays them out.
+
+        Returns:
+            Each block whose residuals are not finite everywhere, with how many of its points
+            give such a residual and the first of them (its index and coordinates); ``None``
+            where every residual is finite.
+        """
+        found = []
+        with torch.no_grad():
+            for (name, pts), block in zip(self.split(inputs).items(), self.blocks):
+                n = pts[0].shape[0] if pts else 1
+                if n == 0 or block.weight == 0:
+                    continue
+                r = self.residual(name, *pts)
+                rows = r.reshape(n, -1) if pts else r.reshape(1, -1)
+                bad = ~torch.isfinite(rows).all(dim=1)
+                if not bool(bad.any()):
+                    continue
+                if not pts:
+                    found.append(f"block {name!r} (a residual of the parameters alone)")
+                    continue
+                first = int(bad.nonzero()[0])
+                at = ", ".join(
+                    f"{[round(v, 6) for v in p[first].reshape(-1).tolist()]}" for p in pts
+                )
+                found.append(
+                    f"block {name!r} at {int(bad.sum())} of its {n} points (the first: point "
+                    f"{first}, {at})"
+                )
+        return "; ".join(found) if found else None
+
     # --- the row-batched Jacobian (torch_sgn.engines.jacobian) --------------------------------
     def jacobian_blocks(
         self, fmodel: FunctionalModel, inputs: Sequence[Tensor]
     ) -> List[JacobianBlock]:
-        """One :class:`~torch_sgn.engines.jacobian.JacobianBlock` per residual block: the
-        weighted rows of one point, evaluated at a flat parameter vector."""
+        """The blocks of rows whose Jacobians are formed separately
+        (:class:`~torch_sgn.residual_problem.ResidualProblem`).
+
+        Args:
+            fmodel: the problem as a function of its flat parameters.
+            inputs: every block's point tensors, as :meth:`batch` lays them out.
+
+        Returns:
+            One :class:`~torch_sgn.residual_problem.JacobianBlock` per residual block with
+            points and a weight: the weighted rows of one point, at a flat parameter vector.
+        """
         out = []
         for (name, pts), block in zip(self.split(inputs).items(), self.blocks):
             n = pts[0].shape[0] if pts else 1
@@ -298,9 +424,18 @@ class Residuals(nn.Module):
         self, fmodel: FunctionalModel, flat: Tensor, inputs: Sequence[Tensor]
     ) -> Optional[layer_kernel.LayerFactors]:
         """``J J^T`` and ``J^T u`` from the network's linear layers
-        (:mod:`torch_sgn.pinn.layer_kernel`), or ``None`` where they do not give them: then
-        ``J`` is formed row by row. Checked against a few rows of ``J`` the first time the
-        points have these shapes."""
+        (:mod:`torch_sgn.pinn.layer_kernel`), checked against a few rows of ``J`` the first
+        time the points have these shapes.
+
+        Args:
+            fmodel: the problem as a function of its flat parameters.
+            flat: the parameters.
+            inputs: every block's point tensors, as :meth:`batch` lays them out.
+
+        Returns:
+            The layers' factors, or ``None`` where they do not give ``J`` (then ``J`` is
+            formed row by row).
+        """
         key = tuple((tuple(p.shape), p.dtype) for p in inputs)
         if self._factors_ok.get(key) is False:
             return None

@@ -27,9 +27,10 @@ each step's progress unmade (``benchmarks/pinns/pinn_autograd.py``); SGN says on
 (:data:`NESTED_NOTICE`) that the same problem written with :mod:`torch_sgn.pinn` takes exact
 steps.
 
-The state lives in the optimizer's :class:`~torch_sgn.solve.state.StepState` (its fields
-:data:`KEYS`), saved with the optimizer's state dict, so a resumed run takes the same steps. A
-data-parallel group decides alike on every rank: the losses compared are reduced.
+The state is its own part of the optimizer's :class:`~torch_sgn.solve.state.StepState`
+(:class:`~torch_sgn.solve.state.AutoState`), advanced here (:func:`advance`) and saved with the
+optimizer's state dict, so a resumed run takes the same steps. A data-parallel group decides
+alike on every rank: the losses compared are reduced.
 """
 
 from __future__ import annotations
@@ -42,14 +43,15 @@ import torch
 from torch import Tensor
 
 from .descents import CG
-from .state import StepState
+from .stall import StallTest
+from .state import AutoState
 
 if TYPE_CHECKING:
     from ..options import Options
 
 __all__ = [
-    "CG_TOL", "KEYS", "MARGIN", "NESTED_NOTICE", "ONE_BATCH_CG_ITERS", "ONE_BATCH_CG_RTOL",
-    "PROBE_EVERY", "STALL", "WINDOW", "BatchMemory", "CGSettings", "Phase", "advance",
+    "CG_TOL", "MARGIN", "NESTED_NOTICE", "ONE_BATCH_CG_ITERS", "ONE_BATCH_CG_RTOL",
+    "PROBE_EVERY", "STALL", "STALL_TEST", "WINDOW", "BatchMemory", "CGSettings", "Phase", "advance",
     "cg_settings", "plan",
 ]  # fmt: skip
 
@@ -79,11 +81,6 @@ NESTED_NOTICE = (
 #: CG's absolute tolerance where ``cg_tol=None`` (the default) on float32 parameters: the
 #: original's and the paper's ``CG_TOL``, near the rounding of a float32 loss's gradient.
 CG_TOL = 1e-6
-
-#: The fields of :class:`~torch_sgn.solve.state.StepState` this module keeps: ``"exact"``
-#: (switched), ``"next_probe"`` (the step of the next probe), ``"candidate"`` (the last probe's
-#: point, judged at the next step) and ``"recent"`` (the last ``2 * WINDOW`` batch losses).
-KEYS = ("exact", "next_probe", "candidate", "recent")
 
 
 @dataclass(frozen=True)
@@ -143,17 +140,19 @@ def exact_wins(exact_loss: float, cg_loss: float) -> bool:
     return exact_loss < cg_loss - MARGIN * abs(cg_loss)
 
 
+#: The stall test of the CG steps' batch losses.
+STALL_TEST = StallTest(WINDOW, STALL)
+
+
 def stalled(losses: list) -> bool:
     """Whether the last :data:`WINDOW` losses' mean fell by less than :data:`STALL` (as a share)
-    below the mean of the :data:`WINDOW` before; ``False`` until both windows are full."""
-    if len(losses) < 2 * WINDOW:
-        return False
-    before, last = sum(losses[-2 * WINDOW : -WINDOW]), sum(losses[-WINDOW:])
-    return before - last <= STALL * abs(before)
+    below the mean of the :data:`WINDOW` before (:data:`STALL_TEST`); ``False`` until both
+    windows are full."""
+    return STALL_TEST.stalled(losses)
 
 
 def plan(
-    state: StepState,
+    state: AutoState,
     t: int,
     route: str,
     loss0: float,
@@ -176,8 +175,8 @@ def plan(
 
 
 def advance(
-    state: StepState, t: int, phase: Phase, loss0: float, candidate: Optional[Tensor]
-) -> tuple[StepState, Optional[str]]:
+    state: AutoState, t: int, phase: Phase, loss0: float, candidate: Optional[Tensor]
+) -> tuple[AutoState, Optional[str]]:
     """The state after the committed step ``t`` of ``solver="auto"`` whose exact route existed
     (``phase`` from :func:`plan`, ``candidate`` the probe's point, ``None`` where its exact step
     did not move), and the reason of a switch made here (``"probe"``, ``"stall"``) or
@@ -192,12 +191,12 @@ def advance(
         state = replace(state, next_probe=t + PROBE_EVERY)
         if candidate is not None:
             state = replace(state, candidate=candidate)
-    recent = [*(state.recent or ()), loss0][-2 * WINDOW :]
+    recent = STALL_TEST.kept(state.recent, loss0)
     state = replace(state, recent=recent)
     if reason is None and stalled(recent):
         reason = "stall"
     if reason is not None:
-        state = replace(state, exact=True, next_probe=None, candidate=None, recent=None)
+        state = AutoState(exact=True)
     return state, reason
 
 

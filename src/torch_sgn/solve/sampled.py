@@ -61,9 +61,11 @@ from torch import Tensor, nn
 
 from ..linearization import RowSample
 from .direct import available_memory
+from .stall import StallTest
 
 __all__ = [
-    "ALL", "ITERATIONS", "POINTS", "ROWS_PER_PARAMETER", "RTOL", "SAMPLE", "STALL", "WINDOW",
+    "ALL", "ITERATIONS", "POINTS", "ROWS_PER_PARAMETER", "RTOL", "SAMPLE", "STALL", "STALL_TEST",
+    "WINDOW",
     "SampledPreconditioner", "all_rows_fit", "allocate", "draw", "stalled",
 ]  # fmt: skip
 
@@ -151,14 +153,15 @@ class SampledPreconditioner:
         return apply
 
 
+#: The stall test of the sampled steps' losses.
+STALL_TEST = StallTest(WINDOW, STALL)
+
+
 def stalled(losses: Sequence[float]) -> bool:
     """Whether the mean of the last :data:`WINDOW` losses fell by less than :data:`STALL` (as
-    a share) below the mean of the :data:`WINDOW` before: the sampled steps have reached the
-    noise of their samples. ``False`` until both windows are full."""
-    if len(losses) < 2 * WINDOW:
-        return False
-    before, last = sum(losses[-2 * WINDOW : -WINDOW]), sum(losses[-WINDOW:])
-    return before - last <= STALL * abs(before)
+    a share) below the mean of the :data:`WINDOW` before (:data:`STALL_TEST`): the sampled
+    steps have reached the noise of their samples. ``False`` until both windows are full."""
+    return STALL_TEST.stalled(losses)
 
 
 def all_rows_fit(

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 from torch import Tensor
 
-from . import auto, geodesic
+from . import geodesic
 from .damping import (
     CG_DAMPING_MIN,
     DAMPING_MAX,
@@ -43,8 +43,7 @@ from .damping import (
     scheduled_damping,
     trust_region_update,
 )
-from .descents import CG, Descent, Result
-from .direct import DirectResult
+from .descents import Descent, Result
 from .line_search import LineSearchResult, backtracking
 from .state import StepState
 
@@ -61,7 +60,6 @@ __all__ = [
     "UPHILL_RESOLVES",
     "damped_step",
     "damping_floor",
-    "next_state",
     "rounding",
 ]
 
@@ -176,9 +174,10 @@ class DampingRule:
 
     def start(self, state: StepState) -> tuple[float, float]:
         """The first attempt's damping, and Nielsen's growth factor."""
-        growth = GROWTH_START if state.damping_growth is None else state.damping_growth
+        damping = state.damping
+        growth = GROWTH_START if damping.growth is None else damping.growth
         if self.trust_region:
-            return max(state.damping, self.floor), growth  # CG's floor after the direct solver's
+            return max(damping.value, self.floor), growth  # CG's floor after the direct solver's
         damping = scheduled_damping(
             self.schedule, self.initial, min(self.floor, self.initial), state.step,
             self.decay_steps,
@@ -443,36 +442,3 @@ def _line_search(
         )  # fmt: skip
         return found, evals + found.evaluations
     return found, evals + trial.evals
-
-
-def next_state(
-    options: Options,
-    solver: str,
-    state: StepState,
-    run: Outcome,
-    route: str,
-    phase: Optional[auto.Phase],
-    loss0: float,
-    candidate: Optional[Tensor],
-    momentum_buffer: Optional[Tensor],
-) -> StepState:
-    """The state the next step starts from, after step ``state.step`` took ``run`` by
-    ``route`` (``phase`` and ``candidate``: ``solver="auto"``'s plan and probe point), with SGN's
-    ``options``."""
-    t = state.step
-    after = replace(state, step=t + 1, damping=run.next_damping)
-    if solver == "auto" and route != CG:
-        after, switched = auto.advance(after, t, phase, loss0, candidate)
-        if switched is not None:
-            logger.info("step %d: solver='auto' switches to exact steps (%s)", t, switched)
-    if options.damping_update == "nielsen":
-        after = replace(after, damping_growth=run.growth)
-    if momentum_buffer is not None:
-        after = replace(after, momentum_buffer=momentum_buffer)
-    if options.warm_start > 0:
-        after = replace(after, prev_direction=run.trial.result.x)
-    if options.step_rule == "quadratic":
-        moved = run.moved and not isinstance(run.trial.result, DirectResult)
-        update = run.trial.displacement(run.step_factor) if moved else None
-        after = replace(after, prev_step=update)
-    return after

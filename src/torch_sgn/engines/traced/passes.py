@@ -23,6 +23,9 @@ __all__ = [
     "EMBEDDING_PRODUCTS",
     "GRAPH_PASSES",
     "HOIST_DERIVATIVES",
+    "accumulate_in_place",
+    "eliminate_common_subexpressions",
+    "fuse_matmul_adds",
     "rewrite_part",
     "rewrite_whole",
     "views_as_reshapes",
@@ -72,13 +75,13 @@ def rewrite_part(graph: fx.Graph) -> None:
     fused with their additions and one node for repeated operations (:data:`GRAPH_PASSES`),
     then sums accumulated in place (:data:`ACCUMULATE_IN_PLACE`)."""
     if GRAPH_PASSES:
-        _fuse_matmul_adds(graph)
-        _eliminate_common_subexpressions(graph)
+        fuse_matmul_adds(graph)
+        eliminate_common_subexpressions(graph)
     if ACCUMULATE_IN_PLACE:  # after the elimination, which only runs on graphs without writes
-        _accumulate_in_place(graph)
+        accumulate_in_place(graph)
 
 
-def _fuse_matmul_adds(graph: fx.Graph) -> None:
+def fuse_matmul_adds(graph: fx.Graph) -> None:
     """``add(c, mm(a, b))`` into ``addmm(c, a, b)`` (and ``bmm`` into ``baddbmm``): a linear
     layer's tangent ``dx W^T + x dW^T + db`` then takes no separate full-size additions. The
     product moves to the addition: not where an operator of the graph writes into ``a`` or
@@ -279,7 +282,7 @@ def _reorder_embedding_products(graph: fx.Graph) -> None:
 
     In ``addmm(c, rows(...), B)``, a bias ``c`` (one dimension) joins the table's product,
     ``addmm(E, B)``; a matrix product ``c = mm(a, b)`` (or ``addmm`` of a bias) that only this
-    sum reads becomes ``addmm(embedding(...), a, b)``, which :func:`_accumulate_in_place` then
+    sum reads becomes ``addmm(embedding(...), a, b)``, which :func:`accumulate_in_place` then
     accumulates into the looked-up rows; any other ``c`` is added."""
     aten = _aten
     # memory that an operator of the graph writes into (an in-place scaling of the looked-up
@@ -386,7 +389,7 @@ _ACCUMULATING = {
 _FRESH = {_aten.mm.default, _aten.bmm.default, _aten.embedding.default, *_ACCUMULATING}
 
 
-def _accumulate_in_place(graph: fx.Graph) -> None:
+def accumulate_in_place(graph: fx.Graph) -> None:
     """``addmm(c, a, b)`` into ``addmm_(c, a, b)`` (``baddbmm`` and ``add`` likewise) where
     ``c`` is a result of its own memory (:data:`_FRESH`, or a sum this pass made in place into
     such a result), of the sum's shape and dtype, that nothing else reads, the sum's other
@@ -412,7 +415,7 @@ def _accumulate_in_place(graph: fx.Graph) -> None:
             in_place.add(node)
 
 
-def _eliminate_common_subexpressions(graph: fx.Graph) -> None:
+def eliminate_common_subexpressions(graph: fx.Graph) -> None:
     """One node for each operator applied twice to the same arguments. Only in graphs that
     write into no tensor (an in-place write would make two equal-looking nodes differ)."""
     nodes = list(graph.nodes)

@@ -1,7 +1,7 @@
 """Running a trace's graphs other than eagerly: captured as CUDA graphs and replayed
 (:class:`Replayed`, ``cuda_graphs=True``), or compiled by ``torch.compile``
 (:func:`compiled_graph`, ``compile=True``). Random draws (dropout's masks) are taken out of the
-captured graphs and drawn eagerly before each replay (:func:`_draws_as_inputs`)."""
+captured graphs and drawn eagerly before each replay (:func:`draws_as_inputs`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from .nodes import draws_random, memory_of, statistics_written, written_memory
 from .opaque_loss import calls_opaque_loss
 from .trace import Traced, Untraceable, reason
 
-__all__ = ["Replayed", "capture_obstacle", "compiled_graph"]
+__all__ = ["Replayed", "capture_obstacle", "compiled_graph", "drawn_layouts", "draws_as_inputs"]
 
 _aten = torch.ops.aten
 
@@ -42,7 +42,7 @@ def capture_obstacle(traced: Traced, inputs: tuple, training: bool) -> Optional[
             "replayed graph would write into its own copies of them"
         )
     try:
-        _, draws = _draws_as_inputs(traced.setup)
+        _, draws = draws_as_inputs(traced.setup)
     except Untraceable as why:
         return (
             "the forward pass draws random numbers that a replayed graph would not draw as the "
@@ -118,7 +118,7 @@ class Replayed:
     statistics) are copied inside the set-up's and the loss's graphs first, as an eager pass
     writes into copies of the model's: the set-up's copies are the step's buffers afterwards,
     the loss's are dropped. Dropout's masks are inputs of both graphs, drawn eagerly before
-    each set-up from the step's random state (:func:`_draws_as_inputs`). A linearization's
+    each set-up from the step's random state (:func:`draws_as_inputs`). A linearization's
     products and losses are valid until the next set-up of the same trace replaces what they
     read; one called later raises.
     """
@@ -130,9 +130,9 @@ class Replayed:
         self.v, self.point = torch.zeros_like(self.static[0]), self.static[0].clone()
         # Random draws (dropout's masks) become inputs that each set-up draws eagerly, so that
         # the set-up and the trial points see the same ones, as eager passes do.
-        layouts = _drawn_layouts(traced.setup, self.static, fmodel)
-        setup, self.draws = _draws_as_inputs(traced.setup, layouts)
-        value, trial_draws = _draws_as_inputs(value, layouts)
+        layouts = drawn_layouts(traced.setup, self.static, fmodel)
+        setup, self.draws = draws_as_inputs(traced.setup, layouts)
+        value, trial_draws = draws_as_inputs(value, layouts)
         if trial_draws != self.draws:
             raise Untraceable("the loss's trace draws other random numbers than the set-up's")
         self.drawn = [d.empty(flat.device) for d in self.draws]
@@ -225,7 +225,7 @@ class Replayed:
 
 @dataclass(frozen=True)
 class _Draw:
-    """One random draw of a graph, taken out of it (:func:`_draws_as_inputs`): dropout's mask
+    """One random draw of a graph, taken out of it (:func:`draws_as_inputs`): dropout's mask
     (``native_dropout``, as CUDA's dropout records it) or a Bernoulli sample (``bernoulli_``
     into a new tensor, as the CPU's does)."""
 
@@ -289,7 +289,7 @@ def _layout(t: Tensor) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     return tuple(t.shape), tuple(t.stride())
 
 
-def _drawn_layouts(
+def drawn_layouts(
     gm: fx.GraphModule, inputs: Sequence[Tensor], fmodel: FunctionalModel
 ) -> List[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
     """The shapes and strides of the tensors that ``gm``'s random operators draw for (the
@@ -313,7 +313,7 @@ def _drawn_layouts(
     return layouts
 
 
-def _draws_as_inputs(
+def draws_as_inputs(
     gm: fx.GraphModule, layouts: Optional[Sequence[tuple]] = None
 ) -> Tuple[fx.GraphModule, List[_Draw]]:
     """A copy of ``gm`` (with flat inputs) whose random draws are inputs appended to its own,
