@@ -80,3 +80,21 @@ def cpu_graph_captures(monkeypatch):
 
     monkeypatch.setitem(graphs.CAPTURE, "cpu", capture)
     return made
+
+
+@pytest.fixture
+def dde_float64():
+    """DeepXDE in float64, seeded; torch's default dtype and NumPy's and Python's random states
+    as they were, after the test (the DeepXDE tests' modules use it for every test)."""
+    import random
+
+    import deepxde as dde
+    import numpy as np
+
+    dtype, np_state, py_state = torch.get_default_dtype(), np.random.get_state(), random.getstate()
+    dde.config.set_default_float("float64")
+    dde.config.set_random_seed(0)
+    yield
+    dde.config.set_default_float(str(dtype).replace("torch.", ""))
+    np.random.set_state(np_state)
+    random.setstate(py_state)

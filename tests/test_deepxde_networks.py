@@ -28,18 +28,8 @@ PI = np.pi
 
 
 @pytest.fixture(autouse=True)
-def float64():
-    """DeepXDE in float64, seeded; torch's default dtype and NumPy's and Python's random
-    states as they were after the test."""
-    import random
-
-    dtype, np_state, py_state = torch.get_default_dtype(), np.random.get_state(), random.getstate()
-    dde.config.set_default_float("float64")
-    dde.config.set_random_seed(0)
-    yield
-    dde.config.set_default_float(str(dtype).replace("torch.", ""))
-    np.random.set_state(np_state)
-    random.setstate(py_state)
+def float64(dde_float64):
+    """Every test here in DeepXDE's float64 (conftest's ``dde_float64``)."""
 
 
 class PFNN(dde.nn.NN):
