@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torch_sgn import SGN
+from torch_sgn import SGN, optimizer
 from torch_sgn.distributed import shard
+from torch_sgn.engines.selection import select_engine
 
 STEPS = 5
 SETTINGS = dict(cg_iters=6, cg_tol=0.0, line_search=True, trust_region=True)
@@ -197,7 +198,7 @@ def consistency_checks(rank: int) -> dict:
     """Ranks whose optimizer state or parameters disagree: every rank must raise."""
     case = CASES[0]
     model = build_model(0)
-    opt = SGN(model, case.loss(), solver="cg", **SETTINGS)
+    opt, switch = _switchable(lambda: SGN(model, case.loss(), solver="cg", **SETTINGS))
     x, y = shard(*batch(case, 0))
     opt.step(x, y)
     old = copy.deepcopy(opt.state_dict())
@@ -234,9 +235,8 @@ def consistency_checks(rank: int) -> dict:
         errors["nan"] = f"{type(e).__name__}: {e}"
     errors["nan_unchanged"] = torch.equal(flat(model), before)
     for where in ("gv", "trial"):  # rank 1 raises between two collectives, mid-step
-        engine = opt._engine
         if rank == 1:
-            opt._engine = _failing(engine, where)
+            switch.fail = _failing(where)
         start = time.monotonic()
         try:
             opt.step(x, y)
@@ -244,28 +244,61 @@ def consistency_checks(rank: int) -> dict:
             errors[where] = str(e)
         errors[f"{where}_seconds"] = time.monotonic() - start
         errors[f"{where}_unchanged"] = torch.equal(flat(model), before)
-        opt._engine = engine
+        switch.fail = None
     opt.step(x, y)  # and the ranks go on together
     errors["after"] = flat(model)
     return errors
 
 
-def _interrupt_product(engine, n: int, interrupt: Callable[[], None]):
-    """The engine, but the ``n``-th ``G v`` product of each step calls ``interrupt()`` first."""
+class _Switch:
+    """The optimizer's engine, whose linearizations ``fail`` (a ``lin -> lin`` that makes one
+    fail) while it is set: a failure inside the engine's own products, which the data-parallel
+    communicator reduces, so the other ranks learn of it."""
 
-    def linearize(*args):
-        lin = engine(*args)
-        calls = []
+    def __init__(self, engine):
+        self.engine, self.fail = engine, None
+
+    def __getattr__(self, name):  # what SGN reads of its engine
+        return getattr(self.engine, name)
+
+    def __call__(self, *args):
+        lin = self.engine(*args)
+        return lin if self.fail is None else self.fail(lin)
+
+
+def _switchable(build: Callable[[], SGN]) -> tuple:
+    """``(opt, switch)``: the optimizer ``build()`` makes, its engine chosen by
+    :func:`torch_sgn.engines.selection.select_engine` as always and wrapped in a
+    :class:`_Switch`."""
+    chosen = []
+
+    def select(*args, **kwargs):
+        chosen.append(_Switch(select_engine(*args, **kwargs)))
+        return chosen[-1]
+
+    optimizer.select_engine = select
+    try:
+        opt = build()
+    finally:
+        optimizer.select_engine = select_engine
+    return opt, chosen[-1]
+
+
+def _interrupt_product(n: int, interrupt: Callable[[], None]):
+    """``lin -> lin`` whose ``n``-th ``G v`` product calls ``interrupt()`` first."""
+
+    def interrupted(lin):
+        calls, product = [], lin.ggn_vp
 
         def ggn_vp(v):
             calls.append(1)
             if len(calls) == n:
                 interrupt()
-            return lin.ggn_vp(v)
+            return product(v)
 
         return dataclasses.replace(lin, ggn_vp=ggn_vp)
 
-    return linearize
+    return interrupted
 
 
 def _raise(message: str) -> Callable[[], None]:
@@ -275,28 +308,28 @@ def _raise(message: str) -> Callable[[], None]:
     return interrupt
 
 
-def _failing(engine, where: str):
-    """The engine, but the second ``G v`` product (or the first trial-point loss) raises."""
+def _failing(where: str):
+    """``lin -> lin`` whose second ``G v`` product (or first trial-point loss) raises."""
     if where == "gv":
-        return _interrupt_product(engine, 2, _raise("injected failure in G v"))
+        return _interrupt_product(2, _raise("injected failure in G v"))
 
-    def linearize(*args):
+    def failing(lin):
         def value_at(flat):
             raise RuntimeError("injected failure at a trial point")
 
-        return dataclasses.replace(engine(*args), value_at=value_at)
+        return dataclasses.replace(lin, value_at=value_at)
 
-    return linearize
+    return failing
 
 
 def failure(scenario: str, rank: int, survivor: str) -> dict:
     case = CASES[0]
     model = build_model(0)
-    opt = SGN(model, case.loss(), solver="cg", **SETTINGS)
+    opt, switch = _switchable(lambda: SGN(model, case.loss(), solver="cg", **SETTINGS))
     x, y = shard(*batch(case, 0))
     opt.step(x, y)  # one good step first
     if rank == 1 and scenario == "rank_exits":  # dies inside CG, between two all-reduces
-        opt._engine = _interrupt_product(opt._engine, 3, lambda: os._exit(3))
+        switch.fail = _interrupt_product(3, lambda: os._exit(3))
     if rank == 1 and scenario == "step_on_one_rank":
         for _ in range(600):  # alive but never calls step, until rank 0 has reported
             if os.path.exists(survivor):

@@ -491,10 +491,13 @@ def test_a_saved_and_loaded_optimizer_steps_as_the_original(options, tmp_path):
         _same_future(model, opt, *twin(model, opt), batches)
 
 
-def test_a_data_parallel_optimizer_refuses_to_be_copied():
+def test_a_data_parallel_optimizer_refuses_to_be_copied(monkeypatch):
+    from torch_sgn import optimizer
+
     model, _, _ = make_batch(MODELS[0], LOSSES[0])
+    # a communicator over several processes (not SingleProcess), as SGN gets in such a group
+    monkeypatch.setattr(optimizer, "communicator", lambda fmodel, loss, group: object())
     opt = SGN(model, "mse")
-    opt._comm = object()  # stands in for a communicator over several processes
     with pytest.raises(TypeError, match="data-parallel group.*cannot be copied or pickled.*"
                        "state_dict"):  # fmt: skip
         copy.deepcopy(opt)
