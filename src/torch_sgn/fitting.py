@@ -709,15 +709,5 @@ def _flat(params: Sequence[Tensor]) -> Tensor:
     return torch.cat([p.detach().reshape(-1) for p in params])
 
 
-def _grads(params: Sequence[Tensor]) -> Tensor:
-    return flat_gradient(params, [p.grad for p in params])
-
-
-def _write(params: Sequence[nn.Parameter], flat: Tensor) -> None:
-    with torch.no_grad():
-        for p, chunk in zip(params, flat.split([p.numel() for p in params])):
-            p.copy_(chunk.view_as(p))
-
-
 def _sup(v: Tensor) -> float:
     return float(v.abs().max()) if v.numel() else 0.0

@@ -348,13 +348,6 @@ def _column(index: object, out: Tensor) -> Optional[int]:
     return int(cols.start)
 
 
-def _grad(g: Optional[Tensor], like: Tensor) -> Tensor:
-    """A gradient, or zeros where the operand is a constant (``None``)."""
-    if g is not None:
-        return g
-    return torch.zeros(*like.shape, 1, dtype=like.dtype, device=like.device)
-
-
 def _unsqueezed(t: object) -> object:
     """An operand ready to multiply a gradient: a trailing axis for a tensor."""
     return t[..., None] if isinstance(t, Tensor) else t
@@ -374,7 +367,8 @@ def _product(args: tuple, grads: list, out: Tensor) -> Tensor:
 def _sum(sign: float) -> Callable:
     def rule(args: tuple, grads: list, out: Tensor) -> Tensor:
         ga, gb = grads[0], grads[1] if len(grads) > 1 else None
-        total = _grad(ga, out) if gb is None else (gb * sign if ga is None else ga + sign * gb)
+        # (one operand at least is tracked: its gradient is not None)
+        total = ga if gb is None else (gb * sign if ga is None else ga + sign * gb)
         return _broadcast(total, out)
 
     return rule
