@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torch_sgn import SGN, optimizer
+from torch_sgn import SGN, stepper
 from torch_sgn.distributed import shard
 from torch_sgn.engines.selection import select_engine
 
@@ -276,11 +276,11 @@ def _switchable(build: Callable[[], SGN]) -> tuple:
         chosen.append(_Switch(select_engine(*args, **kwargs)))
         return chosen[-1]
 
-    optimizer.select_engine = select
+    stepper.select_engine = select
     try:
         opt = build()
     finally:
-        optimizer.select_engine = select_engine
+        stepper.select_engine = select_engine
     return opt, chosen[-1]
 
 

@@ -452,7 +452,7 @@ def test_curvature_subset_is_the_scaled_ggn_of_a_seeded_subset(reduction, weight
     loss = nn.CrossEntropyLoss(weight=_WEIGHT if weighted else None, reduction=reduction)
     opt = SGN(model, loss, engine=engine, curvature_fraction=0.25)
     step = 3  # the subset of step t comes from a generator seeded with t
-    lin = opt._step_engine(step)(opt._fmodel.flat(), Batch(x, y))
+    lin = opt._stepper.engine_for(step)(opt._fmodel.flat(), Batch(x, y))
     idx = torch.randperm(20, generator=torch.Generator().manual_seed(step))[:5].sort().values
     G_sub, _, _ = dense_ggn(model, loss, x[idx], y[idx])
     _, g_full, _ = dense_ggn(model, loss, x, y)

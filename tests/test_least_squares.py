@@ -19,6 +19,7 @@ from torch_sgn.fitting import (
     termination,
 )
 from torch_sgn.pinn import Residual, Residuals
+from torch_sgn.stepper import Stepper
 
 TIGHT = dict(xtol=1e-15, ftol=1e-15, gtol=1e-15)
 D64 = torch.float64
@@ -364,8 +365,10 @@ def test_a_residuals_fit_tests_gtol_before_each_step(monkeypatch):
     """Both kinds of fit test ``gtol`` at a point before stepping from it: a Residuals problem
     (the optimizer's steps) takes no step that is then undone."""
     calls = []
-    step = SGN.step
-    monkeypatch.setattr(SGN, "step", lambda self, *a, **k: calls.append(1) or step(self, *a, **k))
+    finish = Stepper.finish
+    monkeypatch.setattr(
+        Stepper, "finish", lambda self, *a, **k: calls.append(1) or finish(self, *a, **k)
+    )
     A, b = linear_problem()
     problem = Residuals(_Vector([0.0] * 5), {"r": Residual(lambda m: A @ m.x - b)})
     fit = least_squares(problem, xtol=0, ftol=0, gtol=1e-10)
@@ -385,3 +388,26 @@ def test_a_residuals_fit_that_ends_on_a_plateau_starts_again_and_says_so():
     assert "started again with MINPACK's scaled trust region" in fit.message
     assert fit.last_step.stop_reason == "scaled_trust_region" and fit.x.item() > 5
     assert problem.network.x.item() == fit.x.item()  # the parameters hold the result
+
+
+def test_a_residuals_fit_builds_no_sgn_and_evaluates_each_point_once(monkeypatch):
+    """A Residuals problem's fit takes SGN's steps through its Stepper, not an SGN, and each
+    point's step is prepared once: the gtol test reads the gradient from it (the last point's
+    step, prepared and then dropped where gtol ends the fit)."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("least_squares built an SGN")
+
+    monkeypatch.setattr(SGN, "__init__", refuse)
+    prepared = []
+    prepare = Stepper.prepare
+    monkeypatch.setattr(
+        Stepper, "prepare", lambda self, *a, **k: prepared.append(1) or prepare(self, *a, **k)
+    )
+    A, b = linear_problem()
+    problem = Residuals(_Vector([0.0] * 5), {"r": Residual(lambda m: A @ m.x - b)})
+    fit = least_squares(problem, xtol=0, ftol=0, gtol=1e-10)
+    assert fit.status == 1 and fit.steps >= 1
+    assert len(prepared) == fit.steps + 1  # one per point visited
+    reference = np.linalg.lstsq(A.numpy(), b.numpy(), rcond=None)[0]
+    np.testing.assert_allclose(fit.x.numpy(), reference, rtol=1e-8, atol=1e-10)

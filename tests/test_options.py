@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from torch_sgn import SGN, fitting, least_squares
+from torch_sgn import SGN, least_squares
 from torch_sgn.options import OPTION_ARGUMENTS, SETUP_KEYS, Options, Setup
 
 #: SGN's keyword arguments that are neither options nor settings.
@@ -74,13 +74,12 @@ def test_sgn_refuses_what_options_refuse_with_the_same_message():
         assert str(by_sgn.value) == str(by_options.value)
 
 
-class _NoSGN:
-    def __init__(self, *args, **kwargs):
-        raise AssertionError("least_squares built an SGN for a curve fit")
+def _no_sgn(*args, **kwargs):
+    raise AssertionError("least_squares built an SGN for a curve fit")
 
 
 def test_least_squares_builds_no_sgn_for_a_curve_fit(monkeypatch):
-    monkeypatch.setattr(fitting, "SGN", _NoSGN)
+    monkeypatch.setattr(SGN, "__init__", _no_sgn)
     t = torch.linspace(0, 1, 20, dtype=torch.float64)
     y = 2.0 * torch.exp(-1.5 * t)
     x = nn.Parameter(torch.tensor([1.0, 1.0], dtype=torch.float64))

@@ -50,12 +50,17 @@ from torch import Tensor, nn
 
 from .batch import Batch
 from .curve_steps import CurveSteps
+from .distributed import communicator
 from .engines.jacobian import jacobian_rows
+from .losses import resolve_loss
 from .model.flat_model import FunctionalModel, flat_gradient
-from .optimizer import SGN, StepInfo
 from .options import SETUP_KEYS, Options, Setup
 from .pinn.residuals import Residual, Residuals
 from .route_plan import curve_steps_allowed
+from .solve.sampled import ALL
+from .solve.state import StepState
+from .step_info import StepInfo
+from .stepper import Prepared, Stepper
 
 __all__ = ["LeastSquaresResult", "least_squares", "termination"]
 
@@ -147,8 +152,8 @@ def least_squares(
         solver: SGN's ``solver``. Default ``"auto"``, which takes exact Levenberg-Marquardt
             steps at once on such problems.
         **sgn_options: any other argument of :class:`~torch_sgn.SGN` (``damping``,
-            ``geodesic_acceleration``, ``attempts``, ...), except ``keep_grad``, which the
-            driver sets (``.grad`` is restored after the fit). Two defaults differ from
+            ``geodesic_acceleration``, ``attempts``, ...), except ``keep_grad`` (the fit
+            leaves each parameter's ``.grad`` as it was). Two defaults differ from
             SGN's: ``damping_update="nielsen"`` (on the NIST StRD suite it took fewer steps
             than the paper's threshold rule), and ``engine="functional"``: exact steps need
             no ``G v`` products, and the other engines prepare them at every fit.
@@ -158,8 +163,10 @@ def least_squares(
     the optimizer's per-step set-up (measured in docs/PINN.md), and a line search that gives up
     at the loss's rounding. Fits with ``solver="cg"``, ``weight_decay``,
     ``gradient_averaging`` or ``curvature_fraction``, with more than ``direct_max_params``
-    parameters, and :class:`~torch_sgn.pinn.Residuals` problems run through
-    :class:`~torch_sgn.SGN` itself. One driver loop runs both, with the same tests. Where the
+    parameters, and :class:`~torch_sgn.pinn.Residuals` problems take SGN's own step, as
+    :meth:`~torch_sgn.SGN.step` runs it (:class:`~torch_sgn.stepper.Stepper`; no ``SGN`` is
+    built), each point evaluated once: the ``gtol`` test reads the gradient from the step's
+    linearization. One driver loop runs both, with the same tests. Where the
     exact steps end on a plateau (``J``'s norm below :math:`\sqrt{\epsilon}` times its norm at
     the start) with steps left, the fit starts again from its start with MINPACK's scaled trust
     region, and ``message`` says so; on a ``Residuals`` problem ``J`` is formed for this test
@@ -205,7 +212,10 @@ def least_squares(
             "set a tolerance > 0 or max_steps=<number of steps>"
         )
     if "keep_grad" in sgn_options:
-        raise TypeError("keep_grad is set by least_squares (it reads each step's gradient)")
+        raise TypeError(
+            "keep_grad is not an option of least_squares: the fit leaves each parameter's "
+            ".grad as it was"
+        )
 
     # Exact steps form J row-batched (torch_sgn.engines.jacobian) and need no G v products: the
     # functional engine, which prepares nothing, saves the traced engine's tracing at every
@@ -216,15 +226,10 @@ def least_squares(
     inputs, targets = problem.batch()
     if max_steps is None:
         max_steps = STEPS_PER_PARAMETER * sum(p.numel() for p in params)
-    saved_grads = [p.grad for p in params]
-    try:
-        return _run(
-            problem, params, inputs, targets, xtol, ftol, gtol, max_steps, solver, sgn_options,
-            curve,
-        )  # fmt: skip
-    finally:
-        for p, g in zip(params, saved_grads):
-            p.grad = g
+    return _run(
+        problem, params, inputs, targets, xtol, ftol, gtol, max_steps, solver, sgn_options,
+        curve,
+    )  # fmt: skip
 
 
 def _run(
@@ -255,9 +260,11 @@ def _run(
         leans.append(CurveSteps(fn, module, params, options, check=check))
         return leans[-1]
 
-    def optimizer() -> _Optimizer:  # SGN itself, built where its steps run
-        opt = SGN(problem, problem.loss, solver=solver, keep_grad=True, **sgn_options)
-        return _Optimizer(opt, problem, params, inputs, targets, jacobians)
+    def stepped() -> _Stepped:  # SGN's step, built where it runs
+        fmodel, loss = FunctionalModel(problem), resolve_loss(problem.loss)
+        comm = communicator(fmodel, loss, sgn_options.get("process_group"))
+        stepper = Stepper(fmodel, loss, comm, setup, options)
+        return _Stepped(stepper, options, problem, params, inputs, targets, jacobians)
 
     phases: List[Callable[[], _Phase]]
     if curve is not None and exact:
@@ -270,7 +277,7 @@ def _run(
             lambda: _Curve.scaled(lean, jacobians),
         ]
     else:
-        phases = [optimizer]
+        phases = [stepped]
         if exact:  # (CurveSteps made where it takes over: it rewrites the parameters' storage)
             fn = lambda m: m(*inputs)  # noqa: E731
             phases.append(lambda: _Curve.scaled(lean_steps(fn, problem), jacobians))
@@ -308,10 +315,10 @@ def _run(
 
 def _settings(solver: str, sgn_options: dict) -> Tuple[Options, Setup]:
     """The fit's options and settings, checked as :class:`~torch_sgn.SGN` checks its
-    arguments (``keep_grad`` on: the driver reads each step's gradient)."""
+    arguments."""
     setup_args = {k: v for k, v in sgn_options.items() if k in SETUP_KEYS}
     rest = {k: v for k, v in sgn_options.items() if k not in SETUP_KEYS and k not in _ONLY_SGN}
-    options = Options().replace(keep_grad=True, **rest)
+    options = Options().replace(**rest)
     return options, Setup().replace(solver=solver, **setup_args)
 
 
@@ -343,27 +350,28 @@ class _Jacobians:
 
 class _Phase(Protocol):
     """One kind of step of the fit: SGN's steps by :class:`~torch_sgn.curve_steps.CurveSteps`
-    or by the optimizer, or the scaled trust region that takes over where they end on a
-    plateau."""
+    or by SGN's :class:`~torch_sgn.stepper.Stepper`, or the scaled trust region that takes
+    over where they end on a plateau."""
 
-    #: residual evaluations of a step besides its trial points' (``StepInfo.loss_evals``)
+    #: residual evaluations of the last step besides its start's and its trial points'
+    #: (``StepInfo.loss_evals``)
     step_evaluations: int
     #: residual evaluations before the first :meth:`start` (the checks of the start)
     first_evaluations: int
     jacobians: _Jacobians
 
-    def start(self, theta: Tensor) -> Tuple[Tensor, Tensor]:
-        """``(r, J^T r)`` at ``theta`` (the parameters hold it), where a step from it starts:
-        one evaluation."""
+    def start(self, theta: Tensor) -> Tensor:
+        """The cost's gradient ``J^T r`` at ``theta`` (the parameters hold it), where a step
+        from it starts: one evaluation, the step's own."""
 
-    def step(self, theta: Tensor, r: Tensor, grad: Tensor) -> Tuple[Tensor, StepInfo]:
-        """One step from :meth:`start`'s point: the next point (``theta`` where the step is not
+    def step(self, theta: Tensor) -> Tuple[Tensor, StepInfo]:
+        """The step from :meth:`start`'s point: the next point (``theta`` where the step is not
         taken) and its info; raises ``FloatingPointError`` where it failed (the parameters
         keep ``theta``)."""
 
     def end(self, theta: Tensor) -> Tuple[Tensor, Tensor]:
         """``(r, J^T r)`` at the phase's last point: :meth:`start`'s where it was there,
-        else formed now."""
+        else formed now; a step started and not taken is dropped."""
 
 
 @dataclass(frozen=True)
@@ -407,7 +415,7 @@ def _drive(
             phase = make()
             evaluations += phase.first_evaluations if k == 0 else 0
             while status is None and steps < max_steps:
-                r, grad = phase.start(theta)
+                grad = phase.start(theta)
                 evaluations += 1
                 sup = _sup(grad)  # NaN or infinite where an entry is
                 if not math.isfinite(sup):
@@ -416,7 +424,7 @@ def _drive(
                     status = 1
                 else:
                     try:
-                        point, info = phase.step(theta, r, grad)
+                        point, info = phase.step(theta)
                     except FloatingPointError:
                         status = -1
                         break
@@ -453,16 +461,16 @@ class _Curve:
     def scaled(cls, lean: CurveSteps, jacobians: _Jacobians) -> _Curve:
         return cls(lean, lean.scaled_step, jacobians)
 
-    def start(self, theta: Tensor) -> Tuple[Tensor, Tensor]:
+    def start(self, theta: Tensor) -> Tensor:
         r, jac = self.lean.jacobian(theta)
         grad = jac.T @ r  # the cost's gradient
         self.formed = (theta, r, jac, grad)
         self.jacobians.formed(jac)
-        return r, grad
+        return grad
 
-    def step(self, theta: Tensor, r: Tensor, grad: Tensor) -> Tuple[Tensor, StepInfo]:
+    def step(self, theta: Tensor) -> Tuple[Tensor, StepInfo]:
         assert self.formed is not None and self.formed[0] is theta
-        return self.take(theta, r, self.formed[2], grad)
+        return self.take(theta, *self.formed[1:])
 
     def end(self, theta: Tensor) -> Tuple[Tensor, Tensor]:
         if self.formed is None or self.formed[0] is not theta:  # the last step moved
@@ -470,45 +478,78 @@ class _Curve:
         return self.formed[1], self.formed[3]
 
 
-class _Optimizer:
-    """Steps by :class:`~torch_sgn.SGN` itself, on the parameters in place; each point's
-    residuals and gradient by one evaluation before its step (the step evaluates them again,
-    its linearization)."""
+class _Stepped:
+    """Steps by SGN's :class:`~torch_sgn.stepper.Stepper` on the parameters in place. Each
+    point is evaluated once: :meth:`start` prepares the step (its linearization) and reads the
+    cost's gradient from it, :meth:`step` finishes it. The first point is evaluated by autograd
+    (its checks) and its step prepared by :meth:`step`; where a step's gradient is not the
+    cost's (the step takes a sample of the rows, or ``weight_decay`` adds its term) the
+    cost's is evaluated by autograd besides."""
 
-    step_evaluations = 1
     first_evaluations = 0  # (the first start checks the start)
 
     def __init__(
         self,
-        opt: SGN,
+        stepper: Stepper,
+        options: Options,
         problem: Residuals,
         params: List[nn.Parameter],
         inputs: Tuple[Tensor, ...],
         targets: Tensor,
         jacobians: _Jacobians,
     ):
-        self.opt, self.problem, self.params = opt, problem, params
+        self.stepper, self.options, self.problem, self.params = stepper, options, problem, params
         self.inputs, self.targets, self.jacobians = inputs, targets, jacobians
-        self.formed: Optional[Tuple[Tensor, Tensor, Tensor]] = None  # (theta, r, J^T r)
+        self.stored: dict = {}  # the steps' state (StepState's entries)
+        StepState.first(options).write(self.stored)
+        self.checked = False  # the start checked
+        self.prepared: Optional[Tuple[Tensor, Prepared]] = None  # (theta, its step)
+        self.step_evaluations = 0
         self.jacobian_at: Optional[Tensor] = None  # where J was formed last
 
-    def start(self, theta: Tensor) -> Tuple[Tensor, Tensor]:
-        first = self.formed is None
-        r, grad = _residuals_and_gradient(self.problem, self.params, self.inputs, check=first)
-        self.formed = (theta, r, grad)
-        if first:
+    def start(self, theta: Tensor) -> Tensor:
+        self._drop()
+        if not self.checked:
+            self.checked, self.step_evaluations = True, 1
             self._jacobian(theta)
-        return r, grad
+            return self._gradient(check=True)
+        try:
+            prepared = self._prepare()
+        except FloatingPointError:  # (the driver's status -1)
+            self.step_evaluations = 0
+            return torch.full_like(theta, math.nan)
+        self.prepared = (theta, prepared)
+        whole = prepared.plan.rows in (None, ALL) and not self.options.weight_decay
+        self.step_evaluations = 0 if whole else 1
+        if whole:  # the gradient of the sum of squares, 2 J^T r
+            return 0.5 * prepared.unrestricted.grad
+        return self._gradient(check=False)
 
-    def step(self, theta: Tensor, r: Tensor, grad: Tensor) -> Tuple[Tensor, StepInfo]:
-        info = self.opt.step(self.inputs, self.targets)
+    def step(self, theta: Tensor) -> Tuple[Tensor, StepInfo]:
+        prepared = self._prepare() if self.prepared is None else self.prepared[1]
+        assert self.prepared is None or self.prepared[0] is theta
+        self.prepared = None
+        info = self.stepper.finish(prepared)
         return _flat(self.params), info
 
     def end(self, theta: Tensor) -> Tuple[Tensor, Tensor]:
-        if self.formed is None or self.formed[0] is not theta:
-            self.start(theta)
+        self._drop()
         self._jacobian(theta)
-        return self.formed[1], self.formed[2]
+        check, self.checked = not self.checked, True  # (no step: the start checked here)
+        return _residuals_and_gradient(self.problem, self.params, self.inputs, check=check)
+
+    def _prepare(self) -> Prepared:
+        return self.stepper.prepare(self.options, self.inputs, self.targets, self.stored)
+
+    def _gradient(self, check: bool) -> Tensor:
+        """The cost's gradient by autograd (``check``: and the checks of the start)."""
+        return _residuals_and_gradient(self.problem, self.params, self.inputs, check=check)[1]
+
+    def _drop(self) -> None:
+        """Drops a step started and not taken (the gtol test ended the fit at its point)."""
+        if self.prepared is not None:
+            self.prepared[1].abandon()
+            self.prepared = None
 
     def _jacobian(self, theta: Tensor) -> None:
         """``J`` at ``theta`` for the plateau test, where it has at most the limit's entries."""

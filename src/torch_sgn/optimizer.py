@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import functools
-import logging
 import warnings
-from dataclasses import replace
 from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
-from . import many_rows, route_plan
-from .batch import Batch, Inputs
-from .checks import check_batch, finite_loss
-from .diagnostics import warn
+from .batch import Inputs
 from .distributed import ProcessGroup, SingleProcess, communicator
-from .engines.jacobian import with_jacobian
-from .engines.selection import curvature_subset, select_engine
-from .linearization import Engine, Linearization, check_loss_parameters, weight_penalty
 from .losses import LossSpec, resolve_loss
 from .model.flat_model import FunctionalModel
 from .options import (
@@ -29,20 +20,13 @@ from .options import (
     Setup,
     check_loaded_state,
 )
-from .route_plan import Capabilities, Plan, Router, through_outputs
-from .solve import auto, core, direct, geodesic, sampled
-from .solve.descents import (
-    SAMPLED,
-    SAMPLES,
-)
-from .solve.nystrom import NystromCache
+from .solve import direct
 from .solve.state import StepState
 from .step_call import batch_of_call, refuse_grad_scaler
-from .step_info import StepInfo, log_step
+from .step_info import StepInfo
+from .stepper import Stepper
 
 __all__ = ["SGN", "StepInfo"]
-
-logger = logging.getLogger("torch_sgn")
 
 
 class SGN(torch.optim.Optimizer):
@@ -351,26 +335,9 @@ class SGN(torch.optim.Optimizer):
         self._step_supports_amp_scaling = True
         if len(self.param_groups) != 1:  # pragma: no cover - guarded by add_param_group
             raise ValueError("SGN doesn't support per-parameter options (parameter groups)")
-        if setup.cuda_graphs and not isinstance(self._comm, SingleProcess):
-            raise ValueError(
-                "cuda_graphs=True is not supported in a data-parallel group of several "
-                "processes (shards may differ in shape); leave it off there"
-            )
-        self._engine = self._selected_engine()
-        self._caps = Capabilities.of(self._fmodel.model, self._engine, self._single_process())
-        if setup.curvature_fraction < 1 and self._caps.residual_problem:
-            raise ValueError(
-                f"curvature_fraction={curvature_fraction}: a Residuals problem's points belong "
-                "to its blocks, not to one batch of samples to draw a subset from; use "
-                "curvature_fraction=1 (exact steps form G from every residual)"
-            )
-        self._router = Router(self._caps, setup, self._fmodel)  # the route decisions
-        self._nystrom = NystromCache()  # CG's preconditioner="nystrom"
-        self._nested_warned = False  # the notice of auto.NESTED_NOTICE given
-        if setup.solver == "direct" and not through_outputs(self._caps, setup, self._options):
-            # before anything of the matrix's size is allocated
-            fm = self._fmodel
-            direct.check_direct_fits(fm.numel, torch.float64, fm.device)
+        # the step itself (its engine, route decisions and caches)
+        self._stepper = Stepper(self._fmodel, self._loss, self._comm, setup, self._options)
+        self._engine = self._stepper.engine
         self._global_state()  # created now, so that a failed first step changes nothing
 
     @classmethod
@@ -427,7 +394,7 @@ class SGN(torch.optim.Optimizer):
         """
         check_loaded_state(state_dict)
         super().load_state_dict(state_dict)
-        self._nystrom.reset()  # built afresh at the next step that uses it
+        self._stepper.nystrom.reset()  # built afresh at the next step that uses it
 
     def __getstate__(self) -> dict:
         # torch's Optimizer pickles only its defaults, state and groups; SGN's model, loss and
@@ -449,12 +416,12 @@ class SGN(torch.optim.Optimizer):
         if "_comm" in self.__dict__:  # load_state_dict's call: the optimizer is built already
             return
         self._comm = SingleProcess()
-        self._nystrom = NystromCache()
         with warnings.catch_warnings():  # the original already warned about its engine
             warnings.simplefilter("ignore")
-            self._engine = self._selected_engine()
-        self._caps = Capabilities.of(self._fmodel.model, self._engine, True)
-        self._router = Router(self._caps, self._setup, self._fmodel)
+            self._stepper = Stepper(
+                self._fmodel, self._loss, self._comm, self._setup, self._options
+            )
+        self._engine = self._stepper.engine
 
     def _global_state(self) -> dict:
         """SGN's state (:class:`~torch_sgn.solve.state.StepState` as a dict), kept on the first
@@ -507,155 +474,4 @@ class SGN(torch.optim.Optimizer):
         inputs, targets = batch_of_call(inputs, targets, closure)
         # Read once, checked: a user or a scheduler may have changed them since the last step.
         self._options = options = Options.of(self.param_groups[0], in_step=True)
-        check_batch(inputs, targets)
-        batch, stored = Batch(inputs, targets), self._global_state()
-        state, theta, buffers = StepState.of(stored), self._fmodel.flat(), {}
-        # Plan the rows: more than an exact step takes go by samples of them, then all.
-        most, fm = self._setup.direct_max_params, self._fmodel
-        plan = self._router.start(options, batch, state)
-        batch, drawn = many_rows.sampled_batch(plan.rows, fm.model, batch, most, state)
-        trainable = fm.trainable_mask()
-        fm.warn_unfrozen()
-        with fm.consistent():
-            # Linearize: the loss, its gradient and v -> G v at theta on the batch.
-            lin, plan = self._linearize(plan, state.step, theta, batch, buffers)
-            work = state  # what the direction is computed from
-            if trainable is not None:  # restricted to the parameters still trainable
-                lin, work = lin.restricted(trainable), state.restricted(trainable)
-            # Check: a finite loss and gradient, else raise with nothing changed.
-            loss0, grad_norm = finite_loss(lin, batch, self._loss, self._router.problem)
-            # Choose the route: the right-hand side, the descent that may solve exactly, and
-            # for solver="auto" whether this step takes it (or probes it).
-            rhs = core.right_hand_side(lin.grad, work, options)
-            loss_at = functools.partial(self._loss_at, lin, batch=batch)
-            plan = self._router.route(plan, options, lin, rhs[0], batch, state, loss0, loss_at)
-            logger.debug("step %d: %s", state.step, plan)
-            if plan.phase.one_batch and not self._nested_warned:
-                self._nested_warned = True
-                warn(auto.NESTED_NOTICE)
-            # Solve with damping attempts, then the line search (nothing written).
-            point = self._point(lin, theta, batch, loss_at, trainable, state.step, plan.route)
-            taken = core.take(lin, work, options, plan.phase, plan.exact, rhs, loss0, point)
-        # Commit: nothing above has touched the model or the optimizer's state.
-        if taken.run.moved:
-            fm.write(theta + taken.displacement)
-        fm.write_buffers(buffers)
-        if options.keep_grad:
-            fm.write_grad(lin.grad)
-        after = core.next_state(state, taken, options, self._setup.solver)
-        if plan.rows is not None:  # the rows' stages advance their own part
-            rows = many_rows.advance(
-                after.rows, state.step, plan.rows, loss0, fm.model, inputs, most
-            )
-            after = replace(after, rows=rows)
-        after.write(stored)
-        # Report.
-        decay = options.weight_decay
-        penalty = weight_penalty(theta, decay) if decay else 0.0
-        info = replace(taken.info(grad_norm, options.lr, float(penalty)), plan=plan)
-        if plan.rows is not None:
-            info = replace(info, sample=many_rows.points_used(point.sample, drawn))
-        log_step(state.step, info)
-        return info
-
-    # --- the step's phases -------------------------------------------------------------------
-    def _linearize(
-        self, plan: Plan, t: int, theta: Tensor, batch: Batch, buffers: dict
-    ) -> tuple[Linearization, Plan]:
-        """The model and loss linearized at ``theta`` on the batch (reduced over a data-parallel
-        group), on all of too many rows by the layers' factors where ``plan`` says so
-        (:mod:`torch_sgn.many_rows`), with a row-batched Jacobian where exact steps take it,
-        and the weight decay's penalty; and the plan with how ``J`` was formed."""
-        fm, most = self._fmodel, self._setup.direct_max_params
-        lin = None
-        if plan.rows == sampled.ALL:
-            lin = many_rows.linearized(fm, self._loss, theta, batch, most)
-        lin = lin or self._comm.linearize(t, self._step_engine(t), theta, batch, buffers)
-        check_loss_parameters(self._loss, self._fmodel, lin, theta, batch)
-        row_by_row = self._router.row_by_row(lin, theta, batch)
-        if row_by_row:
-            lin = with_jacobian(lin, self._fmodel, self._loss, theta, batch)
-        plan = route_plan.with_jacobian(plan, lin, row_by_row)
-        # The L2 penalty, added once here: after the data-parallel reduction (every rank holds
-        # the same theta) and before the mask of frozen parameters (which keeps them still).
-        return lin.regularized(self._options.weight_decay, theta), plan
-
-    def _point(
-        self,
-        lin: Linearization,
-        theta: Tensor,
-        batch: Batch,
-        loss_at: Callable[[Tensor], float],
-        mask: Optional[Tensor],
-        t: int,
-        route: str,
-    ) -> core.Point:
-        """How the step core evaluates at other points of this step's batch: the objective
-        (``loss_at``), and the geodesic acceleration's outputs; on all of too many rows, the
-        sample that preconditions CG."""
-        sample = lin.rows(t) if route == SAMPLED and lin.rows else None
-        return core.Point(
-            theta=theta,
-            loss_at=loss_at,
-            accelerator=lambda route: self._accelerator(lin, batch, theta, route, mask),
-            sample=sample,
-            nystrom=self._nystrom,
-        )
-
-    def _accelerator(
-        self,
-        lin: Linearization,
-        batch: Batch,
-        theta: Tensor,
-        route: str,
-        mask: Optional[Tensor],
-    ) -> core.Accelerate:
-        r"""``solution -> (lr^2 / 2) a``, the geodesic acceleration's term of an exact step
-        by ``route`` (:func:`torch_sgn.solve.geodesic.accelerator`).
-
-        In a data-parallel group each rank differences its shard's outputs and the shards'
-        ``J^T H f_vv`` are reduced as the gradient is, so every rank takes the same step."""
-        outputs_at = lin.outputs_at
-        if outputs_at is None:
-            outputs_at = lambda flat: self._fmodel(flat, batch.inputs)  # noqa: E731
-        # Through the outputs the system takes its right-hand side in output space.
-        samples = route == SAMPLES
-        vjp = None
-        if not samples:
-            vjp = lin.vjp if lin.vjp is not None else self._fmodel.vjp_at(theta, batch.inputs)
-        return geodesic.accelerator(
-            theta, outputs_at, lambda centre: self._loss.hessian(centre, batch.targets), vjp,
-            self._comm.shares, lin.sample_space.size if samples else theta.numel(),
-            0.5 * self._options.lr**2, mask,
-        )  # fmt: skip
-
-    # --- helpers -----------------------------------------------------------------------------
-    def _selected_engine(self) -> Engine:
-        """The engine :attr:`_setup` asks for (:func:`~torch_sgn.engines.selection.select_engine`;
-        a copy builds its own)."""
-        s = self._setup
-        return select_engine(self._fmodel, self._loss, s.engine, s.cuda_graphs, s.compile)
-
-    def _step_engine(self, t: int):
-        """The engine for step ``t``: the curvature subset is drawn from a generator seeded
-        with ``t``, so a resumed run, or a step retried after a failure, draws the same one."""
-        fraction = self._setup.curvature_fraction
-        if fraction < 1:
-            return curvature_subset(self._engine, self._loss, fraction, seed=t)
-        return self._engine
-
-    def _single_process(self) -> bool:
-        return isinstance(self._comm, SingleProcess)
-
-    def _loss_at(self, lin: Linearization, flat: Tensor, batch: Batch) -> float:
-        """The objective at ``flat`` on the batch: the loss, and the weight decay's penalty
-        (in ``lin.value_at`` where the engine has one)."""
-        if lin.value_at is not None:
-            return self._comm.loss_value(lambda: lin.value_at(flat))
-        weight_decay = self._options.weight_decay
-
-        def value() -> Tensor:
-            value = self._loss.value(self._fmodel(flat, batch.inputs), batch.targets)
-            return value + weight_penalty(flat, weight_decay) if weight_decay else value
-
-        return self._comm.loss_value(value)
+        return self._stepper.step(options, inputs, targets, self._global_state())

@@ -9,20 +9,22 @@ exact routes it offers), the state (:class:`~torch_sgn.solve.state.StepState`), 
 returns a :class:`Step`, from which :func:`next_state` makes the state the next step starts
 from and :meth:`Step.info` the :class:`~torch_sgn.StepInfo`. Two callers:
 
-* :meth:`torch_sgn.SGN.step`: linearize (an engine, or a residual problem's rows) -> plan
-  (:mod:`torch_sgn.route_plan`) -> :func:`take` -> commit (write the parameters, then
-  :func:`next_state`);
+* :class:`torch_sgn.stepper.Stepper` (what :meth:`torch_sgn.SGN.step` and a
+  ``Residuals`` problem's :func:`~torch_sgn.least_squares` run): linearize (an engine, or a
+  residual problem's rows) -> plan (:mod:`torch_sgn.route_plan`) -> :func:`take` -> commit
+  (write the parameters, then :func:`next_state`);
 * :class:`torch_sgn.curve_steps.CurveSteps` (a least-squares fit's exact steps): a
   linearization from the residuals ``r`` and their Jacobian ``J`` -> :func:`take` by the route
   ``"matrix"``.
 
 The walk of one ``SGN.step`` on a :class:`torch_sgn.pinn.Residuals` problem, file by file:
-``optimizer.py`` (the step's recipe) -> ``options.py`` (the options, checked) ->
+``optimizer.py`` (the call and its options, checked by ``options.py``) -> ``stepper.py``
+(the step's recipe) ->
 ``route_plan.py`` (the rows: ``many_rows.py``, which reads the problem through
 ``residual_problem.py``) -> the linearization (``linearization.py`` by the engine chain,
 ``engines/jacobian.py`` for ``J``'s rows) -> ``route_plan.py`` (the route) -> this module
 (the descent: ``solve/descents.py``, ``solve/direct.py``; the damped step:
-``solve/step.py``; the geodesic acceleration: ``solve/geodesic.py``) -> ``optimizer.py``
+``solve/step.py``; the geodesic acceleration: ``solve/geodesic.py``) -> ``stepper.py``
 (commit) -> this module (:func:`next_state`).
 """
 

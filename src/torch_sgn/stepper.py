@@ -1,0 +1,315 @@
+"""SGN's step on a model and a loss, without :class:`torch.optim.Optimizer`'s bookkeeping.
+
+:class:`Stepper` holds what a step needs besides its options and state (the model as a
+function of a flat vector, the loss, the engine, the route decisions, the communicator) and
+runs it in two halves: :meth:`Stepper.prepare` (the guards, the rows, the linearization, the
+check of the loss) and :meth:`Stepper.finish` (the route, the core, the commit, the report).
+:class:`~torch_sgn.SGN` runs both halves in one call; :func:`~torch_sgn.least_squares` builds a
+stepper, not an ``SGN``, for a :class:`~torch_sgn.pinn.Residuals` problem and reads each point's
+gradient from the prepared step (its ``gtol`` test) before it finishes it, so that the point is
+evaluated once. The walk through the files is written in :mod:`torch_sgn.solve.core`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from dataclasses import dataclass, replace
+from typing import Callable, List, Optional, Union
+
+import torch
+from torch import Tensor
+
+from . import many_rows, route_plan
+from .batch import Batch, Inputs
+from .checks import check_batch, finite_loss
+from .diagnostics import warn
+from .distributed import DataParallel, SingleProcess
+from .engines.jacobian import with_jacobian
+from .engines.selection import curvature_subset, select_engine
+from .linearization import Engine, Linearization, check_loss_parameters, weight_penalty
+from .losses import OutputLoss
+from .model.flat_model import FunctionalModel
+from .options import Options, Setup
+from .route_plan import Capabilities, Plan, Router, through_outputs
+from .solve import auto, core, direct, geodesic, sampled
+from .solve.descents import SAMPLED, SAMPLES
+from .solve.nystrom import NystromCache
+from .solve.state import StepState
+from .step_info import StepInfo, log_step
+
+__all__ = ["Prepared", "Stepper"]
+
+logger = logging.getLogger("torch_sgn")
+
+
+class Abandoned(Exception):
+    """Why a prepared step's random-state guard closes without a step (nothing was taken)."""
+
+
+@dataclass
+class Prepared:
+    """A step up to its linearization, checked: nothing written yet.
+
+    Attributes:
+        lin: the linearization the step is taken from (restricted to the trainable parameters
+            where some were frozen since the optimizer was built).
+        loss: the objective at the point on the step's batch.
+        grad_norm: its gradient's 2-norm.
+        unrestricted: the linearization before that restriction (its ``grad`` is the whole
+            gradient, with the weight decay's term).
+        plan: the rows' plan so far (:class:`~torch_sgn.route_plan.Plan`); ``plan.rows`` is
+            ``None`` where the step is taken on all of the batch's rows.
+    """
+
+    lin: Linearization
+    loss: float
+    grad_norm: float
+    unrestricted: Linearization
+    plan: Plan
+    # what finish needs besides
+    options: Options
+    batch: Batch
+    inputs: Inputs
+    stored: dict
+    state: StepState
+    work: StepState
+    theta: Tensor
+    buffers: dict
+    trainable: Optional[Tensor]
+    drawn: Optional[List[Tensor]]
+    guard: contextlib.ExitStack
+
+    def abandon(self) -> None:
+        """Closes the step without taking it: the random state goes back to where it was
+        before :meth:`Stepper.prepare`; the model and the state are untouched."""
+        self.guard.__exit__(Abandoned, Abandoned(), None)
+
+
+class Stepper:
+    """SGN's step on ``fmodel`` and ``loss`` by ``engine``, in two halves.
+
+    Args:
+        fmodel: the model as a function of a flat vector of its parameters.
+        loss: the loss in output space.
+        comm: the data-parallel communicator (:class:`~torch_sgn.distributed.SingleProcess`
+            for one process).
+        setup: the settings fixed when the optimizer was built.
+        options: the options the step starts with (checked against ``setup`` here).
+        engine: how ``G v`` is computed; ``None``: the one ``setup`` asks for
+            (:func:`~torch_sgn.engines.selection.select_engine`).
+
+    Raises:
+        ValueError: ``cuda_graphs=True`` in a data-parallel group of several processes,
+            ``curvature_fraction < 1`` on a residual problem, or ``solver="direct"``
+            where the ``P x P`` matrices do not fit in the device's free memory (and the steps
+            cannot go through the batch's outputs).
+    """
+
+    def __init__(
+        self,
+        fmodel: FunctionalModel,
+        loss: OutputLoss,
+        comm: Union[SingleProcess, DataParallel],
+        setup: Setup,
+        options: Options,
+        engine: Optional[Engine] = None,
+    ):
+        self.fmodel, self.loss, self.comm, self.setup = fmodel, loss, comm, setup
+        self.options = options  # the options of the step in progress
+        single = isinstance(comm, SingleProcess)
+        if setup.cuda_graphs and not single:
+            raise ValueError(
+                "cuda_graphs=True is not supported in a data-parallel group of several "
+                "processes (shards may differ in shape); leave it off there"
+            )
+        if engine is None:
+            engine = select_engine(fmodel, loss, setup.engine, setup.cuda_graphs, setup.compile)
+        self.engine = engine
+        self.caps = Capabilities.of(fmodel.model, engine, single)
+        if setup.curvature_fraction < 1 and self.caps.residual_problem:
+            raise ValueError(
+                f"curvature_fraction={setup.curvature_fraction}: a Residuals problem's points "
+                "belong to its blocks, not to one batch of samples to draw a subset from; use "
+                "curvature_fraction=1 (exact steps form G from every residual)"
+            )
+        self.router = Router(self.caps, setup, fmodel)  # the route decisions
+        self.nystrom = NystromCache()  # CG's preconditioner="nystrom"
+        self.nested_warned = False  # the notice of auto.NESTED_NOTICE given
+        if setup.solver == "direct" and not through_outputs(self.caps, setup, options):
+            # before anything of the matrix's size is allocated
+            direct.check_direct_fits(fmodel.numel, torch.float64, fmodel.device)
+
+    # --- the two halves ----------------------------------------------------------------------
+    def step(self, options: Options, inputs: Inputs, targets: Tensor, stored: dict) -> StepInfo:
+        """One step on the batch ``(inputs, targets)`` from the state ``stored`` (the state
+        dict's entries, written back): :meth:`prepare`, then :meth:`finish`."""
+        return self.finish(self.prepare(options, inputs, targets, stored))
+
+    def prepare(self, options: Options, inputs: Inputs, targets: Tensor, stored: dict) -> Prepared:
+        """The step up to its checked linearization (the loss, its gradient, ``v -> G v``).
+
+        Raises (nothing changed): ``ValueError`` for a batch that does not fit the loss,
+        ``FloatingPointError`` for a loss or gradient that is not finite."""
+        self.options = options
+        check_batch(inputs, targets)
+        batch = Batch(inputs, targets)
+        state, theta, buffers = StepState.of(stored), self.fmodel.flat(), {}
+        # Plan the rows: more than an exact step takes go by samples of them, then all.
+        most, fm = self.setup.direct_max_params, self.fmodel
+        plan = self.router.start(options, batch, state)
+        batch, drawn = many_rows.sampled_batch(plan.rows, fm.model, batch, most, state)
+        trainable = fm.trainable_mask()
+        fm.warn_unfrozen()
+        guard = contextlib.ExitStack()
+        guard.enter_context(fm.consistent())
+        try:
+            # Linearize: the loss, its gradient and v -> G v at theta on the batch.
+            lin, plan = self._linearize(plan, state.step, theta, batch, buffers)
+            unrestricted, work = lin, state  # what the direction is computed from
+            if trainable is not None:  # restricted to the parameters still trainable
+                lin, work = lin.restricted(trainable), state.restricted(trainable)
+            # Check: a finite loss and gradient, else raise with nothing changed.
+            loss0, grad_norm = finite_loss(lin, batch, self.loss, self.router.problem)
+        except BaseException as e:  # the random state back where it was, then raise
+            guard.__exit__(type(e), e, e.__traceback__)
+            raise
+        return Prepared(
+            lin=lin, loss=loss0, grad_norm=grad_norm, unrestricted=unrestricted, plan=plan,
+            options=options, batch=batch, inputs=inputs, stored=stored, state=state,
+            work=work, theta=theta, buffers=buffers, trainable=trainable, drawn=drawn,
+            guard=guard,
+        )  # fmt: skip
+
+    def finish(self, p: Prepared) -> StepInfo:
+        """The prepared step's route, the core's step, the commit and the report."""
+        options, lin, batch, state, theta = p.options, p.lin, p.batch, p.state, p.theta
+        with p.guard:
+            # Choose the route: the right-hand side, the descent that may solve exactly, and
+            # for solver="auto" whether this step takes it (or probes it).
+            rhs = core.right_hand_side(lin.grad, p.work, options)
+            loss_at = functools.partial(self._loss_at, lin, batch=batch)
+            plan = self.router.route(p.plan, options, lin, rhs[0], batch, state, p.loss, loss_at)
+            logger.debug("step %d: %s", state.step, plan)
+            if plan.phase.one_batch and not self.nested_warned:
+                self.nested_warned = True
+                warn(auto.NESTED_NOTICE)
+            # Solve with damping attempts, then the line search (nothing written).
+            point = self._point(lin, theta, batch, loss_at, p.trainable, state.step, plan.route)
+            taken = core.take(lin, p.work, options, plan.phase, plan.exact, rhs, p.loss, point)
+        # Commit: nothing above has touched the model or the optimizer's state.
+        fm, most = self.fmodel, self.setup.direct_max_params
+        if taken.run.moved:
+            fm.write(theta + taken.displacement)
+        fm.write_buffers(p.buffers)
+        if options.keep_grad:
+            fm.write_grad(lin.grad)
+        after = core.next_state(state, taken, options, self.setup.solver)
+        if plan.rows is not None:  # the rows' stages advance their own part
+            rows = many_rows.advance(
+                after.rows, state.step, plan.rows, p.loss, fm.model, p.inputs, most
+            )
+            after = replace(after, rows=rows)
+        after.write(p.stored)
+        # Report.
+        decay = options.weight_decay
+        penalty = weight_penalty(theta, decay) if decay else 0.0
+        info = replace(taken.info(p.grad_norm, options.lr, float(penalty)), plan=plan)
+        if plan.rows is not None:
+            info = replace(info, sample=many_rows.points_used(point.sample, p.drawn))
+        log_step(state.step, info)
+        return info
+
+    # --- the step's phases -------------------------------------------------------------------
+    def _linearize(
+        self, plan: Plan, t: int, theta: Tensor, batch: Batch, buffers: dict
+    ) -> tuple[Linearization, Plan]:
+        """The model and loss linearized at ``theta`` on the batch (reduced over a data-parallel
+        group), on all of too many rows by the layers' factors where ``plan`` says so
+        (:mod:`torch_sgn.many_rows`), with a row-batched Jacobian where exact steps take it,
+        and the weight decay's penalty; and the plan with how ``J`` was formed."""
+        fm, most = self.fmodel, self.setup.direct_max_params
+        lin = None
+        if plan.rows == sampled.ALL:
+            lin = many_rows.linearized(fm, self.loss, theta, batch, most)
+        lin = lin or self.comm.linearize(t, self.engine_for(t), theta, batch, buffers)
+        check_loss_parameters(self.loss, fm, lin, theta, batch)
+        row_by_row = self.router.row_by_row(lin, theta, batch)
+        if row_by_row:
+            lin = with_jacobian(lin, fm, self.loss, theta, batch)
+        plan = route_plan.with_jacobian(plan, lin, row_by_row)
+        # The L2 penalty, added once here: after the data-parallel reduction (every rank holds
+        # the same theta) and before the mask of frozen parameters (which keeps them still).
+        return lin.regularized(self.options.weight_decay, theta), plan
+
+    def _point(
+        self,
+        lin: Linearization,
+        theta: Tensor,
+        batch: Batch,
+        loss_at: Callable[[Tensor], float],
+        mask: Optional[Tensor],
+        t: int,
+        route: str,
+    ) -> core.Point:
+        """How the step core evaluates at other points of this step's batch: the objective
+        (``loss_at``), and the geodesic acceleration's outputs; on all of too many rows, the
+        sample that preconditions CG."""
+        sample = lin.rows(t) if route == SAMPLED and lin.rows else None
+        return core.Point(
+            theta=theta,
+            loss_at=loss_at,
+            accelerator=lambda route: self._accelerator(lin, batch, theta, route, mask),
+            sample=sample,
+            nystrom=self.nystrom,
+        )
+
+    def _accelerator(
+        self,
+        lin: Linearization,
+        batch: Batch,
+        theta: Tensor,
+        route: str,
+        mask: Optional[Tensor],
+    ) -> core.Accelerate:
+        r"""``solution -> (lr^2 / 2) a``, the geodesic acceleration's term of an exact step
+        by ``route`` (:func:`torch_sgn.solve.geodesic.accelerator`).
+
+        In a data-parallel group each rank differences its shard's outputs and the shards'
+        ``J^T H f_vv`` are reduced as the gradient is, so every rank takes the same step."""
+        outputs_at = lin.outputs_at
+        if outputs_at is None:
+            outputs_at = lambda flat: self.fmodel(flat, batch.inputs)  # noqa: E731
+        # Through the outputs the system takes its right-hand side in output space.
+        samples = route == SAMPLES
+        vjp = None
+        if not samples:
+            vjp = lin.vjp if lin.vjp is not None else self.fmodel.vjp_at(theta, batch.inputs)
+        return geodesic.accelerator(
+            theta, outputs_at, lambda centre: self.loss.hessian(centre, batch.targets), vjp,
+            self.comm.shares, lin.sample_space.size if samples else theta.numel(),
+            0.5 * self.options.lr**2, mask,
+        )  # fmt: skip
+
+    # --- helpers -----------------------------------------------------------------------------
+    def engine_for(self, t: int) -> Engine:
+        """The engine for step ``t``: the curvature subset is drawn from a generator seeded
+        with ``t``, so a resumed run, or a step retried after a failure, draws the same one."""
+        fraction = self.setup.curvature_fraction
+        if fraction < 1:
+            return curvature_subset(self.engine, self.loss, fraction, seed=t)
+        return self.engine
+
+    def _loss_at(self, lin: Linearization, flat: Tensor, batch: Batch) -> float:
+        """The objective at ``flat`` on the batch: the loss, and the weight decay's penalty
+        (in ``lin.value_at`` where the engine has one)."""
+        if lin.value_at is not None:
+            return self.comm.loss_value(lambda: lin.value_at(flat))
+        weight_decay = self.options.weight_decay
+
+        def value() -> Tensor:
+            value = self.loss.value(self.fmodel(flat, batch.inputs), batch.targets)
+            return value + weight_penalty(flat, weight_decay) if weight_decay else value
+
+        return self.comm.loss_value(value)
