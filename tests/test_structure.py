@@ -153,3 +153,23 @@ def test_no_source_file_over_800_lines():
         if (n := len(p.read_text().splitlines())) > MOST_LINES
     }
     assert long == {}, f"files over {MOST_LINES} lines: {long}"
+
+
+def test_one_pinn_step_enters_the_optimizer_once():
+    """The walk of one SGN.step on a Residuals problem (scripts/step_walk.py): the optimizer's
+    module is entered by the user's call alone (the step's recipe is the Stepper's)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "step_walk.py"
+    spec = importlib.util.spec_from_file_location("step_walk", path)
+    walk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(walk)
+    calls = walk.measure()
+    files, moves, entries = walk.walk(calls)
+    assert entries == 1 and files[:4] == [
+        "optimizer.py",
+        "step_call.py",
+        "options.py",
+        "stepper.py",
+    ]
+    assert "solve/core.py" in files and moves > len(files)  # the step ran through the core
