@@ -1,4 +1,5 @@
-"""L2RE against CPU seconds, one panel per PDE, one line per method, from this folder's records.
+"""L2RE against CPU seconds, one panel per PDE, one line per method, from this folder's records,
+and the PDE's published best (PINNacle's main table, a GPU run of 20,000 iterations) dashed.
 
 python benchmarks/results/2026-11-29_cpu_pinnacle/plot.py Poisson2D_Classic Burgers1D
 """
@@ -13,6 +14,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1] / "pinns"))
+from pinnacle import PUBLISHED  # noqa: E402  (the paper's best figure of each PDE)
+
 LABELS = {"sgn": "SGN (torch_sgn.deepxde.SGN)", "adam_lbfgs": "PINNacle's Adam then L-BFGS",
           "adam": "Adam (lr 1e-3)"}  # fmt: skip
 
@@ -26,6 +30,9 @@ def main(pdes):
                 continue
             curve = json.loads(path.read_text())["curve"]
             ax.loglog([max(c[0], 1.0) for c in curve], [c[2] for c in curve], label=label)
+        best = PUBLISHED.get(pde)
+        if best is not None:
+            ax.axhline(best[0], color="gray", ls="--", lw=1, label=f"published best ({best[1]})")
         ax.set_title(f"{pde} (float64, seed 0)")
         ax.set_xlabel("CPU seconds (one thread)")
         ax.set_ylabel("L2RE")
