@@ -210,6 +210,14 @@ def _l2re(model, x: np.ndarray, y: np.ndarray, dtype) -> float:
     return float(np.sqrt(((pred - y) ** 2).mean()) / np.sqrt((y**2).mean()))
 
 
+def _l2re_by_output(model, x: np.ndarray, y: np.ndarray, dtype) -> List[float]:
+    """Each output's relative L2 error (PINNacle's metric pools them)."""
+    pred = np.asarray(model.predict(x.astype(dtype))).reshape(len(y), -1)
+    y = y.reshape(len(y), -1)
+    err = np.sqrt(((pred - y) ** 2).mean(0)) / np.sqrt((y**2).mean(0))
+    return [float(e) for e in err]
+
+
 def run(pde_name: str, method: str, args, partial: Optional[Path] = None) -> Dict[str, object]:
     """One PDE by one method, in this process (a child of :func:`main`)."""
     pinnacle = Path(args.pinnacle).resolve()
@@ -316,6 +324,7 @@ def run(pde_name: str, method: str, args, partial: Optional[Path] = None) -> Dic
             iterations=clock["iterations"],
             l2re=final if np.isfinite(final) else None,
             l2re_best=min((c[2] for c in curve if np.isfinite(c[2])), default=None),
+            l2re_by_output=_l2re_by_output(model, x_ref, y_ref, dtype),
             loss_terms_final=None if losses is None else [float(v) for v in losses],
             curve=curve,
             error=error,
