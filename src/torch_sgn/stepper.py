@@ -88,7 +88,7 @@ class Prepared:
 
 
 class Stepper:
-    """SGN's step on ``fmodel`` and ``loss`` by ``engine``, in two halves.
+    """SGN's step on ``fmodel`` and ``loss``, in two halves.
 
     Args:
         fmodel: the model as a function of a flat vector of its parameters.
@@ -97,8 +97,9 @@ class Stepper:
             for one process).
         setup: the settings fixed when the optimizer was built.
         options: the options the step starts with (checked against ``setup`` here).
-        engine: how ``G v`` is computed; ``None``: the one ``setup`` asks for
-            (:func:`~torch_sgn.engines.selection.select_engine`).
+
+    The engine (how ``G v`` is computed) is the one ``setup`` asks for
+    (:func:`~torch_sgn.engines.selection.select_engine`), in :attr:`engine`.
 
     Raises:
         ValueError: ``cuda_graphs=True`` in a data-parallel group of several processes,
@@ -114,7 +115,6 @@ class Stepper:
         comm: Union[SingleProcess, DataParallel],
         setup: Setup,
         options: Options,
-        engine: Optional[Engine] = None,
     ):
         self.fmodel, self.loss, self.comm, self.setup = fmodel, loss, comm, setup
         self.options = options  # the options of the step in progress
@@ -124,10 +124,10 @@ class Stepper:
                 "cuda_graphs=True is not supported in a data-parallel group of several "
                 "processes (shards may differ in shape); leave it off there"
             )
-        if engine is None:
-            engine = select_engine(fmodel, loss, setup.engine, setup.cuda_graphs, setup.compile)
-        self.engine = engine
-        self.caps = Capabilities.of(fmodel.model, engine, single)
+        self.engine: Engine = select_engine(
+            fmodel, loss, setup.engine, setup.cuda_graphs, setup.compile
+        )
+        self.caps = Capabilities.of(fmodel.model, self.engine, single)
         if setup.curvature_fraction < 1 and self.caps.residual_problem:
             raise ValueError(
                 f"curvature_fraction={setup.curvature_fraction}: a Residuals problem's points "
