@@ -378,3 +378,66 @@ def test_a_product_differentiated_twice_is_refused_with_what_it_is():
     model = dde.Model(data, dde.nn.FNN([2, 8, 2], "tanh", "Glorot uniform"))
     with pytest.raises(NotImplementedError, match="differentiates such a derivative again"):
         torch_sgn.deepxde.SGN(model)  # (its PDE is evaluated once when it is built)
+
+
+def test_balance_starts_every_term_at_its_weight_and_keeps_its_scales():
+    """balance=True: at the first step each block's weight is DeepXDE's loss weight divided by
+    the term's value there (DeepXDE's own loss terms, nested autograd, are the reference), so
+    the loss SGN steps on starts at the sum of the loss weights; the scales stay fixed and
+    DeepXDE's loss check still holds (it sees its own weights)."""
+    model = _poisson()
+    opt = torch_sgn.deepxde.SGN(model, balance=True)
+    model.compile(opt, loss_weights=[1, 10])
+    model.train_state.set_data_train(*model.data.train_next_batch())
+    params = list(opt.problem.residuals.parameters())
+    _, _, their_terms = _their_loss_and_grad(model, params)  # weighted by [1, 10]
+    assert opt.scales is None
+    model.train(iterations=1, verbose=0)
+    expected = [w / t for w, t in zip([1, 10], their_terms)]  # 1 / the unweighted term
+    assert opt.scales == pytest.approx(expected, rel=1e-10)
+    assert opt.last_info.loss == pytest.approx(11.0, rel=1e-10)
+    assert [b.weight for b in opt.problem.residuals.blocks] == pytest.approx(
+        [w * s for w, s in zip([1, 10], opt.scales)], rel=1e-15
+    )
+    scales = list(opt.scales)
+    model.train(iterations=2, verbose=0)
+    assert opt.scales == scales
+    assert opt.last_info.loss < 11.0
+    model.compile(opt, loss_weights=[1, 10])  # compiled again: DeepXDE's check runs again
+    model.train(iterations=1, verbose=0)
+    assert opt.scales == scales
+
+
+def test_balance_off_is_the_default_step_and_its_scales_resume_from_the_state_dict():
+    runs = []
+    for kw in ({}, {"balance": False}, {"balance": True}):
+        torch.manual_seed(0)
+        model = _poisson()
+        opt = torch_sgn.deepxde.SGN(model, **kw)
+        model.compile(opt)
+        model.train(iterations=3, verbose=0)
+        runs.append((model, opt, [p.detach().clone() for p in model.net.parameters()]))
+    for p, q in zip(runs[0][2], runs[1][2]):
+        assert torch.equal(p, q)
+    assert any(not torch.equal(p, q) for p, q in zip(runs[0][2], runs[2][2]))
+    model, opt, _ = runs[2]
+    state = copy.deepcopy(opt.state_dict())
+    assert state["balance_scales"] == opt.scales
+    params = [p.detach().clone() for p in model.net.parameters()]
+    model.train(iterations=2, verbose=0)
+    after = [p.detach().clone() for p in model.net.parameters()]
+    fresh = torch_sgn.deepxde.SGN(model, balance=True)  # a resumed run: a new optimizer
+    model.compile(fresh)
+    with torch.no_grad():
+        for p, q in zip(model.net.parameters(), params):
+            p.copy_(q)
+    fresh.load_state_dict(state)
+    assert fresh.scales == opt.scales
+    model.train(iterations=2, verbose=0)
+    for p, q in zip(model.net.parameters(), after):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_balance_must_be_a_bool():
+    with pytest.raises(TypeError, match="balance must be True or False"):
+        torch_sgn.deepxde.SGN(_poisson(), balance="start")

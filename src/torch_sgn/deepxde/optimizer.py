@@ -40,6 +40,13 @@ class SGN(torch.optim.Optimizer):
     Args:
         model: a ``dde.Model`` with ``dde.data.PDE`` or ``dde.data.TimePDE`` data and
             DeepXDE's PyTorch backend.
+        balance: at the first step, divide each loss term's weight by that term's value
+            (its mean squared residual on the first step's points), so that every term starts
+            at its weight, and keep these scales for the rest of the run (they are in the
+            state dict). For a problem whose terms start orders of magnitude apart (an
+            inverse problem's PDE beside its observations): see docs/PINN.md's PINNacle
+            section for the rule and what it measured. DeepXDE's display and
+            ``LossHistory`` still show its own, unscaled loss terms.
         **options: keyword arguments of :class:`torch_sgn.SGN` (``solver``, ``damping``, ...).
 
     Raises:
@@ -49,11 +56,17 @@ class SGN(torch.optim.Optimizer):
 
     Attributes:
         last_info: the :class:`~torch_sgn.StepInfo` of the last step.
+        scales: with ``balance``, each loss term's scale (``1 / its value at the first
+            step``; 1 for a term that starts at zero) once the first step has set them,
+            else ``None``.
     """
 
-    def __init__(self, model: deepxde.Model, **options):
+    def __init__(self, model: deepxde.Model, balance: bool = False, **options):
         check_model(model)
-        self.model = model
+        if not isinstance(balance, bool):
+            raise TypeError(f"balance must be True or False, got {balance!r}")
+        self.model, self.balance = model, balance
+        self.scales: Optional[List[float]] = None
         # The functional engine: DeepXDE's functions (NumPy inside) seldom trace.
         self.options = {"engine": "functional", **options}
         self.last_info: Optional[StepInfo] = None
@@ -65,6 +78,9 @@ class SGN(torch.optim.Optimizer):
 
     def _build(self, variables: List[Tensor], weights) -> None:
         self.problem = Problem(self.model, variables, weights)
+        self._weights = [block.weight for block in self.problem.residuals.blocks]
+        if self.scales is not None:
+            self._apply_scales()
         self.sgn = _SGN(self.problem.residuals, self.problem.residuals.loss, **self.options)
         self._built = (tuple(id(v) for v in variables), None if weights is None else list(weights))
 
@@ -97,10 +113,23 @@ class SGN(torch.optim.Optimizer):
             raise ValueError(
                 f"loss_weights has {len(new)} entries; this model has {len(blocks)} losses"
             )
-        for block, w in zip(blocks, new):
-            block.weight = float(w)
+        self._weights = [float(w) for w in new]
+        self._apply_scales()
         self._built = (self._built[0], weights)
         self._checked = False
+
+    def _apply_scales(self) -> None:
+        """The blocks' weights: DeepXDE's loss weights times :attr:`scales` (where set)."""
+        scales = self.scales or [1.0] * len(self._weights)
+        for block, w, s in zip(self.problem.residuals.blocks, self._weights, scales):
+            block.weight = w * s
+
+    def _set_scales(self, inputs) -> None:
+        losses = list(self.problem.residuals.losses(inputs).values())
+        if not all(math.isfinite(v) for v in losses):
+            return  # the step's own check names the blocks that are not finite
+        self.scales = [1.0 / v if v > 0 else 1.0 for v in losses]
+        self._apply_scales()
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Tensor:
@@ -127,6 +156,8 @@ class SGN(torch.optim.Optimizer):
         inputs, targets = residuals.batch()
         if closure is not None and not self._checked:
             self._check_loss(closure, inputs, targets)
+        if self.balance and self.scales is None:
+            self._set_scales(inputs)
         self.last_info = self.sgn.step(inputs, targets)
         return torch.tensor(self.last_info.loss)
 
@@ -134,7 +165,13 @@ class SGN(torch.optim.Optimizer):
         with torch.enable_grad():
             theirs = float(closure().detach())
         residuals = self.problem.residuals
-        ours = float(residuals.loss(residuals(*inputs), targets))
+        scales, self.scales = self.scales, None
+        self._apply_scales()  # DeepXDE's loss has its weights alone
+        try:
+            ours = float(residuals.loss(residuals(*inputs), targets))
+        finally:
+            self.scales = scales
+            self._apply_scales()
         dtype = next(residuals.parameters()).dtype
         tol = 1e-3 if dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-8
         if not (math.isfinite(theirs) and math.isfinite(ours)):
@@ -158,9 +195,13 @@ class SGN(torch.optim.Optimizer):
         """The state of the SGN optimizer inside, as ``model.save`` stores it.
 
         Returns:
-            :meth:`torch_sgn.SGN.state_dict` of the SGN optimizer this one drives.
+            :meth:`torch_sgn.SGN.state_dict` of the SGN optimizer this one drives, with
+            ``"balance_scales"`` beside where ``balance`` has set :attr:`scales`.
         """
-        return self.sgn.state_dict()
+        state = self.sgn.state_dict()
+        if self.scales is not None:
+            state = {**state, "balance_scales": list(self.scales)}
+        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads a state :meth:`state_dict` returned, after taking ``compile``'s settings.
@@ -169,5 +210,10 @@ class SGN(torch.optim.Optimizer):
             state_dict: the state, as :meth:`state_dict` returned it.
         """
         self._sync()
+        state_dict = dict(state_dict)
+        scales = state_dict.pop("balance_scales", None)
         self.sgn.load_state_dict(state_dict)
+        if scales is not None:
+            self.scales = [float(v) for v in scales]
+            self._apply_scales()
         self._share()
