@@ -20,7 +20,9 @@ Methods: ``recipe``: the example's own optimizers and settings (Adam, then L-BFG
 has one; DeepXDE's NNCG where the example has it, as Burgers), cut to the budget; ``sgn``: every
 ``model.compile`` of the example gets ``torch_sgn.deepxde.SGN(model)`` in place of its optimizer
 (its ``loss_weights``, metrics and external variables kept), and each ``train`` with iterations
-runs until the budget is spent. The error is the relative L2 error of the prediction against
+runs until the budget is spent; ``sgn_balance``: the same with ``SGN(model, balance=True)``
+(each loss term's weight divided by its value at the first step: the rule for inverse
+problems, docs/PINN.md). The error is the relative L2 error of the prediction against
 the example's reference (its exact solution, or its data file in ``dataset/``), over all
 outputs; for the inverse problems also each variable's relative error.
 
@@ -73,7 +75,10 @@ EXAMPLES: Dict[str, tuple] = {
     "diffusion_1d_inverse": ("pinn_inverse", "solution", {"C": 1.0}),
     "reaction_inverse": ("pinn_inverse", "traindata", {"kf": 0.1, "D": 2.0}),
 }
-METHODS = ("recipe", "sgn")
+METHODS = ("recipe", "sgn", "sgn_balance")
+#: The methods a run makes unless ``--methods`` says otherwise (``sgn_balance``: the rule for
+#: inverse problems, run on the examples it names).
+DEFAULT_METHODS = ("recipe", "sgn")
 
 #: example: [(text, replacement)] applied to its source: each the least change that makes it
 #: run on DeepXDE 1.15's PyTorch backend with NumPy 2.
@@ -125,9 +130,9 @@ def run(example: str, method: str, args) -> Dict[str, object]:
     def patched_compile(self, optimizer, *a, **kw):
         if self not in models:
             models.append(self)
-        if method == "sgn":
+        if method in ("sgn", "sgn_balance"):
             if not hasattr(self, "_sgn"):
-                self._sgn = torch_sgn.deepxde.SGN(self)
+                self._sgn = torch_sgn.deepxde.SGN(self, balance=method == "sgn_balance")
             optimizer = self._sgn
             kw.pop("lr", None)
             kw.pop("decay", None)
@@ -139,7 +144,7 @@ def run(example: str, method: str, args) -> Dict[str, object]:
             if iterations == 0:  # (wave_1d reads its initial losses so)
                 return original_train(self, iterations=0, callbacks=callbacks, **kw)
             return self.losshistory, self.train_state
-        if method == "sgn" and iterations is not None:
+        if method in ("sgn", "sgn_balance") and iterations is not None:
             iterations = 10**9  # until the budget is spent
         kw.pop("display_every", None)
         clock["since"] = time.process_time()
@@ -230,6 +235,10 @@ def table(folder: Path) -> str:
         "(recipe; SGN) | CPU s (recipe; SGN) |",
         "|---|---|---|---|---|---|",
     ]
+    balanced = any("sgn_balance" in r for r in runs.values())
+    if balanced:
+        rows[0] += " SGN, balance=True: rel. L2 (variables; CPU s) |"
+        rows[1] += "---|"
     for example in EXAMPLES:
         r = runs.get(example, {})
         rec, sgn = r.get("recipe"), r.get("sgn")
@@ -252,7 +261,12 @@ def table(folder: Path) -> str:
 
         variables = "; ".join(v for v in (var(rec), var(sgn)) if v) or "-"
         cpu = "; ".join(f"{x['cpu_s']:.0f}" for x in (rec, sgn) if x)
-        rows.append(f"| {example} | {err(rec)} | {err(sgn)} | {ratio} | {variables} | {cpu} |")
+        row = f"| {example} | {err(rec)} | {err(sgn)} | {ratio} | {variables} | {cpu} |"
+        if balanced:
+            bal = r.get("sgn_balance")
+            extra = "" if bal is None else f" ({var(bal) or '-'}; {bal['cpu_s']:.0f})"
+            row += f" {err(bal)}{extra} |"
+        rows.append(row)
     return "\n".join(rows)
 
 
@@ -260,7 +274,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--examples", help="a DeepXDE checkout's examples/ folder")
     parser.add_argument("--only", default=",".join(EXAMPLES))
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", default=",".join(DEFAULT_METHODS))
     parser.add_argument("--budget", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--float32", action="store_true")
