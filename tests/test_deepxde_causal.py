@@ -29,9 +29,7 @@ def _heat(seed=0):
     def pde(x, y):
         return dde.grad.jacobian(y, x, i=0, j=1) - dde.grad.hessian(y, x, i=0, j=0) / PI**2
 
-    domain = dde.geometry.GeometryXTime(
-        dde.geometry.Interval(0, 1), dde.geometry.TimeDomain(0, 2)
-    )
+    domain = dde.geometry.GeometryXTime(dde.geometry.Interval(0, 1), dde.geometry.TimeDomain(0, 2))
     bcs = [
         dde.icbc.DirichletBC(domain, lambda x: 0, lambda _, on: on),
         dde.icbc.IC(domain, lambda x: np.sin(PI * x[:, 0:1]), lambda _, on: on),

@@ -51,7 +51,7 @@ class Causal:
 
         Residual(pde, points=xt, causal=Causal(time=-1, slabs=32, epsilon=1.0))
 
-    Args:
+    Attributes:
         time: the column of the block's first point tensor (``N x d``) that is time; negative
             counts from the end (``-1``, the default: the last, as in DeepXDE's
             ``GeometryXTime``).
@@ -63,6 +63,7 @@ class Causal:
             staying at the last.
         span: ``(t0, t1)``, the time range the slabs split (``None``: the smallest and largest
             time among the block's points at each step).
+        schedule: the values of ``epsilon`` in order (one for a fixed ``epsilon``).
 
     Raises:
         ValueError: ``slabs`` not an integer ``>= 1``; an ``epsilon`` negative or not finite,
@@ -109,7 +110,7 @@ class Causal:
 
     @property
     def schedule(self) -> Tuple[float, ...]:
-        """The values of ``epsilon`` in order (one for a fixed ``epsilon``)."""
+        """The values of ``epsilon`` in order."""
         if isinstance(self.epsilon, (int, float)) and not isinstance(self.epsilon, bool):
             return (float(self.epsilon),)
         return tuple(self.epsilon) if isinstance(self.epsilon, Sequence) else ()
