@@ -122,7 +122,8 @@ def main(budget: float) -> None:
             info = opt.last_info
             weights = opt.problem.residuals.causal_weights().get("pde")
             if weights is not None:
-                losses += f" epsilon {weights.epsilon:g} min_weight {float(weights.slabs.min()):.2e}"
+                smallest = float(weights.slabs.min())
+                losses += f" epsilon {weights.epsilon:g} min_weight {smallest:.2e}"
             print(
                 f"cpu {cpu:7.1f} it {model.train_state.step} loss {losses} relL2 {err:.3e} "
                 f"by t-slab {np.array2string(np.array(by_slab), precision=2)} "
