@@ -59,8 +59,10 @@ class Causal:
         epsilon: :math:`\epsilon \ge 0`, the causality parameter; ``0`` turns the weighting
             off (every weight 1). A sequence of values is the paper's schedule: the block starts
             at the first and moves to the next when every slab's weight is above
-            :data:`ANNEAL_ABOVE` (checked at each :meth:`~torch_sgn.pinn.Residuals.batch`),
-            staying at the last.
+            :data:`ANNEAL_ABOVE` (checked at each :meth:`~torch_sgn.pinn.Residuals.batch`,
+            as many values at once as pass), staying at the last. The place in the schedule is
+            the problem's, not the optimizer's state: a fresh problem at fitted parameters
+            finds it again at its first ``batch``.
         span: ``(t0, t1)``, the time range the slabs split (``None``: the smallest and largest
             time among the block's points at each step).
         schedule: the values of ``epsilon`` in order (one for a fixed ``epsilon``).
