@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional, Union
 
 import torch
 from torch import Tensor
 
 from ..optimizer import SGN as _SGN
+from ..pinn.causal import Causal
 from ..step_info import StepInfo
-from .problem import Problem, check_model
+from .problem import Problem, causal_of, check_model
 
 if TYPE_CHECKING:
     import deepxde
@@ -37,6 +38,14 @@ class SGN(torch.optim.Optimizer):
     state dict) and later ``compile``/``train`` calls work as with its own optimizers. A
     ``PDEPointResampler`` changes the points between steps.
 
+    With ``causal``, each PDE block of a ``dde.data.TimePDE`` is weighted along time
+    (:class:`torch_sgn.pinn.Causal`; Wang, Sankaran and Perdikaris, 2022): each point by its
+    time slab's weight, recomputed from the current parameters before each step and held
+    through it. SGN then minimizes the causally weighted loss (:attr:`last_info`'s ``loss``,
+    and what :meth:`step` returns), while DeepXDE's display and ``LossHistory`` keep showing
+    DeepXDE's own loss terms, unweighted along time: the loss the causal weighting is a means
+    to lower.
+
     Args:
         model: a ``dde.Model`` with ``dde.data.PDE`` or ``dde.data.TimePDE`` data and
             DeepXDE's PyTorch backend.
@@ -47,12 +56,17 @@ class SGN(torch.optim.Optimizer):
             inverse problem's PDE beside its observations): see docs/PINN.md's PINNacle
             section for the rule and what it measured. DeepXDE's display and
             ``LossHistory`` still show its own, unscaled loss terms.
+        causal: ``True`` to weight the PDE blocks causally along time with
+            :class:`~torch_sgn.pinn.Causal`'s defaults, a :class:`~torch_sgn.pinn.Causal`
+            for other slabs or ``epsilon`` (its ``span`` defaults to the time domain), or
+            ``False`` (the default): no weighting.
         **options: keyword arguments of :class:`torch_sgn.SGN` (``solver``, ``damping``, ...).
 
     Raises:
         ValueError: a model SGN cannot take (another backend, data class or condition, a
-            regularizer), at once; at the first step, a ``compile`` loss other than ``"MSE"``
-            (DeepXDE's loss and the residuals' then differ; the parameters are not changed).
+            regularizer), or ``causal`` on a model that is not time-dependent, at once; at
+            the first step, a ``compile`` loss other than ``"MSE"`` (DeepXDE's loss and the
+            residuals' then differ; the parameters are not changed).
 
     Attributes:
         last_info: the :class:`~torch_sgn.StepInfo` of the last step.
@@ -61,12 +75,19 @@ class SGN(torch.optim.Optimizer):
             else ``None``.
     """
 
-    def __init__(self, model: deepxde.Model, balance: bool = False, **options):
+    def __init__(
+        self,
+        model: deepxde.Model,
+        balance: bool = False,
+        causal: Union[bool, Causal, None] = False,
+        **options,
+    ):
         check_model(model)
         if not isinstance(balance, bool):
             raise TypeError(f"balance must be True or False, got {balance!r}")
         self.model, self.balance = model, balance
         self.scales: Optional[List[float]] = None
+        self.causal = causal_of(model, causal)
         # The functional engine: DeepXDE's functions (NumPy inside) seldom trace.
         self.options = {"engine": "functional", **options}
         self.last_info: Optional[StepInfo] = None
@@ -77,7 +98,7 @@ class SGN(torch.optim.Optimizer):
         self._share()
 
     def _build(self, variables: List[Tensor], weights) -> None:
-        self.problem = Problem(self.model, variables, weights)
+        self.problem = Problem(self.model, variables, weights, self.causal)
         self._weights = [block.weight for block in self.problem.residuals.blocks]
         if self.scales is not None:
             self._apply_scales()
@@ -168,7 +189,13 @@ class SGN(torch.optim.Optimizer):
         scales, self.scales = self.scales, None
         self._apply_scales()  # DeepXDE's loss has its weights alone
         try:
-            ours = float(residuals.loss(residuals(*inputs), targets))
+            if self.causal is None:
+                ours = float(residuals.loss(residuals(*inputs), targets))
+            else:  # DeepXDE's loss is not weighted along time
+                means = residuals.losses(inputs)
+                ours = sum(
+                    b.weight * means[name] for name, b in zip(residuals.names, residuals.blocks)
+                )
         finally:
             self.scales = scales
             self._apply_scales()

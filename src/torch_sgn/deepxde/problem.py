@@ -14,10 +14,11 @@ derivatives from forward jets (:mod:`torch_sgn.deepxde.derivatives`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from contextlib import nullcontext
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 import torch
@@ -25,11 +26,12 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from ..pinn.causal import Causal
 from ..pinn.operators import derivative
 from ..pinn.residuals import Residual, Residuals
 from .derivatives import Answers, answering, chain_of, network_jet
 
-__all__ = ["CONDITIONS", "Network", "Problem", "check_model"]
+__all__ = ["CONDITIONS", "Network", "Problem", "causal_of", "check_model"]
 
 #: The conditions a problem takes, by DeepXDE class name.
 CONDITIONS = (
@@ -71,6 +73,57 @@ def check_model(model) -> None:
             "torch_sgn.deepxde takes DeepXDE's default autodiff='reverse' without mixed "
             "precision (its own derivatives replace dde.grad's)"
         )
+
+
+def causal_of(model, causal: Union[bool, Causal, None]) -> Optional[Causal]:
+    """The causal weighting of a ``dde.data.TimePDE`` model's PDE blocks along its time
+    coordinate (the last column of ``GeometryXTime``'s points), or ``None`` for ``False`` /
+    ``None``.
+
+    Args:
+        model: the DeepXDE model.
+        causal: ``True`` (:class:`~torch_sgn.pinn.Causal`'s defaults), a
+            :class:`~torch_sgn.pinn.Causal` (its ``span``, where ``None``, the time domain's
+            ``(t0, t1)``), or ``False`` / ``None``.
+
+    Returns:
+        The :class:`~torch_sgn.pinn.Causal` the PDE blocks take, or ``None``.
+
+    Raises:
+        ValueError: causal weighting of a model that is not time-dependent (data other than
+            ``dde.data.TimePDE`` on a ``GeometryXTime``), or a ``Causal`` whose ``time`` is
+            not the last column.
+        TypeError: ``causal`` neither a bool nor a :class:`~torch_sgn.pinn.Causal`.
+    """
+    if causal is None or causal is False:
+        return None
+    if causal is not True and not isinstance(causal, Causal):
+        raise TypeError(
+            f"causal must be True, False or a torch_sgn.pinn.Causal, got {type(causal).__name__}"
+        )
+    import deepxde as dde
+
+    data = getattr(model, "data", None)
+    geometry = getattr(data, "geom", None)
+    if not isinstance(data, dde.data.TimePDE) or not isinstance(
+        geometry, dde.geometry.GeometryXTime
+    ):
+        raise ValueError(
+            f"causal weighting is along time: it needs a dde.data.TimePDE model on a "
+            f"dde.geometry.GeometryXTime, got {type(data).__name__} on "
+            f"{type(geometry).__name__}; leave causal=False for this model"
+        )
+    columns = geometry.dim
+    setting = Causal() if causal is True else causal
+    if setting.time not in (-1, columns - 1):
+        raise ValueError(
+            f"Causal(time={setting.time}): DeepXDE's time is the last of the points' {columns} "
+            f"columns; use time=-1"
+        )
+    if setting.span is None:
+        domain = geometry.timedomain
+        setting = dataclasses.replace(setting, span=(float(domain.t0), float(domain.t1)))
+    return setting
 
 
 class Network(nn.Module):
@@ -135,16 +188,25 @@ class Problem:
         model: the DeepXDE model (``dde.Model``, PyTorch backend).
         variables: its external trainable variables (an inverse problem's unknowns).
         weights: the loss weights, one per PDE component and condition (``None``: all 1).
+        causal: causal weighting of each PDE block along time (:func:`causal_of`: ``True``,
+            a :class:`~torch_sgn.pinn.Causal`, or ``False``); the conditions' blocks are not
+            weighted.
 
     Raises:
-        ValueError: a model the adapter does not take (:func:`check_model` says why), or
-            ``weights`` of another length than the model's losses.
+        ValueError: a model the adapter does not take (:func:`check_model` says why),
+            ``weights`` of another length than the model's losses, or causal weighting of a
+            model that is not time-dependent.
     """
 
     def __init__(
-        self, model: object, variables: Sequence[Tensor], weights: Optional[Sequence[float]]
+        self,
+        model: object,
+        variables: Sequence[Tensor],
+        weights: Optional[Sequence[float]],
+        causal: Union[bool, Causal, None] = False,
     ):
         check_model(model)
+        causal = causal_of(model, causal)
         self.model, self.data = model, model.data
         self.network = Network(model.net, variables)
         self._pairs: Dict[str, Set[Tuple[int, int]]] = {}  # the second partials each asks for
@@ -161,7 +223,7 @@ class Problem:
         blocks: Dict[str, Residual] = {}
         for c in range(pde_count):
             name = "pde" if pde_count == 1 else f"pde{c}"
-            blocks[name] = self._block(name, self._pde_fn(name, c), weights[c])
+            blocks[name] = self._block(name, self._pde_fn(name, c), weights[c], causal)
         for i, bc in enumerate(self.data.bcs):
             name = f"bc{i}_{type(bc).__name__}"
             blocks[name] = self._block(name, self._bc_fn(name, bc), weights[pde_count + i])
@@ -170,13 +232,17 @@ class Problem:
         self.residuals = Residuals(self.network, blocks)
 
     # --- points ---------------------------------------------------------------------------------
-    def _block(self, name: str, fn: Callable, weight: float) -> Residual:
+    def _block(
+        self, name: str, fn: Callable, weight: float, causal: Optional[Causal] = None
+    ) -> Residual:
         def mean_of_row(u: Network, *points: Tensor) -> Tensor:
             r = fn(u, *points)  # DeepXDE's MSE is the mean of all k entries of a point's row
             k = r[0].numel() if r.dim() > 1 else 1
             return r if k == 1 else r / math.sqrt(k)
 
-        return Residual(mean_of_row, weight=weight, sample=lambda step: self._tensors[name])
+        return Residual(
+            mean_of_row, weight=weight, sample=lambda step: self._tensors[name], causal=causal
+        )
 
     def refresh(self) -> bool:
         """Reads DeepXDE's training points where they changed (a first batch, a resampling).

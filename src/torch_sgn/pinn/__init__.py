@@ -7,10 +7,13 @@
   :func:`laplacian`, :func:`divergence`, :func:`time_derivative`, :func:`jet`, :func:`hessian`,
   :func:`hessian_jet`, :func:`derivative`), propagated forward through the network's layers
   (the forward Laplacian), so every engine differentiates them as ordinary operations.
+* :class:`Causal` (:mod:`.causal`): causal weighting of a block along time, its slabs'
+  weights computed at each step from the current parameters.
 * :mod:`.jet_layers`: layers the forward jets take beside ``nn.Linear`` and activations
   (:class:`ParallelLinear`, branches side by side; :class:`InputMap`, a map of the points).
 """
 
+from .causal import Causal, CausalWeights
 from .jet_layers import InputMap, ParallelLinear
 from .operators import (
     HessianJet,
@@ -28,6 +31,8 @@ from .operators import (
 from .residuals import Residual, Residuals
 
 __all__ = [
+    "Causal",
+    "CausalWeights",
     "HessianJet",
     "InputMap",
     "Jet",

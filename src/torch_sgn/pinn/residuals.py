@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from ..model.flat_model import FunctionalModel
 from ..residual_problem import JacobianBlock
 from . import layer_kernel
+from .causal import ANNEAL_ABOVE, Causal, CausalWeights, slab_weights
 
 __all__ = ["Residual", "Residuals"]
 
@@ -61,11 +62,15 @@ class Residual:
             multiplied by it).
         sample: ``step -> points``, drawn anew at each step (:meth:`Residuals.batch`); replaces
             ``points``.
+        causal: weights the block's points along time (:class:`~torch_sgn.pinn.Causal`):
+            each point by its time slab's weight, computed from the current parameters at
+            each :meth:`Residuals.batch` and held constant through the step (``None``: off).
 
     Raises:
-        TypeError: ``fn`` or ``sample`` not callable; points that are not tensors.
+        TypeError: ``fn`` or ``sample`` not callable; points that are not tensors; ``causal``
+            not a :class:`~torch_sgn.pinn.Causal`.
         ValueError: a negative or non-finite ``weight``; points without a leading dimension,
-            or tensors that differ in it.
+            or tensors that differ in it; ``causal`` on a block without points.
     """
 
     def __init__(
@@ -74,6 +79,7 @@ class Residual:
         points: Optional[Points] = None,
         weight: float = 1.0,
         sample: Optional[Callable[[int], Points]] = None,
+        causal: Optional[Causal] = None,
     ):
         if not callable(fn):
             raise TypeError(f"Residual needs a callable fn(u, *points), got {type(fn).__name__}")
@@ -83,6 +89,14 @@ class Residual:
             raise TypeError("sample must be a callable step -> points")
         self.fn, self.weight, self.sample = fn, float(weight), sample
         self.points = None if points is None else _as_points(points, "points")
+        if causal is not None and not isinstance(causal, Causal):
+            raise TypeError(f"causal must be a torch_sgn.pinn.Causal, got {type(causal).__name__}")
+        if causal is not None and not self.has_points:
+            raise ValueError(
+                "causal weighting needs the block's points (their time coordinate); this block "
+                "has none: give points= or sample=, or leave causal=None"
+            )
+        self.causal = causal
 
     @property
     def has_points(self) -> bool:
@@ -122,6 +136,10 @@ class Residuals(nn.Module):
         self.names: Tuple[str, ...] = tuple(blocks)
         self.blocks: Tuple[Residual, ...] = tuple(blocks.values())
         self._arity: Tuple[int, ...] = tuple(self._count(b) for b in self.blocks)
+        # a causal block's tensors end with its points' weights (batch)
+        self._carried: Tuple[int, ...] = tuple(int(b.causal is not None) for b in self.blocks)
+        self._causal: Dict[str, CausalWeights] = {}  # the last batch's, by block
+        self._schedule_at: Dict[str, int] = {}  # each causal block's place in its schedule
         self._counts: Dict[tuple, int] = {}  # the points' shapes -> R (see count)
         self._factors_ok: Dict[tuple, bool] = {}  # the points' shapes -> layer factors checked
 
@@ -142,12 +160,28 @@ class Residuals(nn.Module):
                 at step 0); fixed points are the same at every step.
 
         Returns:
-            Every block's point tensors in order, and zero targets, one per residual.
+            Every block's point tensors in order, a causal block's followed by its points'
+            causal weights (computed here, from the current parameters: see
+            :class:`~torch_sgn.pinn.Causal`), and zero targets, one per residual.
 
         Raises:
             ValueError: a block's ``sample`` returned another number of tensors than at step
-                0, or points on another device than the network's parameters.
+                0, or points on another device than the network's parameters; a causal
+                block's ``time`` outside its first point tensor's columns.
         """
+        like = next(self.network.parameters(), None)
+        inputs = self._inputs(step, weigh=True)
+        with torch.no_grad():
+            n = self.count(inputs)
+        targets = torch.zeros(
+            n,
+            dtype=like.dtype if like is not None else torch.get_default_dtype(),
+            device=like.device if like is not None else None,
+        )
+        return inputs, targets
+
+    def _inputs(self, step: Optional[int], weigh: bool) -> Tuple[Tensor, ...]:
+        """:meth:`batch`'s inputs; a causal block's weights all 1 unless ``weigh``."""
         like = next(self.network.parameters(), None)
         tensors: List[Tensor] = []
         for name, block, arity in zip(self.names, self.blocks, self._arity):
@@ -166,15 +200,65 @@ class Residuals(nn.Module):
                     "(points=x.to(device))"
                 )
             tensors.extend(pts)
-        inputs = tuple(tensors)
+            if block.causal is not None and weigh:
+                tensors.append(self._causal_weights(name, block, pts))
+            elif block.causal is not None:
+                tensors.append(pts[0].new_ones(pts[0].shape[0]))
+        return tuple(tensors)
+
+    def _causal_weights(self, name: str, block: Residual, pts: Tuple[Tensor, ...]) -> Tensor:
+        """The causal weight of each of the block's points at the current parameters, with
+        the block's place in its ``epsilon`` schedule advanced (:class:`Causal`)."""
+        causal = block.causal
+        x = pts[0]
+        if x.dim() != 2 or not -x.shape[1] <= causal.time < x.shape[1]:
+            columns = x.shape[1] if x.dim() == 2 else None
+            raise ValueError(
+                f"block {name!r}: causal time={causal.time} is not a column of its first point "
+                f"tensor (shape {tuple(x.shape)}"
+                + (f", columns -{columns}..{columns - 1}" if columns else ", not N x d")
+                + "); set Causal(time=...) to the column that holds time"
+            )
+        n = x.shape[0]
+        if n == 0:
+            return x.new_ones(0)
         with torch.no_grad():
-            n = self.count(inputs)
-        targets = torch.zeros(
-            n,
-            dtype=like.dtype if like is not None else torch.get_default_dtype(),
-            device=like.device if like is not None else None,
-        )
-        return inputs, targets
+            squares = self.residual(name, *pts).reshape(n, -1).square().sum(1)
+            schedule = causal.schedule
+            at = self._schedule_at.get(name, 0)
+            times = x[:, causal.time]
+            while True:
+                weights, losses, per_point = slab_weights(
+                    times, squares, causal.slabs, schedule[at], causal.span
+                )
+                if at + 1 == len(schedule) or not bool(weights.min() > ANNEAL_ABOVE):
+                    break
+                at += 1
+        self._schedule_at[name] = at
+        self._causal[name] = CausalWeights(schedule[at], weights, losses)
+        return per_point.to(x.dtype)
+
+    def causal_weights(self) -> Dict[str, CausalWeights]:
+        """The causal blocks' weights as the last :meth:`batch` computed them.
+
+        Returns:
+            Each causal block's :class:`~torch_sgn.pinn.causal.CausalWeights` (its
+            ``epsilon``, its slabs' weights and mean squared residuals), by its name; empty
+            before the first :meth:`batch`.
+        """
+        return dict(self._causal)
+
+    def _parts(self, inputs: Sequence[Tensor]):
+        """``(name, block, points, causal weights or None, points' count or 1)`` of each
+        block with rows on ``inputs`` (points and a weight)."""
+        for (name, pts), block in zip(self.split(inputs).items(), self.blocks):
+            weight = None
+            if block.causal is not None:
+                pts, weight = pts[:-1], pts[-1]
+            n = pts[0].shape[0] if pts else 1
+            if n == 0 or block.weight == 0:
+                continue
+            yield name, block, pts, weight, n
 
     def count(self, inputs: Sequence[Tensor]) -> int:
         """The number of residuals ``R`` on ``inputs``: each block's rows per point, from its
@@ -203,10 +287,7 @@ class Residuals(nn.Module):
     def _rows_by_block(self, inputs: Sequence[Tensor]) -> int:
         total = 0
         with torch.no_grad():
-            for (name, pts), block in zip(self.split(inputs).items(), self.blocks):
-                n = pts[0].shape[0] if pts else 1
-                if n == 0 or block.weight == 0:
-                    continue
+            for name, _, pts, _, n in self._parts(inputs):
                 if not pts:  # a residual of the parameters alone
                     total += self.residual(name).numel()
                     continue
@@ -221,20 +302,22 @@ class Residuals(nn.Module):
             inputs: every block's point tensors, as :meth:`batch` lays them out.
 
         Returns:
-            Each block's tensors, by its name.
+            Each block's tensors, by its name (a causal block's end with its points' causal
+            weights, as :meth:`batch` lays them out).
 
         Raises:
             ValueError: another number of tensors than the blocks take, or a block's tensors
                 that differ in their leading dimension.
         """
-        if len(inputs) != sum(self._arity):
+        arities = [a + c for a, c in zip(self._arity, self._carried)]
+        if len(inputs) != sum(arities):
             raise ValueError(
-                f"Residuals takes {sum(self._arity)} point tensors (blocks "
-                f"{dict(zip(self.names, self._arity))}), got {len(inputs)}: pass "
-                "problem.batch()'s inputs"
+                f"Residuals takes {sum(arities)} point tensors (blocks "
+                f"{dict(zip(self.names, arities))}, causal weights included), got "
+                f"{len(inputs)}: pass problem.batch()'s inputs"
             )
         out, i = {}, 0
-        for name, arity in zip(self.names, self._arity):
+        for name, arity in zip(self.names, arities):
             pts = tuple(inputs[i : i + arity])
             i += arity
             if arity and any(p.shape[0] != pts[0].shape[0] for p in pts):
@@ -311,20 +394,24 @@ class Residuals(nn.Module):
 
         Args:
             *inputs: every block's point tensors, as :meth:`batch` lays them out.
-            only: a block's name: that block's unweighted rows on ``inputs`` (its own point
-                tensors) instead.
+            only: a block's name: that block's rows on ``inputs`` (its own tensors, as
+                :meth:`split` gives them) without the block's weight ``w_b / N_b`` instead
+                (a causal block's times its points' causal weights' square roots).
 
         Returns:
-            The residuals :math:`\sqrt{w_b / N_b}\, r_b` of every block, flat.
+            The residuals :math:`\sqrt{w_b / N_b}\, r_b` of every block, flat (a causal
+            block's point ``n`` times :math:`\sqrt{w_{i(n)}}` too).
         """
-        if only is not None:  # one block's unweighted rows (the Jacobian's blocks)
-            return self.residual(only, *inputs)
+        if only is not None:  # one block's rows (the Jacobian's blocks)
+            block = self.blocks[self.names.index(only)]
+            if block.causal is None:
+                return self.residual(only, *inputs)
+            return _causally(self.residual(only, *inputs[:-1]), inputs[-1])
         parts = []
-        for (name, pts), block in zip(self.split(inputs).items(), self.blocks):
-            n = pts[0].shape[0] if pts else 1
-            if n == 0 or block.weight == 0:
-                continue
+        for name, block, pts, weight, n in self._parts(inputs):
             r = self.residual(name, *pts)
+            if weight is not None:
+                r = _causally(r, weight)
             parts.append(r.reshape(-1) * math.sqrt(block.weight / n))
         if not parts:
             like = next(self.network.parameters())
@@ -335,16 +422,19 @@ class Residuals(nn.Module):
         """Each block's mean squared residual, unweighted.
 
         Args:
-            inputs: every block's point tensors (:meth:`batch`'s by default).
+            inputs: every block's point tensors (:meth:`batch`'s points by default, the
+                causal weights neither computed nor advanced).
 
         Returns:
-            The mean squared residual of each block, by its name.
+            The mean squared residual of each block, by its name (without causal weights).
         """
         if inputs is None:
-            inputs = self.batch()[0]
+            inputs = self._inputs(None, weigh=False)
         with torch.no_grad():
             out = {}
-            for name, pts in self.split(inputs).items():
+            for (name, pts), block in zip(self.split(inputs).items(), self.blocks):
+                if block.causal is not None:
+                    pts = pts[:-1]
                 if pts and pts[0].shape[0] == 0:
                     out[name] = 0.0
                     continue
@@ -366,10 +456,7 @@ class Residuals(nn.Module):
         """
         found = []
         with torch.no_grad():
-            for (name, pts), block in zip(self.split(inputs).items(), self.blocks):
-                n = pts[0].shape[0] if pts else 1
-                if n == 0 or block.weight == 0:
-                    continue
+            for name, _, pts, _, n in self._parts(inputs):
                 r = self.residual(name, *pts)
                 rows = r.reshape(n, -1) if pts else r.reshape(1, -1)
                 bad = ~torch.isfinite(rows).all(dim=1)
@@ -401,16 +488,14 @@ class Residuals(nn.Module):
 
         Returns:
             One :class:`~torch_sgn.residual_problem.JacobianBlock` per residual block with
-            points and a weight: the weighted rows of one point, at a flat parameter vector.
+            points and a weight: the weighted rows of one point, at a flat parameter vector
+            (its tensors a causal block's points and their causal weights).
         """
         out = []
-        for (name, pts), block in zip(self.split(inputs).items(), self.blocks):
-            n = pts[0].shape[0] if pts else 1
-            if n == 0 or block.weight == 0:
-                continue
+        for name, block, pts, weight, n in self._parts(inputs):
             scale = math.sqrt(block.weight / n)
-
-            out.append(JacobianBlock(_Rows(self, fmodel, name, scale), pts))
+            tensors = pts if weight is None else (*pts, weight)
+            out.append(JacobianBlock(_Rows(self, fmodel, name, scale), tensors))
         return out
 
     @property
@@ -464,6 +549,11 @@ class _Rows:
             self.problem, params, one, {"only": self.name}, tie_weights=False
         )
         return r.reshape(-1) * self.scale
+
+
+def _causally(r: Tensor, weight: Tensor) -> Tensor:
+    """A block's rows ``r`` (one per point) times their points' causal weights' roots."""
+    return r * weight.sqrt().reshape(-1, *([1] * (r.dim() - 1)))
 
 
 def _as_points(points: Points, what: str) -> Tuple[Tensor, ...]:
