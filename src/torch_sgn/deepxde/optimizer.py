@@ -63,6 +63,7 @@ class SGN(torch.optim.Optimizer):
         **options: keyword arguments of :class:`torch_sgn.SGN` (``solver``, ``damping``, ...).
 
     Raises:
+        TypeError: ``balance`` not ``True`` or ``False``.
         ValueError: a model SGN cannot take (another backend, data class or condition, a
             regularizer), or ``causal`` on a model that is not time-dependent, at once; at
             the first step, a ``compile`` loss other than ``"MSE"`` (DeepXDE's loss and the
