@@ -187,19 +187,10 @@ class SGN(torch.optim.Optimizer):
         with torch.enable_grad():
             theirs = float(closure().detach())
         residuals = self.problem.residuals
-        scales, self.scales = self.scales, None
-        self._apply_scales()  # DeepXDE's loss has its weights alone
-        try:
-            if self.causal is None:
-                ours = float(residuals.loss(residuals(*inputs), targets))
-            else:  # DeepXDE's loss is not weighted along time
-                means = residuals.losses(inputs)
-                ours = sum(
-                    b.weight * means[name] for name, b in zip(residuals.names, residuals.blocks)
-                )
-        finally:
-            self.scales = scales
-            self._apply_scales()
+        # DeepXDE's loss: its own weights on the blocks' unweighted means (no balance scales,
+        # no causal weights along time)
+        means = residuals.losses(inputs)
+        ours = sum(w * means[name] for name, w in zip(residuals.names, self._weights))
         dtype = next(residuals.parameters()).dtype
         tol = 1e-3 if dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-8
         if not (math.isfinite(theirs) and math.isfinite(ours)):
