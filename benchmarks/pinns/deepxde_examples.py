@@ -24,7 +24,11 @@ runs until the budget is spent; ``sgn_balance``: the same with ``SGN(model, bala
 (each loss term's weight divided by its value at the first step: the rule for inverse
 problems, docs/PINN.md). The error is the relative L2 error of the prediction against
 the example's reference (its exact solution, or its data file in ``dataset/``), over all
-outputs; for the inverse problems also each variable's relative error.
+outputs; for the inverse problems also each variable's relative error. Each record also holds
+the run's curve (:data:`CURVE_COLUMNS`, at the CPU seconds of :data:`CURVE_MARKS` and at the
+end, measured outside the budget): the training loss, the error, and the PDE's residual at the
+training points beside its residual at fresh points of the domain, which tells a loss that is
+small only where it is trained from one that is small everywhere.
 
     git clone https://github.com/lululxvi/deepxde /tmp/deepxde
     python benchmarks/pinns/deepxde_examples.py --examples /tmp/deepxde/examples --budget 60 \\
@@ -42,7 +46,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 os.environ.setdefault("DDE_BACKEND", "pytorch")
 os.environ.setdefault("MPLBACKEND", "Agg")
@@ -119,13 +123,20 @@ def run(example: str, method: str, args) -> Dict[str, object]:
     models = []
     original_compile, original_train = dde.Model.compile, dde.Model.train
 
+    curve: List[List[Optional[float]]] = []
+    marks = [m for m in CURVE_MARKS if m < args.budget]
+
     class Budget(dde.callbacks.Callback):
         def on_epoch_end(self):
             clock["used"] += time.process_time() - clock["since"]
-            clock["since"] = time.process_time()
             clock["iterations"] += 1
             if clock["used"] >= args.budget:
                 self.model.stop_training = True
+            elif marks and clock["used"] >= marks[0]:
+                while marks and clock["used"] >= marks[0]:
+                    marks.pop(0)
+                curve.append(_curve_point(self.model, namespace, reference, truths, clock))
+            clock["since"] = time.process_time()  # (the curve's point outside the budget)
 
     def patched_compile(self, optimizer, *a, **kw):
         if self not in models:
@@ -175,6 +186,8 @@ def run(example: str, method: str, args) -> Dict[str, object]:
             error = f"{type(e).__name__}: {e}"
         try:
             result = _measure(models[-1], namespace, reference, truths) if models else {}
+            if models and not error:
+                curve.append(_curve_point(models[-1], namespace, reference, truths, clock))
         finally:
             os.chdir(cwd)
     return {
@@ -186,7 +199,53 @@ def run(example: str, method: str, args) -> Dict[str, object]:
         "float64": not args.float32,
         "error": error,
         **result,
+        "curve_columns": list(CURVE_COLUMNS),
+        "curve": curve,
     }
+
+
+#: CPU seconds at which a run records a point of its curve (and at its end).
+CURVE_MARKS = (1, 3, 10, 30, 60, 100, 200, 300, 500, 1000, 2000)
+CURVE_COLUMNS = ("cpu_s", "iterations", "train_loss", "rel_l2", "residual_train", "residual_new")
+#: Fresh domain points at which a curve's point measures the PDE's residual.
+NEW_POINTS = 10_000
+
+
+def _curve_point(model, namespace: dict, reference: str, truths, clock) -> list:
+    """``[CPU s, iterations, training loss, rel. L2, residual RMS at the training points, at
+    NEW_POINTS fresh ones]``. The training loss is DeepXDE's (its loss terms, weighted, summed)
+    at the current training points; the residuals are the PDE's (every equation's, root mean
+    square) at the points where DeepXDE evaluates it (``train_x_all``) and at points drawn
+    afresh (NumPy's global generator's state restored: the run's own draws do not move).
+    ``None`` where the example's PDE cannot be evaluated so."""
+    state = model.train_state
+    _, losses = model.outputs_losses_train(state.X_train, state.y_train, state.train_aux_vars)
+    loss = float(sum(float(v) for v in losses))
+    err = _measure(model, namespace, reference, truths)["rel_l2"]
+    return [clock["used"], clock["iterations"], loss, err, *_residuals(model, namespace)]
+
+
+def _residuals(model, namespace: dict) -> list:
+    pde = namespace.get("pde")
+    data = model.data
+    if pde is None or not hasattr(data, "geom") or not hasattr(data, "train_x_all"):
+        return [None, None]
+    state = np.random.get_state()
+    try:
+        np.random.seed(12345)
+        fresh = data.geom.random_points(NEW_POINTS)
+    finally:
+        np.random.set_state(state)
+    out = []
+    for x in (data.train_x_all, fresh):
+        try:
+            r = model.predict(x.astype(data.train_x_all.dtype), operator=pde)
+        except Exception:  # noqa: BLE001 - a PDE of more arguments (external data): not measured
+            return [None, None]
+        parts = r if isinstance(r, (list, tuple)) else [r]
+        r = np.concatenate([np.asarray(v).reshape(len(x), -1) for v in parts], axis=1)
+        out.append(float(np.sqrt(np.mean(r**2))))
+    return out
 
 
 def compile_source(path: Path):

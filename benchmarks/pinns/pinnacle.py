@@ -18,6 +18,8 @@ Methods (``--methods``):
 * ``sgn``: ``torch_sgn.deepxde.SGN(model)``, its defaults, until the budget is spent;
 * ``sgn_balance``: ``torch_sgn.deepxde.SGN(model, balance=True)`` (each loss term's weight
   divided by its value at the first step), the rule for the inverse problems (docs/PINN.md);
+* ``sgn_causal``: ``torch_sgn.deepxde.SGN(model, causal=True)`` (the PDE blocks weighted
+  causally along time, :class:`torch_sgn.pinn.Causal`'s defaults: 32 slabs, epsilon 1);
 * ``adam_lbfgs``: PINNacle's ``Adam_LBFGS`` as ``benchmark.py --method lbfgs`` builds it
   (``switch_epoch=5000``, ``adam_param={'lr': 1e-3}``; L-BFGS ``lr=1, max_iter=20``, torch's
   other defaults), copied from PINNacle's ``src/optimizer/adam_lbfgs.py`` (the class is imported
@@ -83,7 +85,7 @@ PDES: Dict[str, Tuple[str, str]] = {
     "PoissonInv": ("inverse", "PoissonInv"),
     "HeatInv": ("inverse", "HeatInv"),
 }
-METHODS = ("sgn", "sgn_balance", "adam_lbfgs", "adam")
+METHODS = ("sgn", "sgn_balance", "sgn_causal", "adam_lbfgs", "adam")
 
 #: PINNacle's ``benchmark.py`` defaults: ``--iter 20000``, ``--lr 1e-3``; ``Adam_LBFGS``'s switch.
 ITERATIONS = 20_000
@@ -256,9 +258,11 @@ def run(pde_name: str, method: str, args, partial: Optional[Path] = None) -> Dic
         model = pde.create_model(net)
         loss_weights = np.ones(pde.num_loss)
         iterations = ITERATIONS
-        if method in ("sgn", "sgn_balance"):
+        if method in ("sgn", "sgn_balance", "sgn_causal"):
             try:
-                optimizer = torch_sgn.deepxde.SGN(model, balance=method == "sgn_balance")
+                optimizer = torch_sgn.deepxde.SGN(
+                    model, balance=method == "sgn_balance", causal=method == "sgn_causal"
+                )
             except Exception as e:  # noqa: BLE001 - recorded: SGN cannot take this model
                 return {**record, "l2re": None, "error": f"{type(e).__name__}: {e}"}
             iterations = 10**9  # until the budget is spent
