@@ -25,34 +25,34 @@ def _mlp(widths, seed=0, act=nn.Tanh):
     return nn.Sequential(*layers).to(D)
 
 
-def _points(n, d, seed):
-    return torch.rand(n, d, generator=torch.Generator().manual_seed(seed), dtype=D)
+def _points(n, d, seed, dtype=D):
+    return torch.rand(n, d, generator=torch.Generator().manual_seed(seed), dtype=D).to(dtype)
 
 
-def _poisson(net):
+def _poisson(net, dtype=D):
     return {
         "interior": Residual(
-            lambda u, x: -laplacian(u, x) - x.sum(1, keepdim=True), _points(30, 2, 1)
+            lambda u, x: -laplacian(u, x) - x.sum(1, keepdim=True), _points(30, 2, 1, dtype)
         ),
-        "boundary": Residual(lambda u, x: u(x), _points(7, 2, 2), weight=3.0),
+        "boundary": Residual(lambda u, x: u(x), _points(7, 2, 2, dtype), weight=3.0),
     }
 
 
-def _heat(net):
+def _heat(net, dtype=D):
     return {
         "pde": Residual(
             lambda u, x: time_derivative(u, x, 0) - 0.25 * laplacian(u, x, dims=[1]),
-            _points(25, 2, 3),
+            _points(25, 2, 3, dtype),
         ),
-        "initial": Residual(lambda u, x: u(x) - torch.sin(x[:, 1:]), _points(6, 2, 4)),
+        "initial": Residual(lambda u, x: u(x) - torch.sin(x[:, 1:]), _points(6, 2, 4, dtype)),
     }
 
 
-def _gradient_and_two_outputs(net):
+def _gradient_and_two_outputs(net, dtype=D):
     # a vector field u: R^2 -> R^2, residuals with two components per point
     return {
-        "curl": Residual(lambda u, x: gradient(u, x)[:, 0, :] - x, _points(20, 2, 5)),
-        "values": Residual(lambda u, x: u(x), _points(5, 2, 6)),
+        "curl": Residual(lambda u, x: gradient(u, x)[:, 0, :] - x, _points(20, 2, 5, dtype)),
+        "values": Residual(lambda u, x: u(x), _points(5, 2, 6, dtype)),
     }
 
 
@@ -186,3 +186,29 @@ def test_networks_the_factors_cannot_follow_fall_back_to_rows(make):
     assert problem.layer_factors(fmodel, fmodel.flat(), inputs) is None
     losses, _ = _sgn_steps(problem, steps=3)  # the exact steps go on through J's rows
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("case", ["poisson-wide", "heat-wide", "two-outputs-wide"])
+def test_float32_networks_take_the_factors(case):
+    """A float32 network's factors pass the check (the rows and the factors round apart by
+    about a tenth of float32's epsilon) and give J J^T and J^T u of the float64 Jacobian of the
+    same network to float32's accuracy; float64 keeps its tolerance of 1e-8."""
+    build, blocks = CASES[case]
+    net = build()
+    problem = Residuals(net, blocks(net))  # float64 network and points: the reference
+    net32 = copy.deepcopy(net).to(torch.float32)
+    narrow = Residuals(net32, blocks(net32, torch.float32))
+    fmodel = FunctionalModel(narrow)
+    inputs, _ = narrow.batch()
+    assert all(x.dtype == torch.float32 for x in inputs)
+    factors = narrow.layer_factors(fmodel, fmodel.flat(), inputs)
+    assert factors is not None
+    wide = FunctionalModel(problem)
+    J = _dense_jacobian(problem, wide, tuple(x.to(D) for x in inputs))
+    K = factors.kernel()
+    torch.testing.assert_close(K, J @ J.T, rtol=0, atol=1e-5 * (J @ J.T).abs().max())
+    u = torch.randn(J.shape[0], dtype=D)
+    want = J.T @ u
+    torch.testing.assert_close(factors.vjp(u).to(D), want, rtol=0, atol=1e-5 * want.abs().max())
+    assert layer_kernel.agreement(torch.float64) == 1e-8
+    assert 1e-6 < layer_kernel.agreement(torch.float32) < 1e-4
