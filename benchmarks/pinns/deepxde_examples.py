@@ -288,7 +288,8 @@ def table(folder: Path) -> str:
     runs: Dict[str, Dict[str, dict]] = {}
     for path in sorted(folder.glob("*.json")):
         r = json.loads(path.read_text())
-        runs.setdefault(r["example"], {})[r["method"]] = r
+        if "example" in r and "method" in r:  # (a record's other JSON files left out)
+            runs.setdefault(r["example"], {})[r["method"]] = r
     rows = [
         "| example | recipe rel. L2 | SGN rel. L2 | recipe / SGN | variables' rel. error "
         "(recipe; SGN) | CPU s (recipe; SGN) |",
@@ -326,6 +327,25 @@ def table(folder: Path) -> str:
             extra = "" if bal is None else f" ({var(bal) or '-'}; {bal['cpu_s']:.0f})"
             row += f" {err(bal)}{extra} |"
         rows.append(row)
+    curves = [
+        (example, method, r[method]["curve"][-1])
+        for example, r in ((e, runs.get(e, {})) for e in EXAMPLES)
+        for method in METHODS
+        if r.get(method, {}).get("curve")
+    ]
+    if curves:
+        rows += [
+            "",
+            "| example | method | steps | training loss | PDE residual (RMS) at the training "
+            "points | at fresh points | rel. L2 |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for example, method, end in curves:
+            cells = [f"{v:.2e}" if isinstance(v, float) else "-" for v in end[2:]]
+            rows.append(
+                f"| {example} | {method} | {end[1]} | {cells[0]} | {cells[2]} | {cells[3]} | "
+                f"{cells[1]} |"
+            )
     return "\n".join(rows)
 
 
