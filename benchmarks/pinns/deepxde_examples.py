@@ -220,7 +220,7 @@ def _curve_point(model, namespace: dict, reference: str, truths, clock) -> list:
     ``None`` where the example's PDE cannot be evaluated so."""
     state = model.train_state
     _, losses = model.outputs_losses_train(state.X_train, state.y_train, state.train_aux_vars)
-    loss = float(sum(float(v) for v in losses))
+    loss = float(sum(float(v.detach()) if hasattr(v, "detach") else float(v) for v in losses))
     err = _measure(model, namespace, reference, truths)["rel_l2"]
     return [clock["used"], clock["iterations"], loss, err, *_residuals(model, namespace)]
 
