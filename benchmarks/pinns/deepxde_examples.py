@@ -46,7 +46,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 os.environ.setdefault("DDE_BACKEND", "pytorch")
 os.environ.setdefault("MPLBACKEND", "Agg")
@@ -80,6 +80,8 @@ EXAMPLES: Dict[str, tuple] = {
     "reaction_inverse": ("pinn_inverse", "traindata", {"kf": 0.1, "D": 2.0}),
 }
 METHODS = ("recipe", "sgn", "sgn_balance")
+#: The methods that train with ``torch_sgn.deepxde.SGN``.
+SGN_METHODS = ("sgn", "sgn_balance")
 #: The methods a run makes unless ``--methods`` says otherwise (``sgn_balance``: the rule for
 #: inverse problems, run on the examples it names).
 DEFAULT_METHODS = ("recipe", "sgn")
@@ -108,8 +110,12 @@ def _source(path: Path) -> str:
     return text
 
 
-def run(example: str, method: str, args) -> Dict[str, object]:
-    """One example by one method, in this process (a child of :func:`main`)."""
+def run(
+    example: str, method: str, args, extra: Optional[Callable[[object], dict]] = None
+) -> Dict[str, object]:
+    """One example by one method, in this process (a child of :func:`main`). ``extra``: a
+    function of the trained model whose entries join the result (a record's own error
+    measure, as against another reference)."""
     import deepxde as dde
     import matplotlib.pyplot as plt
 
@@ -135,13 +141,14 @@ def run(example: str, method: str, args) -> Dict[str, object]:
             elif marks and clock["used"] >= marks[0]:
                 while marks and clock["used"] >= marks[0]:
                     marks.pop(0)
-                curve.append(_curve_point(self.model, namespace, reference, truths, clock))
+                err = _measure(self.model, namespace, reference, truths)["rel_l2"]
+                curve.append(_curve_point(self.model, namespace, clock, err))
             clock["since"] = time.process_time()  # (the curve's point outside the budget)
 
     def patched_compile(self, optimizer, *a, **kw):
         if self not in models:
             models.append(self)
-        if method in ("sgn", "sgn_balance"):
+        if method in SGN_METHODS:
             if not hasattr(self, "_sgn"):
                 self._sgn = torch_sgn.deepxde.SGN(self, balance=method == "sgn_balance")
             optimizer = self._sgn
@@ -155,7 +162,7 @@ def run(example: str, method: str, args) -> Dict[str, object]:
             if iterations == 0:  # (wave_1d reads its initial losses so)
                 return original_train(self, iterations=0, callbacks=callbacks, **kw)
             return self.losshistory, self.train_state
-        if method in ("sgn", "sgn_balance") and iterations is not None:
+        if method in SGN_METHODS and iterations is not None:
             iterations = 10**9  # until the budget is spent
         kw.pop("display_every", None)
         clock["since"] = time.process_time()
@@ -187,7 +194,10 @@ def run(example: str, method: str, args) -> Dict[str, object]:
         try:
             result = _measure(models[-1], namespace, reference, truths) if models else {}
             if models and not error:
-                curve.append(_curve_point(models[-1], namespace, reference, truths, clock))
+                end = _curve_point(models[-1], namespace, clock, result["rel_l2"])
+                curve.append(end)
+                if extra is not None:
+                    result.update(extra(models[-1]))
         finally:
             os.chdir(cwd)
     return {
@@ -211,17 +221,17 @@ CURVE_COLUMNS = ("cpu_s", "iterations", "train_loss", "rel_l2", "residual_train"
 NEW_POINTS = 10_000
 
 
-def _curve_point(model, namespace: dict, reference: str, truths, clock) -> list:
-    """``[CPU s, iterations, training loss, rel. L2, residual RMS at the training points, at
-    NEW_POINTS fresh ones]``. The training loss is DeepXDE's (its loss terms, weighted, summed)
-    at the current training points; the residuals are the PDE's (every equation's, root mean
-    square) at the points where DeepXDE evaluates it (``train_x_all``) and at points drawn
-    afresh (NumPy's global generator's state restored: the run's own draws do not move).
-    ``None`` where the example's PDE cannot be evaluated so."""
+def _curve_point(model, namespace: dict, clock: dict, err: float) -> list:
+    """``[CPU s, iterations, training loss, rel. L2 (``err``, :func:`_measure`'s), residual
+    RMS at the training points, at NEW_POINTS fresh ones]``. The training loss is DeepXDE's (its
+    loss terms, weighted, summed) at the current training points; the residuals are the PDE's
+    (every equation's, root mean square) at the points where DeepXDE evaluates it
+    (``train_x_all``) and at points drawn afresh (NumPy's global generator's state restored:
+    the run's own draws do not move). ``None`` where the example's PDE cannot be evaluated
+    so."""
     state = model.train_state
     _, losses = model.outputs_losses_train(state.X_train, state.y_train, state.train_aux_vars)
     loss = float(sum(float(v.detach()) if hasattr(v, "detach") else float(v) for v in losses))
-    err = _measure(model, namespace, reference, truths)["rel_l2"]
     return [clock["used"], clock["iterations"], loss, err, *_residuals(model, namespace)]
 
 
