@@ -63,6 +63,27 @@ def each_engine(request, monkeypatch):
     return request.param
 
 
+#: test: which of its traced-engine cases (``each_engine``, by their parameters) run with the
+#: slow tests, because other cases already do their work on that engine
+TRACED_CASES_ALSO_SLOW = {
+    # momentum changes how the step is assembled, not the engine's products: the traced
+    # engine's cases without it solve the same systems through the same products
+    "test_direct_step_solves_the_damped_system_for_every_loss": lambda p: p["momentum"] != 0,
+    # its products equal the dense J^T H J (test_ggn_matches_dense_jacobian_reference's
+    # traced cases), which is symmetric positive semi-definite for these convex losses
+    "test_ggn_is_symmetric_positive_semidefinite": lambda p: True,
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by the marks
+def pytest_collection_modifyitems(items):
+    for item in items:
+        rule = TRACED_CASES_ALSO_SLOW.get(getattr(item, "originalname", ""))
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if rule is not None and params.get("each_engine") == "traced" and rule(params):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture
 def cpu_graph_captures(monkeypatch):
     """Lets ``SGN(cuda_graphs=True)`` "capture" on the CPU with an eager stand-in (a replay

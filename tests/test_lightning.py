@@ -6,14 +6,20 @@ import sys
 import warnings
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 from torch_sgn import SGN, StepInfo
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "lightning_sgn.py"
+
+
+def _lightning():
+    """Lightning, imported where a test runs (its import takes seconds, and every test process
+    collects this module)."""
+    import lightning
+
+    return lightning
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +43,7 @@ def _quiet():
 def _fit(example, root, max_steps, ckpt_path=None, model=None):
     config = example.Config(points=50, batch_size=10, hidden=8, float64=True)
     model = model or example.Regression(config.hidden, config.seed, config.float64)
+    L = _lightning()
     trainer = L.Trainer(
         max_steps=max_steps,
         accelerator="cpu",
@@ -49,7 +56,7 @@ def _fit(example, root, max_steps, ckpt_path=None, model=None):
         # Lightning resumes at the next epoch's first batch. Its default end-of-epoch
         # checkpoint, under max_steps, resumes with one more step on a restarted epoch's first
         # batch (with torch.optim.SGD too), which no uninterrupted run takes.
-        callbacks=[ModelCheckpoint(every_n_train_steps=5)],
+        callbacks=[L.pytorch.callbacks.ModelCheckpoint(every_n_train_steps=5)],
     )
     trainer.fit(model, example.make_loader(config), ckpt_path=ckpt_path)
     return trainer, model
@@ -147,7 +154,7 @@ def test_bf16_mixed_precision_trains(example, tmp_path, accelerator):
     parameters stay float32 and the loss falls as in float32."""
     config = example.Config(points=200, batch_size=50, hidden=8)
     model = example.Regression(config.hidden, config.seed)
-    trainer = L.Trainer(
+    trainer = _lightning().Trainer(
         max_steps=8, accelerator=accelerator, devices=1, precision="bf16-mixed", logger=False,
         enable_checkpointing=False, default_root_dir=tmp_path, enable_progress_bar=False,
         enable_model_summary=False,

@@ -817,13 +817,18 @@ LSTMS = {
 
 def _lstm_cases() -> list:
     """(variant, train) for every variant and mode. Training mode changes the rule's work only
-    through dropout between layers: without it, the bidirectional variants' training-mode cases
-    (the same products as their evaluation mode's, several seconds each) run with the slow tests,
-    and so does the two-layer bidirectional variant with dropout in evaluation mode (the rule's
-    path of "bidirectional-two-layers-states" in evaluation mode, less the initial states)."""
+    through dropout between layers: without it, every variant's training-mode case (the same
+    products as its evaluation mode's) runs with the slow tests, and so do the two-layer
+    bidirectional variants but one, the one with dropout in training mode (the others take the
+    same rule's paths: two layers in "two-layers-dropout", both directions' initial states in
+    "bidirectional-with-states")."""
     slow = {
+        ("one-layer", True),
+        ("two-layers-no-bias", True),
+        ("time-first-with-states", True),
         ("bidirectional-with-states", True),
         ("bidirectional-two-layers-states", True),
+        ("bidirectional-two-layers-states", False),
         ("bidirectional-two-layers-dropout", False),
     }
     return [
@@ -930,7 +935,10 @@ def test_an_operator_without_a_forward_rule_is_named_once_not_blamed_on_the_rule
     torch.testing.assert_close(G, G_ref, rtol=1e-9, atol=1e-11)
 
 
-@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize(
+    "train",
+    [pytest.param(True, id="train"), pytest.param(False, id="eval", marks=pytest.mark.slow)],
+)  # (the mode changes only the norm layer's statistics, whose rule the other tests check)
 def test_rules_with_frozen_parameters_and_projections(train, monkeypatch):
     # Frozen parameters have no tangent and no gradient; an LSTM with projections
     # (proj_size > 0) is declined by the rule and recorded with PyTorch's own rules.

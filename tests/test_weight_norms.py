@@ -85,9 +85,22 @@ def test_composite_matches_pytorchs_kernel(dim):
     assert weight.grad_fn.name() == "MulBackward0"  # v * (g / norm), where 0 and 3 are fused
 
 
+#: (form, train): no form's products depend on the mode (none has dropout or statistics), so
+#: evaluation mode runs with the slow tests for every form but the first
+FORM_MODES = [
+    pytest.param(
+        form,
+        train,
+        id=f"{form}-{'train' if train else 'eval'}",
+        marks=pytest.mark.slow if not train and form != "parametrization" else (),
+    )
+    for form in FORMS
+    for train in (True, False)
+]
+
+
 @pytest.mark.parametrize("engine", ["auto", "traced", "functional"])
-@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
-@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("form, train", FORM_MODES)
 def test_products_match_the_dense_reference_without_double_backward(form, train, engine):
     model, x, y = _case(form)
     model.train(train)
