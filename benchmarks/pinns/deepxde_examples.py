@@ -16,19 +16,22 @@ changes, the same for every method:
 * ``model.train`` stops when the run's CPU budget is spent (a ``dde.callbacks.Callback``
   checks it after every iteration); later ``train`` calls return at once.
 
-Methods: ``recipe``: the example's own optimizers and settings (Adam, then L-BFGS where it
-has one; DeepXDE's NNCG where the example has it, as Burgers), cut to the budget; ``sgn``: every
-``model.compile`` of the example gets ``torch_sgn.deepxde.SGN(model)`` in place of its optimizer
-(its ``loss_weights``, metrics and external variables kept), and each ``train`` with iterations
-runs until the budget is spent; ``sgn_balance``: the same with ``SGN(model, balance=True)``
-(each loss term's weight divided by its value at the first step: the rule for inverse
-problems, docs/PINN.md). The error is the relative L2 error of the prediction against
-the example's reference (its exact solution, or its data file in ``dataset/``), over all
-outputs; for the inverse problems also each variable's relative error. Each record also holds
-the run's curve (:data:`CURVE_COLUMNS`, at the CPU seconds of :data:`CURVE_MARKS` and at the
-end, measured outside the budget): the training loss, the error, and the PDE's residual at the
-training points beside its residual at fresh points of the domain, which tells a loss that is
-small only where it is trained from one that is small everywhere.
+Methods: ``recipe``: the example's own optimizers and settings (Adam, then L-BFGS where it has
+one; DeepXDE's NNCG where the example has it, as Burgers), cut to the budget; ``sgn``: every
+``model.compile`` of the example gets ``torch_sgn.deepxde.SGN(model)`` in place of its
+optimizer (its ``loss_weights``, metrics and external variables kept), and each ``train`` with
+iterations runs until the budget is spent; ``sgn_balance``: the same with ``SGN(model,
+balance=True)`` (each loss term's weight divided by its value at the first step: the rule for
+inverse problems, docs/PINN.md); ``sgn_rad``: ``sgn`` with
+``torch_sgn.deepxde.ResidualPoints()`` among each ``train``'s callbacks (the PDE's points
+redrawn by its residual every 25 steps: the rule for shocks, fronts and corner singularities,
+docs/PINN.md). The error is the relative L2 error of the prediction against the example's
+reference (its exact solution, or its data file in ``dataset/``), over all outputs; for the
+inverse problems also each variable's relative error. Each record also holds the run's curve
+(:data:`CURVE_COLUMNS`, at the CPU seconds of :data:`CURVE_MARKS` and at the end, measured
+outside the budget): the training loss, the error, and the PDE's residual at the training
+points beside its residual at fresh points of the domain, which tells a loss that is small only
+where it is trained from one that is small everywhere.
 
     git clone https://github.com/lululxvi/deepxde /tmp/deepxde
     python benchmarks/pinns/deepxde_examples.py --examples /tmp/deepxde/examples --budget 60 \\
@@ -79,9 +82,9 @@ EXAMPLES: Dict[str, tuple] = {
     "diffusion_1d_inverse": ("pinn_inverse", "solution", {"C": 1.0}),
     "reaction_inverse": ("pinn_inverse", "traindata", {"kf": 0.1, "D": 2.0}),
 }
-METHODS = ("recipe", "sgn", "sgn_balance")
+METHODS = ("recipe", "sgn", "sgn_balance", "sgn_rad")
 #: The methods that train with ``torch_sgn.deepxde.SGN``.
-SGN_METHODS = ("sgn", "sgn_balance")
+SGN_METHODS = ("sgn", "sgn_balance", "sgn_rad")
 #: The methods a run makes unless ``--methods`` says otherwise (``sgn_balance``: the rule for
 #: inverse problems, run on the examples it names).
 DEFAULT_METHODS = ("recipe", "sgn")
@@ -164,12 +167,13 @@ def run(
             return self.losshistory, self.train_state
         if method in SGN_METHODS and iterations is not None:
             iterations = 10**9  # until the budget is spent
+        redraw = [torch_sgn.deepxde.ResidualPoints()] if method == "sgn_rad" else []
         kw.pop("display_every", None)
         clock["since"] = time.process_time()
         return original_train(
             self,
             iterations=iterations,
-            callbacks=[*(callbacks or []), Budget()],
+            callbacks=[*(callbacks or []), *redraw, Budget()],
             display_every=10**9,
             **kw,
         )
@@ -305,9 +309,14 @@ def table(folder: Path) -> str:
         "(recipe; SGN) | CPU s (recipe; SGN) |",
         "|---|---|---|---|---|---|",
     ]
-    balanced = any("sgn_balance" in r for r in runs.values())
-    if balanced:
-        rows[0] += " SGN, balance=True: rel. L2 (variables; CPU s) |"
+    #: (method, column) of the rules' methods that ran
+    rules = [
+        (m, title)
+        for m, title in (("sgn_balance", "balance=True"), ("sgn_rad", "ResidualPoints()"))
+        if any(m in r for r in runs.values())
+    ]
+    for _, title in rules:
+        rows[0] += f" SGN, {title}: rel. L2 (variables; CPU s) |"
         rows[1] += "---|"
     for example in EXAMPLES:
         r = runs.get(example, {})
@@ -332,10 +341,10 @@ def table(folder: Path) -> str:
         variables = "; ".join(v for v in (var(rec), var(sgn)) if v) or "-"
         cpu = "; ".join(f"{x['cpu_s']:.0f}" for x in (rec, sgn) if x)
         row = f"| {example} | {err(rec)} | {err(sgn)} | {ratio} | {variables} | {cpu} |"
-        if balanced:
-            bal = r.get("sgn_balance")
-            extra = "" if bal is None else f" ({var(bal) or '-'}; {bal['cpu_s']:.0f})"
-            row += f" {err(bal)}{extra} |"
+        for method, _ in rules:
+            ruled = r.get(method)
+            extra = "" if ruled is None else f" ({var(ruled) or '-'}; {ruled['cpu_s']:.0f})"
+            row += f" {err(ruled)}{extra} |"
         rows.append(row)
     curves = [
         (example, method, r[method]["curve"][-1])

@@ -20,6 +20,9 @@ Methods (``--methods``):
   divided by its value at the first step), the rule for the inverse problems (docs/PINN.md);
 * ``sgn_causal``: ``torch_sgn.deepxde.SGN(model, causal=True)`` (the PDE blocks weighted
   causally along time, :class:`torch_sgn.pinn.Causal`'s defaults: 32 slabs, epsilon 1);
+* ``sgn_rad``: ``sgn`` with ``torch_sgn.deepxde.ResidualPoints()`` among the callbacks (the
+  PDE's points redrawn by its residual every 25 steps), the rule for shocks, fronts and
+  re-entrant corners (docs/PINN.md);
 * ``adam_lbfgs``: PINNacle's ``Adam_LBFGS`` as ``benchmark.py --method lbfgs`` builds it
   (``switch_epoch=5000``, ``adam_param={'lr': 1e-3}``; L-BFGS ``lr=1, max_iter=20``, torch's
   other defaults), copied from PINNacle's ``src/optimizer/adam_lbfgs.py`` (the class is imported
@@ -85,7 +88,9 @@ PDES: Dict[str, Tuple[str, str]] = {
     "PoissonInv": ("inverse", "PoissonInv"),
     "HeatInv": ("inverse", "HeatInv"),
 }
-METHODS = ("sgn", "sgn_balance", "sgn_causal", "adam_lbfgs", "adam")
+METHODS = ("sgn", "sgn_balance", "sgn_causal", "sgn_rad", "adam_lbfgs", "adam")
+#: The methods that train with ``torch_sgn.deepxde.SGN``.
+SGN_METHODS = ("sgn", "sgn_balance", "sgn_causal", "sgn_rad")
 
 #: PINNacle's ``benchmark.py`` defaults: ``--iter 20000``, ``--lr 1e-3``; ``Adam_LBFGS``'s switch.
 ITERATIONS = 20_000
@@ -258,7 +263,8 @@ def run(pde_name: str, method: str, args, partial: Optional[Path] = None) -> Dic
         model = pde.create_model(net)
         loss_weights = np.ones(pde.num_loss)
         iterations = ITERATIONS
-        if method in ("sgn", "sgn_balance", "sgn_causal"):
+        callbacks: list = []
+        if method in SGN_METHODS:
             try:
                 optimizer = torch_sgn.deepxde.SGN(
                     model, balance=method == "sgn_balance", causal=method == "sgn_causal"
@@ -266,6 +272,8 @@ def run(pde_name: str, method: str, args, partial: Optional[Path] = None) -> Dic
             except Exception as e:  # noqa: BLE001 - recorded: SGN cannot take this model
                 return {**record, "l2re": None, "error": f"{type(e).__name__}: {e}"}
             iterations = 10**9  # until the budget is spent
+            if method == "sgn_rad":
+                callbacks.append(torch_sgn.deepxde.ResidualPoints())
         elif method == "adam_lbfgs":
             from src.optimizer import Adam_LBFGS
 
@@ -316,7 +324,12 @@ def run(pde_name: str, method: str, args, partial: Optional[Path] = None) -> Dic
 
         error = None
         try:
-            model.train(iterations=iterations, display_every=10**9, callbacks=[Budget()], verbose=0)
+            model.train(
+                iterations=iterations,
+                display_every=10**9,
+                callbacks=[*callbacks, Budget()],
+                verbose=0,
+            )
         except Exception as e:  # noqa: BLE001 - recorded: a method that cannot run the PDE
             error = f"{type(e).__name__}: {e}"
         final = _l2re(model, x_ref, y_ref, dtype)

@@ -54,6 +54,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("examples", help="a DeepXDE checkout's examples/ folder")
     parser.add_argument("--budget", type=float, default=None, help="also train with SGN")
+    parser.add_argument(
+        "--method", default="sgn", help="deepxde_examples.py's method (sgn, sgn_rad, ...)"
+    )
+    parser.add_argument("--out", default=None, help="the folder of the JSON (default: here)")
     args = parser.parse_args()
     ref = loadmat(Path(args.examples) / "dataset" / "Allen_Cahn.mat")
     x, t, u_ref = ref["x"].ravel(), ref["t"].ravel(), ref["u"]  # u: (t, x)
@@ -86,11 +90,15 @@ def main() -> None:
         return {"rel_l2_vs_accurate": rel(pred, accurate)}
 
     run_args = argparse.Namespace(examples=args.examples, budget=args.budget, seed=0, float32=False)
-    out["sgn"] = deepxde_examples.run("Allen_Cahn", "sgn", run_args, extra=against_accurate)
+    out[args.method] = deepxde_examples.run(
+        "Allen_Cahn", args.method, run_args, extra=against_accurate
+    )
     out["environment"] = measuring.environment()
     print(json.dumps(out))
-    name = f"allen_cahn_reference_{args.budget:.0f}s.json"
-    (here.parent / name).write_text(json.dumps(out, indent=1))
+    method = "" if args.method == "sgn" else f"_{args.method}"
+    name = f"allen_cahn_reference_{args.budget:.0f}s{method}.json"
+    folder = Path(args.out) if args.out else here.parent
+    (folder / name).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

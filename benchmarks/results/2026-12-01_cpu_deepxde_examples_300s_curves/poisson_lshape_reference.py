@@ -54,6 +54,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("examples", help="a DeepXDE checkout's examples/ folder")
     parser.add_argument("--budget", type=float, default=None, help="also train with SGN")
+    parser.add_argument(
+        "--method", default="sgn", help="deepxde_examples.py's method (sgn, sgn_rad, ...)"
+    )
+    parser.add_argument("--out", default=None, help="the folder of the JSON (default: here)")
     args = parser.parse_args()
     ref = np.load(Path(args.examples) / "dataset" / "Poisson_Lshape.npz")
     known = np.isfinite(ref["y_ref"]).ravel()
@@ -87,11 +91,14 @@ def main() -> None:
             return {"rel_l2_vs_fd": rel(np.asarray(model.predict(x)).ravel(), accurate)}
 
         run = argparse.Namespace(examples=args.examples, budget=args.budget, seed=0, float32=False)
-        out["sgn"] = deepxde_examples.run("Poisson_Lshape", "sgn", run, extra=against_fd)
+        out[args.method] = deepxde_examples.run(
+            "Poisson_Lshape", args.method, run, extra=against_fd
+        )
         out["environment"] = measuring.environment()
-        name += f"_{args.budget:.0f}s"
+        name += f"_{args.budget:.0f}s" + ("" if args.method == "sgn" else f"_{args.method}")
         print(json.dumps(out))
-    (here.parent / f"{name}.json").write_text(json.dumps(out, indent=1))
+    folder = Path(args.out) if args.out else here.parent
+    (folder / f"{name}.json").write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ A DeepXDE user switches optimizer the DeepXDE way, and nothing else changes::
     model.train(iterations=1000, callbacks=[...])  # DeepXDE's own loop, display, callbacks
 
 * :class:`SGN` (:mod:`.optimizer`): the optimizer DeepXDE's ``compile`` takes;
+* :class:`ResidualPoints` (:mod:`.points`): a callback that redraws the PDE's training points
+  where its residual is large (RAD);
 * :mod:`.problem`: the model's loss as residual blocks (:class:`torch_sgn.pinn.Residuals`), one
   per PDE component and per condition;
 * :mod:`.derivatives`: ``dde.grad.jacobian`` and ``dde.grad.hessian`` answered from forward
@@ -25,6 +27,7 @@ except ImportError as error:  # pragma: no cover - the optional extra
     ) from error
 
 from .optimizer import SGN
+from .points import ResidualPoints
 from .problem import Problem
 
-__all__ = ["SGN", "Problem"]
+__all__ = ["SGN", "Problem", "ResidualPoints"]

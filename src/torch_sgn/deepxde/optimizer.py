@@ -36,7 +36,8 @@ class SGN(torch.optim.Optimizer):
     ``external_trainable_variables``; ``loss_weights`` weight the blocks. DeepXDE's callbacks,
     display, ``LossHistory``, ``model.predict``, ``model.save``/``restore`` (this optimizer's
     state dict) and later ``compile``/``train`` calls work as with its own optimizers. A
-    ``PDEPointResampler`` changes the points between steps.
+    ``PDEPointResampler`` or :class:`~torch_sgn.deepxde.ResidualPoints` changes the points
+    between steps.
 
     With ``causal``, each PDE block of a ``dde.data.TimePDE`` is weighted along time
     (:class:`torch_sgn.pinn.Causal`; Wang, Sankaran and Perdikaris, 2022): each point by its
