@@ -45,6 +45,10 @@ class ResidualPoints(deepxde.callbacks.Callback):
         ValueError: a bad argument at once; at the start of training, data this callback
             cannot redraw (not ``dde.data.PDE`` / ``TimePDE`` with a PDE and domain points,
             or with auxiliary variables).
+
+    Attributes:
+        steps: the steps counted so far (over every ``train`` this callback was given to).
+        redraws: the redraws made so far.
     """
 
     def __init__(
