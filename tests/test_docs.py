@@ -84,35 +84,26 @@ def test_block_runs(source: str):
         torch.set_default_dtype(dtype)
 
 
-@pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Path:
-    """The documentation site, built with warnings as errors."""
-    out = tmp_path_factory.mktemp("site")
+def test_the_site_builds_without_a_warning_and_its_api_reference_has_every_public_name(
+    tmp_path,
+):
+    """One test (one build: the site takes seconds, and test processes share no fixture)."""
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     build = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
     )
     assert build.returncode == 0, build.stderr[-4000:]
-    return out
-
-
-def test_the_site_builds_without_a_warning(site: Path):
-    assert (site / "index.html").is_file() and (site / "api" / "torch_sgn.html").is_file()
-
-
-@pytest.mark.parametrize(
-    "module", ["torch_sgn", "torch_sgn.pinn", "torch_sgn.deepxde", "torch_sgn.distributed"]
-)
-def test_the_api_reference_has_every_public_name(site: Path, module: str):
-    pages = "".join(p.read_text() for p in (site / "api").glob("*.html"))
-    names = public_names(module)
-    assert names
-    missing = [n for n in names if f'id="{module}.{n}"' not in pages]
-    assert not missing, f"{module}: no API entry for {missing}"
+    assert (tmp_path / "index.html").is_file() and (tmp_path / "api" / "torch_sgn.html").is_file()
+    pages = "".join(p.read_text() for p in (tmp_path / "api").glob("*.html"))
+    for module in ["torch_sgn", "torch_sgn.pinn", "torch_sgn.deepxde", "torch_sgn.distributed"]:
+        names = public_names(module)
+        assert names
+        missing = [n for n in names if f'id="{module}.{n}"' not in pages]
+        assert not missing, f"{module}: no API entry for {missing}"
 
 
 def test_docstring_gaps_are_the_listed_ones():
