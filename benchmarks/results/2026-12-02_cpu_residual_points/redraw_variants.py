@@ -100,6 +100,6 @@ def compile_(self, *a, **kw):
 
 dde.Model.compile = compile_
 r = dx.run(example, "sgn", args, extra=extra)
-out = HERE / f"variant_{example}_{mode}_{period}_{k}_{c}_{int(budget)}.json"
+out = HERE / "variants" / f"variant_{example}_{mode}_{period}_{k}_{c}_{int(budget)}.json"
 out.write_text(json.dumps(r, indent=1))
 print(r["iterations"], r["rel_l2"], r["curve"][-1])
