@@ -24,8 +24,8 @@ iterations runs until the budget is spent; ``sgn_balance``: the same with ``SGN(
 balance=True)`` (each loss term's weight divided by its value at the first step: the rule for
 inverse problems, docs/PINN.md); ``sgn_rad``: ``sgn`` with
 ``torch_sgn.deepxde.ResidualPoints()`` among each ``train``'s callbacks (the PDE's points
-redrawn by its residual every 25 steps: the rule for shocks, fronts and corner singularities,
-docs/PINN.md). The error is the relative L2 error of the prediction against the example's
+redrawn by its residual every 25 steps: the rule for shocks, sharp fronts and re-entrant
+corners, docs/PINN.md). The error is the relative L2 error of the prediction against the example's
 reference (its exact solution, or its data file in ``dataset/``), over all outputs; for the
 inverse problems also each variable's relative error. Each record also holds the run's curve
 (:data:`CURVE_COLUMNS`, at the CPU seconds of :data:`CURVE_MARKS` and at the end, measured

@@ -21,8 +21,8 @@ Methods (``--methods``):
 * ``sgn_causal``: ``torch_sgn.deepxde.SGN(model, causal=True)`` (the PDE blocks weighted
   causally along time, :class:`torch_sgn.pinn.Causal`'s defaults: 32 slabs, epsilon 1);
 * ``sgn_rad``: ``sgn`` with ``torch_sgn.deepxde.ResidualPoints()`` among the callbacks (the
-  PDE's points redrawn by its residual every 25 steps), the rule for shocks, fronts and
-  re-entrant corners (docs/PINN.md);
+  PDE's points redrawn by its residual every 25 steps), the rule for shocks, sharp fronts
+  and re-entrant corners (docs/PINN.md);
 * ``adam_lbfgs``: PINNacle's ``Adam_LBFGS`` as ``benchmark.py --method lbfgs`` builds it
   (``switch_epoch=5000``, ``adam_param={'lr': 1e-3}``; L-BFGS ``lr=1, max_iter=20``, torch's
   other defaults), copied from PINNacle's ``src/optimizer/adam_lbfgs.py`` (the class is imported
