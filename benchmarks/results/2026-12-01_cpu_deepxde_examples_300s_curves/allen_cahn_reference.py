@@ -11,7 +11,7 @@ budget) and its error measured against both: the reference file's and the accura
 written to ``allen_cahn_reference_{budget}s.json`` here.
 
     cd benchmarks/results/2026-12-01_cpu_deepxde_examples_300s_curves
-    python allen_cahn_reference.py DEEPXDE/examples [--budget 300]
+    python allen_cahn_reference.py DEEPXDE/examples [--budget 300] [--method sgn_rad] [--out DIR]
 """
 
 import argparse

@@ -12,7 +12,7 @@ it, its error against both: the reference file's and the finite-difference solut
 1/400). Writes ``poisson_lshape_reference[_{budget}s].json`` here.
 
     cd benchmarks/results/2026-12-01_cpu_deepxde_examples_300s_curves
-    python poisson_lshape_reference.py DEEPXDE/examples [--budget 1000]
+    python poisson_lshape_reference.py DEEPXDE/examples [--budget 1000] [--method M] [--out DIR]
 """
 
 import argparse
