@@ -178,6 +178,7 @@ def run(
             **kw,
         )
 
+    originals = (dde.saveplot, dde.utils.saveplot, plt.show)  # (restored with DeepXDE's Model)
     dde.Model.compile, dde.Model.train = patched_compile, patched_train
     dde.saveplot = lambda *a, **k: None
     dde.utils.saveplot = dde.saveplot
@@ -204,6 +205,8 @@ def run(
                     result.update(extra(models[-1]))
         finally:
             os.chdir(cwd)
+            dde.Model.compile, dde.Model.train = original_compile, original_train
+            dde.saveplot, dde.utils.saveplot, plt.show = originals
     return {
         "example": example,
         "method": method,

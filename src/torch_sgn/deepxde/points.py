@@ -28,9 +28,10 @@ class ResidualPoints(deepxde.callbacks.Callback):
     (``dde.config.set_random_seed`` seeds it). Any optimizer's run takes it; with SGN the next
     step reads the new points.
 
-    Where to use it: a solution with a shock, a front, a thin layer or a corner singularity,
-    where a fixed set of points leaves the solution free between them (the loss small at the
-    points, the residual large elsewhere); docs/PINN.md gives the rule and what it measured.
+    Where to use it (the rule of docs/PINN.md, with what it measured): a solution with a shock
+    or a sharp front, or a domain with a re-entrant corner, where a fixed set of points leaves
+    the solution free between them (the loss small at the points, the residual large
+    elsewhere).
 
     Args:
         period: steps between redraws (the first after ``period`` steps).
