@@ -14,12 +14,11 @@ written to ``allen_cahn_reference_{budget}s.json`` here.
     python allen_cahn_reference.py DEEPXDE/examples [--budget 300] [--method sgn_rad] [--out DIR]
 """
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
+import reference_runs
 from scipy.integrate import solve_ivp
 from scipy.io import loadmat
 from scipy.sparse import diags
@@ -51,22 +50,12 @@ def solve(n: int, times: np.ndarray) -> np.ndarray:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("examples", help="a DeepXDE checkout's examples/ folder")
-    parser.add_argument("--budget", type=float, default=None, help="also train with SGN")
-    parser.add_argument(
-        "--method", default="sgn", help="deepxde_examples.py's method (sgn, sgn_rad, ...)"
-    )
-    parser.add_argument("--out", default=None, help="the folder of the JSON (default: here)")
-    args = parser.parse_args()
+    args = reference_runs.arguments()
     ref = loadmat(Path(args.examples) / "dataset" / "Allen_Cahn.mat")
     x, t, u_ref = ref["x"].ravel(), ref["t"].ravel(), ref["u"]  # u: (t, x)
     fine = {n: solve(n, t)[:, :: (n - 1) // (len(x) - 1)] for n in (2001, 4001)}
     accurate = fine[4001]
-
-    def rel(a, b):
-        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
+    rel = reference_runs.rel
     out = {
         "accurate_2001_vs_4001": rel(fine[2001], accurate),
         "reference_vs_accurate": rel(u_ref, accurate),
@@ -74,14 +63,6 @@ def main() -> None:
     print(json.dumps(out))
     if args.budget is None:
         return
-    here = Path(__file__).resolve()
-    sys.path.insert(0, str(here.parents[2] / "pinns"))
-    sys.path.insert(0, str(here.parents[2]))
-    import deepxde_examples
-    import measuring
-    import torch
-
-    torch.set_num_threads(1)
     xx, tt = np.meshgrid(x, t)
     grid = np.vstack((np.ravel(xx), np.ravel(tt))).T
 
@@ -89,16 +70,8 @@ def main() -> None:
         pred = model.predict(grid).reshape(u_ref.shape)
         return {"rel_l2_vs_accurate": rel(pred, accurate)}
 
-    run_args = argparse.Namespace(examples=args.examples, budget=args.budget, seed=0, float32=False)
-    out[args.method] = deepxde_examples.run(
-        "Allen_Cahn", args.method, run_args, extra=against_accurate
-    )
-    out["environment"] = measuring.environment()
-    print(json.dumps(out))
-    method = "" if args.method == "sgn" else f"_{args.method}"
-    name = f"allen_cahn_reference_{args.budget:.0f}s{method}.json"
-    folder = Path(args.out) if args.out else here.parent
-    (folder / name).write_text(json.dumps(out, indent=1))
+    out.update(reference_runs.train("Allen_Cahn", args, against_accurate))
+    reference_runs.write(out, "allen_cahn_reference", args)
 
 
 if __name__ == "__main__":

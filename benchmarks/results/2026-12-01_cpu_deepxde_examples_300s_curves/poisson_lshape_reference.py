@@ -15,12 +15,11 @@ it, its error against both: the reference file's and the finite-difference solut
     python poisson_lshape_reference.py DEEPXDE/examples [--budget 1000] [--method M] [--out DIR]
 """
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
+import reference_runs
 import scipy.sparse as sp
 import scipy.sparse.linalg as spl
 from scipy.interpolate import RegularGridInterpolator
@@ -51,23 +50,13 @@ def solve(m: int) -> RegularGridInterpolator:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("examples", help="a DeepXDE checkout's examples/ folder")
-    parser.add_argument("--budget", type=float, default=None, help="also train with SGN")
-    parser.add_argument(
-        "--method", default="sgn", help="deepxde_examples.py's method (sgn, sgn_rad, ...)"
-    )
-    parser.add_argument("--out", default=None, help="the folder of the JSON (default: here)")
-    args = parser.parse_args()
+    args = reference_runs.arguments()
     ref = np.load(Path(args.examples) / "dataset" / "Poisson_Lshape.npz")
     known = np.isfinite(ref["y_ref"]).ravel()
     x, y_ref = ref["X_test"][known], ref["y_ref"][known].ravel()
     fine = {m: solve(m)(x) for m in (200, 400)}
     accurate = fine[400]
-
-    def rel(a, b):
-        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
+    rel = reference_runs.rel
     out = {
         "fd_200_vs_400": rel(fine[200], accurate),
         "reference_vs_fd": rel(y_ref, accurate),
@@ -76,29 +65,13 @@ def main() -> None:
         "reference_scale_vs_fd": float(y_ref @ accurate / (accurate @ accurate)),
     }
     print(json.dumps(out))
-    here = Path(__file__).resolve()
-    name = "poisson_lshape_reference"
     if args.budget is not None:
-        sys.path.insert(0, str(here.parents[2] / "pinns"))
-        sys.path.insert(0, str(here.parents[2]))
-        import deepxde_examples
-        import measuring
-        import torch
-
-        torch.set_num_threads(1)
 
         def against_fd(model):
             return {"rel_l2_vs_fd": rel(np.asarray(model.predict(x)).ravel(), accurate)}
 
-        run = argparse.Namespace(examples=args.examples, budget=args.budget, seed=0, float32=False)
-        out[args.method] = deepxde_examples.run(
-            "Poisson_Lshape", args.method, run, extra=against_fd
-        )
-        out["environment"] = measuring.environment()
-        name += f"_{args.budget:.0f}s" + ("" if args.method == "sgn" else f"_{args.method}")
-        print(json.dumps(out))
-    folder = Path(args.out) if args.out else here.parent
-    (folder / f"{name}.json").write_text(json.dumps(out, indent=1))
+        out.update(reference_runs.train("Poisson_Lshape", args, against_fd))
+    reference_runs.write(out, "poisson_lshape_reference", args)
 
 
 if __name__ == "__main__":
