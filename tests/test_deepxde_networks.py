@@ -6,17 +6,13 @@ network's own forward for the jets; ``torch.func.jacrev`` of the residuals for t
 factors' ``J J^T`` and ``J^T u``.
 """
 
-import os
-
 import numpy as np
 import pytest
 import torch
+from deepxde_support import import_deepxde
 from torch import nn
 
-os.environ.setdefault("DDE_BACKEND", "pytorch")
-dde = pytest.importorskip("deepxde")
-if dde.backend.backend_name != "pytorch":  # pragma: no cover - another backend chosen
-    pytest.skip("DeepXDE's PyTorch backend is not the one loaded", allow_module_level=True)
+dde = import_deepxde()
 
 import torch_sgn.deepxde  # noqa: E402
 from torch_sgn.deepxde.derivatives import chain_of, network_jet  # noqa: E402
@@ -27,9 +23,8 @@ D = torch.float64
 PI = np.pi
 
 
-@pytest.fixture(autouse=True)
-def float64(dde_float64):
-    """Every test here in DeepXDE's float64 (conftest's ``dde_float64``)."""
+#: every test here in DeepXDE's float64 (conftest's ``dde_float64``)
+pytestmark = pytest.mark.usefixtures("dde_float64")
 
 
 class PFNN(dde.nn.NN):

@@ -1,24 +1,19 @@
 """torch_sgn.deepxde.ResidualPoints: the PDE's points redrawn by its residual (RAD)."""
 
-import os
-
 import numpy as np
 import pytest
 import torch
+from deepxde_support import import_deepxde
 
-os.environ.setdefault("DDE_BACKEND", "pytorch")
-dde = pytest.importorskip("deepxde")
-if dde.backend.backend_name != "pytorch":  # pragma: no cover - another backend chosen
-    pytest.skip("DeepXDE's PyTorch backend is not the one loaded", allow_module_level=True)
+dde = import_deepxde()
 
 from torch_sgn.deepxde import SGN, ResidualPoints  # noqa: E402
 
 PI = np.pi
 
 
-@pytest.fixture(autouse=True)
-def float64(dde_float64):
-    """Every test here in DeepXDE's float64 (conftest's ``dde_float64``)."""
+#: every test here in DeepXDE's float64 (conftest's ``dde_float64``)
+pytestmark = pytest.mark.usefixtures("dde_float64")
 
 
 def _burgers(num_domain=80):
