@@ -136,10 +136,10 @@ class ResidualPoints(deepxde.callbacks.Callback):
         """
         out = []
         for start in range(0, len(x), self.chunk):
-            part = self.model.predict(x[start : start + self.chunk], operator=self.model.data.pde)
-            parts = part if isinstance(part, (list, tuple)) else [part]
-            n = len(x[start : start + self.chunk])
-            out.append(sum(np.abs(np.asarray(p)).reshape(n, -1).sum(1) for p in parts))
+            chunk = x[start : start + self.chunk]
+            r = self.model.predict(chunk, operator=self.model.data.pde)
+            parts = r if isinstance(r, (list, tuple)) else [r]
+            out.append(sum(np.abs(np.asarray(p)).reshape(len(chunk), -1).sum(1) for p in parts))
         return np.concatenate(out)
 
     def redraw(self) -> None:
