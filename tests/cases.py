@@ -12,7 +12,8 @@ only for ``f``, the outputs at other points), so it holds for any model autograd
 differentiate. The PINN operators' references (:func:`nested_jet`, :func:`nested_derivative`,
 :func:`pointwise_laplacian`) take input derivatives by nested ``torch.autograd.grad``; shared
 helpers: :func:`flat_parameters`, :func:`sgn_options`; a PINN of many rows:
-:func:`poisson_residuals`.
+:func:`poisson_residuals`; what a call runs of the library, observed, not patched:
+:func:`library_calls`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import os
+import sys
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
@@ -29,12 +32,36 @@ from torch import Tensor, nn
 from torch.autograd.functional import hessian
 from torch.func import functional_call
 
+import torch_sgn
 from torch_sgn import SGN
 from torch_sgn.options import ARGUMENT_NAMES, KEYS, Options
 from torch_sgn.pinn import Residual, Residuals, laplacian
 from torch_sgn.pinn.operators import Jet
 
 D = torch.float64
+
+_LIBRARY = os.path.dirname(torch_sgn.__file__) + os.sep
+
+
+def library_calls(run: Callable[[], object]) -> set:
+    """``(file, function)`` of every call into the library while ``run()`` runs, the file
+    relative to the package (``"optimizer.py"``, ``"engines/traced/engine.py"``), the function
+    by its qualified name (``"SGN.__init__"``): by ``sys.setprofile``, so a test asserts what
+    a call did not run without replacing anything."""
+    seen: set = set()
+
+    def profile(frame, event, arg):
+        code = frame.f_code
+        if event == "call" and code.co_filename.startswith(_LIBRARY):
+            seen.add((code.co_filename[len(_LIBRARY) :], code.co_qualname))
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return seen
+
 
 # A maker draws one tensor from a generator, in a floating dtype (index tensors ignore it).
 Maker = Callable[[torch.Generator, torch.dtype], Tensor]

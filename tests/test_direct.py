@@ -23,7 +23,7 @@ from cases import (
 )
 from torch_sgn import SGN, linearization
 from torch_sgn.batch import Batch
-from torch_sgn.engines import jacobian
+from torch_sgn.engines import rows as jacobian
 from torch_sgn.engines.layerwise import engine as layerwise
 from torch_sgn.engines.selection import select_engine
 from torch_sgn.linearization import ggn_matrix

@@ -1,5 +1,5 @@
 """Residual least squares (torch_sgn.pinn.Residuals) and exact steps from the row-batched
-Jacobian (torch_sgn.engines.jacobian), against dense float64 references built by reverse mode
+Jacobian (torch_sgn.engines.rows), against dense float64 references built by reverse mode
 alone."""
 
 import math
@@ -8,14 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from cases import pointwise_laplacian
+from cases import library_calls, pointwise_laplacian
 from torch_sgn import GGN, SGN
 from torch_sgn.batch import Batch
-from torch_sgn.engines.jacobian import jacobian_rows, per_sample, with_jacobian
+from torch_sgn.engines.rows import jacobian_rows, per_sample, with_jacobian
+from torch_sgn.linearization import ENGINE, ROWS
 from torch_sgn.losses import resolve_loss
 from torch_sgn.model.flat_model import FunctionalModel
 from torch_sgn.pinn import Residual, Residuals, laplacian
-from torch_sgn.route_plan import ROWS
 
 D = torch.float64
 
@@ -89,6 +89,33 @@ def test_ggn_of_a_poisson_problem_matches_the_dense_reference(engine):
     torch.testing.assert_close(G.to_dense(), G_ref, rtol=1e-10, atol=1e-12)
     r = reference(*inputs)
     torch.testing.assert_close(G.gradient, 2 * J.T @ r, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("solver", ["auto", "cg"])
+def test_a_residual_problem_is_linearized_by_its_rows_engine_first(solver):
+    """The rows engine takes a residual problem before any other engine: with exact steps
+    nothing is traced (G v from the rows, the layers' factors, equal to the dense reference);
+    steps by CG alone take the traced engine's products (it replays them), through the rows
+    engine all the same."""
+    problem, _ = _problem(_net())
+    reference, _ = _problem(problem.network, lap=pointwise_laplacian)
+    inputs, targets = problem.batch()
+    _, J, G_ref = _dense_reference(problem, inputs, reference)
+    G = GGN(problem, problem.loss, inputs, targets)  # the rows engine's products
+    v = torch.randn(G_ref.shape[0], dtype=D, generator=torch.Generator().manual_seed(2))
+    products = []
+    by_factors = library_calls(lambda: products.append(G @ v))
+    assert ("pinn/layer_kernel.py", "LayerFactors.jvp") in by_factors  # G v from the factors
+    torch.testing.assert_close(products[0], G_ref @ v, rtol=1e-10, atol=1e-12)
+    opt = SGN(problem, problem.loss, solver=solver)
+    infos = []
+    calls = library_calls(lambda: infos.extend(opt.step(inputs, targets) for _ in range(2)))
+    files = {file for file, _ in calls}
+    assert ("engines/rows.py", "RowsEngine.__call__") in calls
+    chain = ("engines/layerwise/", "engines/traced/")  # the engines of other models
+    assert any(f.startswith(chain) for f in files) == (solver == "cg")
+    assert any(f.startswith("engines/traced/") for f in files) == (solver == "cg")
+    assert infos[-1].plan.jacobian == (ENGINE if solver == "cg" else ROWS)
 
 
 def test_jacobian_rows_match_reverse_mode_on_residual_blocks():

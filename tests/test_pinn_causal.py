@@ -10,11 +10,11 @@ from torch import nn
 
 from torch_sgn import SGN
 from torch_sgn.batch import Batch
-from torch_sgn.engines.jacobian import jacobian_rows
+from torch_sgn.engines.rows import jacobian_rows
+from torch_sgn.linearization import FACTORS
 from torch_sgn.model.flat_model import FunctionalModel
 from torch_sgn.pinn import Causal, Residual, Residuals, laplacian, time_derivative
 from torch_sgn.pinn.causal import slab_weights
-from torch_sgn.route_plan import FACTORS
 from torch_sgn.solve.sampled import ALL, SAMPLE
 
 D = torch.float64

@@ -14,7 +14,7 @@ from torch import nn
 from cases import poisson_residuals
 from torch_sgn import SGN, many_rows
 from torch_sgn.batch import Batch
-from torch_sgn.engines.jacobian import by_factors, jacobian_rows
+from torch_sgn.engines.rows import by_factors, jacobian_rows
 from torch_sgn.linearization import RowSample
 from torch_sgn.model.flat_model import FunctionalModel
 from torch_sgn.pinn import Residual, Residuals

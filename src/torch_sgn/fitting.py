@@ -51,7 +51,7 @@ from torch import Tensor, nn
 from .batch import Batch
 from .curve_steps import CurveSteps
 from .distributed import communicator
-from .engines.jacobian import jacobian_rows
+from .engines.rows import jacobian_rows
 from .losses import resolve_loss
 from .model.flat_model import FunctionalModel, flat_gradient
 from .options import SETUP_KEYS, Options, Setup
@@ -217,7 +217,7 @@ def least_squares(
             ".grad as it was"
         )
 
-    # Exact steps form J row-batched (torch_sgn.engines.jacobian) and need no G v products: the
+    # Exact steps form J row-batched (torch_sgn.engines.rows) and need no G v products: the
     # functional engine, which prepares nothing, saves the traced engine's tracing at every
     # fit (Misra1a, 8 steps, one thread: 50-60 ms a fit with it, 200-400 ms with "auto").
     sgn_options.setdefault("engine", "functional")

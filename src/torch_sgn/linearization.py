@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from .model.flat_model import FunctionalModel
 
 __all__ = [
+    "ENGINE",
+    "FACTORS",
+    "ROWS",
     "Engine",
     "Linearization",
     "RowSample",
@@ -33,6 +36,13 @@ __all__ = [
     "loss_and_output_gradient",
     "weight_penalty",
 ]
+
+
+#: How a linearization's ``J`` is formed (:attr:`Linearization.jacobian`): by the engine's
+#: products (or its own dense ``G`` or sample space), row by row
+#: (:mod:`torch_sgn.engines.rows`), or on all of too many rows by the layers' factors
+#: (:func:`torch_sgn.engines.rows.by_factors`).
+ENGINE, ROWS, FACTORS = "engine", "rows", "factors"
 
 
 @dataclass(frozen=True)
@@ -128,6 +138,7 @@ class Linearization:
             (:class:`RowSample`), where the engine can draw one
             without forming ``J`` (a residual problem on more rows than an exact step takes);
             ``None`` otherwise. A mask of the parameters drops it.
+        jacobian: how ``J`` is formed: :data:`ENGINE`, :data:`ROWS` or :data:`FACTORS`.
     """
 
     loss: Tensor
@@ -140,6 +151,7 @@ class Linearization:
     dense_ggn: Optional[Callable[[], Tensor]] = None
     sample_space: Optional[SampleSpace] = None
     rows: Optional[Callable[[int], RowSample]] = None
+    jacobian: str = ENGINE
     _matrix: Optional[Tensor] = field(default=None, init=False, repr=False, compare=False)
 
     def ggn_matrix(self) -> Tensor:

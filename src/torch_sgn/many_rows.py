@@ -34,10 +34,8 @@ from typing import List, Optional, Tuple
 from torch import Tensor
 
 from .batch import Batch
-from .engines.jacobian import by_factors
+from .engines.rows import RowsEngine
 from .linearization import Linearization, RowSample
-from .losses import OutputLoss
-from .model.flat_model import FunctionalModel
 from .residual_problem import ResidualProblem
 from .solve import sampled
 from .solve.state import RowsState, StepState
@@ -92,13 +90,13 @@ def sampled_batch(
 
 
 def linearized(
-    fmodel: FunctionalModel, loss: OutputLoss, flat: Tensor, batch: Batch, max_params: int
+    engine: RowsEngine, flat: Tensor, batch: Batch, max_params: int
 ) -> Optional[Linearization]:
     """An ``ALL`` step's linearization on every row, from the layers' factors, whose samples
     (its preconditioner's) have the first sample's size
-    (:func:`~torch_sgn.engines.jacobian.by_factors`)."""
-    points = sample_points(fmodel.model, batch, max_params, 0)
-    return by_factors(fmodel, loss, flat, batch, points)
+    (:meth:`~torch_sgn.engines.rows.RowsEngine.all_rows`)."""
+    points = sample_points(engine.fmodel.model, batch, max_params, 0)
+    return engine.all_rows(flat, batch, points)
 
 
 def advance(

@@ -9,10 +9,11 @@ needs, one field per function, each taking the plan so far and returning it comp
 
 1. :func:`start`: the rows (the batch's, a sample of them, or all of too many rows,
    :mod:`torch_sgn.many_rows`);
-2. :func:`with_jacobian`: how ``J`` is formed, from what the linearization on those rows
-   offers (by the engine's products, row by row,
-   :func:`~torch_sgn.engines.jacobian.with_jacobian`, or on all of too many rows by the
-   layers' factors);
+2. :func:`with_jacobian`: how ``J`` is formed, as the linearization on those rows says
+   (:attr:`~torch_sgn.linearization.Linearization.jacobian`: by the engine's products, row by
+   row, or on all of too many rows by the layers' factors); on a model that is not a residual
+   problem, :meth:`Router.row_by_row` says whether the step forms its rows
+   (:func:`~torch_sgn.engines.rows.with_jacobian`);
 3. :meth:`Router.route`: the exact route (:func:`choose_route`) and, for ``solver="auto"``, the
    phase (:func:`~torch_sgn.solve.auto.plan`: CG, a probe, a verdict).
 
@@ -39,7 +40,7 @@ from torch import Tensor, nn
 
 from . import many_rows
 from .batch import Batch
-from .engines.jacobian import per_sample
+from .engines.rows import PerSample
 from .linearization import Linearization
 from .model.flat_model import FunctionalModel
 from .options import Options, Setup
@@ -49,15 +50,10 @@ from .solve.descents import CG, MATRIX, SAMPLED, SAMPLES
 from .solve.state import StepState
 
 __all__ = [
-    "ENGINE", "FACTORS", "ROWS", "Capabilities", "Plan", "Router", "choose_route",
+    "Capabilities", "Plan", "Router", "choose_route",
     "curve_steps_allowed", "exact_allowed", "fits", "fits_one_batch", "forms_jacobian",
     "matrix_fits", "samples_fit", "start", "through_outputs", "with_jacobian",
 ]  # fmt: skip
-
-#: How a step's ``J`` is formed: by the engine's products (or its own dense ``G`` or sample
-#: space), row by row (:func:`~torch_sgn.engines.jacobian.with_jacobian`), or on all of too
-#: many rows by the layers' factors (:func:`torch_sgn.many_rows.linearized`).
-ENGINE, ROWS, FACTORS = "engine", "rows", "factors"
 
 
 @dataclass(frozen=True)
@@ -69,7 +65,8 @@ class Plan:
         rows: the rows it uses: ``None`` (the batch's), :data:`~torch_sgn.solve.sampled.SAMPLE`
             (a sample of the points, drawn at the step) or :data:`~torch_sgn.solve.sampled.ALL`
             (all of too many rows).
-        jacobian: how ``J`` is formed: :data:`ENGINE`, :data:`ROWS` or :data:`FACTORS`
+        jacobian: how ``J`` is formed: :data:`~torch_sgn.linearization.ENGINE`,
+            :data:`~torch_sgn.linearization.ROWS` or :data:`~torch_sgn.linearization.FACTORS`
             (``None`` until the step is linearized).
         exact: the route the step could take exactly
             (:data:`~torch_sgn.solve.descents.ROUTES`; ``"cg"`` where only CG can run).
@@ -147,7 +144,7 @@ def curve_steps_allowed(setup: Setup, options: Options, numel: int) -> bool:
 
 def through_outputs(caps: Capabilities, setup: Setup, options: Options) -> bool:
     """Whether steps may go through the batch's outputs (each batch decides): the layer-wise
-    engine's chains, and any engine on a residual problem (:mod:`torch_sgn.engines.jacobian`).
+    engine's chains, and a residual problem's rows (:mod:`torch_sgn.engines.rows`).
     ``solver="direct"`` then checks the ``P x P`` matrix's memory at the steps that cannot,
     not at construction."""
     may = caps.through_outputs or caps.residual_problem
@@ -173,16 +170,16 @@ def start(
 
 
 def forms_jacobian(caps: Capabilities, setup: Setup, lin: Linearization) -> bool:
-    """Whether the step's exact solves may form ``J`` row by row
-    (:func:`~torch_sgn.engines.jacobian.with_jacobian`): on a residual problem unless CG is
-    asked for, and on any model with ``solver="direct"`` (in place of ``P`` products); where
-    the engine has no route of its own (no dense ``G``, no sample space), without CUDA graphs
-    (the captured products are the route), in one process and without a curvature subset.
-    ``solver="auto"`` keeps its cost rule on other models. The caller checks, once per batch
-    shape, that the model is per-sample (:func:`~torch_sgn.engines.jacobian.per_sample`)."""
+    """Whether the step's exact solves form the ``J`` of a model that is not a residual
+    problem row by row (:func:`~torch_sgn.engines.rows.with_jacobian`; a residual problem's
+    rows are its engine's, :class:`~torch_sgn.engines.rows.RowsEngine`): with
+    ``solver="direct"`` (in place of ``P`` products), where the engine has no route of its own
+    (no dense ``G``, no sample space), without CUDA graphs (the captured products are the
+    route), in one process and without a curvature subset. The caller checks, once per batch
+    shape, that the model is per-sample (:class:`~torch_sgn.engines.rows.PerSample`)."""
     return not (
-        setup.solver == "cg"
-        or (setup.solver == "auto" and not caps.residual_problem)
+        caps.residual_problem
+        or setup.solver != "direct"
         or setup.cuda_graphs
         or lin.dense_ggn is not None
         or lin.sample_space is not None
@@ -199,13 +196,10 @@ def fits_one_batch(caps: Capabilities, repeated: bool) -> bool:
     return repeated or caps.residual_problem
 
 
-def with_jacobian(plan: Plan, lin: Linearization, row_by_row: bool) -> Plan:
-    """The plan with how ``J`` is formed, from the step's linearization ``lin``: by the layers'
-    factors where it holds all of too many rows (``lin.rows``), row by row where ``row_by_row``
-    (:func:`forms_jacobian` allowed it and the model was per-sample on the batch), else by the
-    engine."""
-    how = FACTORS if lin.rows is not None else ROWS if row_by_row else ENGINE
-    return replace(plan, jacobian=how)
+def with_jacobian(plan: Plan, lin: Linearization) -> Plan:
+    """The plan with how ``J`` is formed, as the step's linearization ``lin`` says
+    (:attr:`~torch_sgn.linearization.Linearization.jacobian`)."""
+    return replace(plan, jacobian=lin.jacobian)
 
 
 class Router:
@@ -222,7 +216,7 @@ class Router:
         self.caps, self.setup, self.fmodel = caps, setup, fmodel
         #: the model as a residual problem (``None``: it is not one)
         self.problem = residual_problem(fmodel.model)
-        self._per_sample: dict = {}  # batch shapes -> whether the model is per-sample on them
+        self._per_sample = PerSample()  # whether the model is per-sample on a batch's shape
         self._last_inputs = auto.BatchMemory()  # the last step's inputs (fits_one_batch)
 
     def start(self, options: Options, batch: Batch, state: StepState) -> Plan:
@@ -233,18 +227,10 @@ class Router:
     def row_by_row(self, lin: Linearization, theta: Tensor, batch: Batch) -> bool:
         """Whether this step's exact solves form ``J`` row by row (:func:`forms_jacobian`), the
         model being per-sample on batches of this shape
-        (:func:`~torch_sgn.engines.jacobian.per_sample`, checked once per shape and mode)."""
+        (:class:`~torch_sgn.engines.rows.PerSample`, checked once per shape and mode)."""
         if lin.rows is not None or not forms_jacobian(self.caps, self.setup, lin):
             return False
-        fm = self.fmodel
-        key = (
-            tuple((tuple(x.shape), x.dtype) for x in batch.args),
-            fm.model.training,
-            fm.settings(),
-        )
-        if key not in self._per_sample:
-            self._per_sample[key] = per_sample(fm, theta, batch)
-        return self._per_sample[key]
+        return self._per_sample(self.fmodel, theta, batch)
 
     def route(
         self,

@@ -26,7 +26,7 @@ from .batch import Batch, Inputs
 from .checks import check_batch, finite_loss
 from .diagnostics import warn
 from .distributed import DataParallel, SingleProcess
-from .engines.jacobian import with_jacobian
+from .engines.rows import with_jacobian
 from .engines.selection import curvature_subset, select_engine
 from .linearization import Engine, Linearization, check_loss_parameters, weight_penalty
 from .losses import OutputLoss
@@ -124,8 +124,9 @@ class Stepper:
                 "cuda_graphs=True is not supported in a data-parallel group of several "
                 "processes (shards may differ in shape); leave it off there"
             )
+        exact = single and setup.solver != "cg"  # whether a residual problem's rows are formed
         self.engine: Engine = select_engine(
-            fmodel, loss, setup.engine, setup.cuda_graphs, setup.compile
+            fmodel, loss, setup.engine, setup.cuda_graphs, setup.compile, exact
         )
         self.caps = Capabilities.of(fmodel.model, self.engine, single)
         if setup.curvature_fraction < 1 and self.caps.residual_problem:
@@ -226,19 +227,20 @@ class Stepper:
         self, plan: Plan, t: int, theta: Tensor, batch: Batch, buffers: dict
     ) -> tuple[Linearization, Plan]:
         """The model and loss linearized at ``theta`` on the batch (reduced over a data-parallel
-        group), on all of too many rows by the layers' factors where ``plan`` says so
-        (:mod:`torch_sgn.many_rows`), with a row-batched Jacobian where exact steps take it,
-        and the weight decay's penalty; and the plan with how ``J`` was formed."""
-        fm, most = self.fmodel, self.setup.direct_max_params
+        group) by the engine (a residual problem's rows engine forms its rows, and on all of too
+        many rows linearizes from the layers' factors where ``plan`` says so,
+        :mod:`torch_sgn.many_rows`), with a row-batched Jacobian where exact steps on another
+        model take it, and the weight decay's penalty; and the plan with how ``J`` was
+        formed."""
+        fm = self.fmodel
         lin = None
         if plan.rows == sampled.ALL:
-            lin = many_rows.linearized(fm, self.loss, theta, batch, most)
+            lin = many_rows.linearized(self.engine, theta, batch, self.setup.direct_max_params)
         lin = lin or self.comm.linearize(t, self.engine_for(t), theta, batch, buffers)
         check_loss_parameters(self.loss, fm, lin, theta, batch)
-        row_by_row = self.router.row_by_row(lin, theta, batch)
-        if row_by_row:
+        if self.router.row_by_row(lin, theta, batch):
             lin = with_jacobian(lin, fm, self.loss, theta, batch)
-        plan = route_plan.with_jacobian(plan, lin, row_by_row)
+        plan = route_plan.with_jacobian(plan, lin)
         # The L2 penalty, added once here: after the data-parallel reduction (every rank holds
         # the same theta) and before the mask of frozen parameters (which keeps them still).
         return lin.regularized(self.options.weight_decay, theta), plan

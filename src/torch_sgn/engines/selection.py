@@ -10,7 +10,13 @@ cannot),
 where it applies (the fastest on the chains it knows), else the traced engine, else the
 functional engine with the reason in a one-time warning. The fallbacks are this module's: an
 engine that does not apply raises :class:`~torch_sgn.engines.not_applicable.NotApplicable` and
-:class:`EngineChain` calls the next one. :func:`curvature_subset` wraps an engine to take ``G v``
+:class:`EngineChain` calls the next one. A residual problem
+(:class:`~torch_sgn.residual_problem.ResidualProblem`) gets its rows engine
+(:class:`~torch_sgn.engines.rows.RowsEngine`) first: under ``"auto"`` with exact steps its
+products are the functional engine's (one recorded pass; ``G v`` comes from the rows, nothing
+is traced); steps by CG alone (``solver="cg"``, a data-parallel group, CUDA graphs) take
+their ``G v`` products from the chain above, which replays them faster than forward mode
+re-runs the problem. :func:`curvature_subset` wraps an engine to take ``G v``
 on a random subset of the batch.
 """
 
@@ -28,9 +34,11 @@ from ..diagnostics import WarnOnce, warn
 from ..linearization import Engine, Linearization
 from ..losses import OutputLoss
 from ..model.flat_model import FunctionalModel
+from ..residual_problem import residual_problem
 from .functional import FunctionalEngine
 from .layerwise.engine import LayerwiseEngine
 from .not_applicable import NotApplicable
+from .rows import RowsEngine
 from .traced.engine import TracedEngine
 
 __all__ = ["ENGINES", "EngineChain", "curvature_subset", "engine_name", "select_engine"]
@@ -63,13 +71,30 @@ def select_engine(
     engine: str,
     cuda_graphs: bool = False,
     compile: bool = False,
+    exact: bool = True,
 ) -> Engine:
     """The engine for ``engine`` (one of :data:`ENGINES`); with ``cuda_graphs`` the layer-wise and
     the traced engines capture their work as CUDA graphs where they can (see
     :mod:`torch_sgn.engines.cuda_graphs` and
     :class:`~torch_sgn.engines.traced.engine.TracedEngine`), with ``compile``
-    the traced engine runs its graphs compiled by ``torch.compile``."""
+    the traced engine runs its graphs compiled by ``torch.compile``. A residual problem's
+    engine is its :class:`~torch_sgn.engines.rows.RowsEngine`, forming the rows where
+    ``exact`` (the step may take exact steps) and there are no CUDA graphs."""
     engine = engine_name(engine)
+    if residual_problem(fmodel.model) is None:
+        return _engine(fmodel, loss, engine, cuda_graphs, compile)
+    exact = exact and not cuda_graphs
+    if engine == "auto" and exact and not compile:  # G v from the rows: nothing to trace
+        products: Engine = FunctionalEngine(fmodel, loss)
+    else:
+        products = _engine(fmodel, loss, engine, cuda_graphs, compile)
+    return RowsEngine(fmodel, loss, products, exact)
+
+
+def _engine(
+    fmodel: FunctionalModel, loss: OutputLoss, engine: str, cuda_graphs: bool, compile: bool
+) -> Engine:
+    """The engine (or chain) for ``engine`` on any model."""
     functional = FunctionalEngine(fmodel, loss)
     if engine == "functional":  # SGN refuses cuda_graphs with it
         return functional

@@ -21,8 +21,9 @@ The walk of one ``SGN.step`` on a :class:`torch_sgn.pinn.Residuals` problem, fil
 ``optimizer.py`` (the call and its options, checked by ``options.py``) -> ``stepper.py``
 (the step's recipe) ->
 ``route_plan.py`` (the rows: ``many_rows.py``, which reads the problem through
-``residual_problem.py``) -> the linearization (``linearization.py`` by the engine chain,
-``engines/jacobian.py`` for ``J``'s rows) -> ``route_plan.py`` (the route) -> this module
+``residual_problem.py``) -> the linearization (``engines/rows.py``, the problem's engine: the
+loss and gradient by ``engines/functional.py``, ``J``'s rows and ``G v`` from them) ->
+``route_plan.py`` (the route) -> this module
 (the descent: ``solve/descents.py``, ``solve/direct.py``; the damped step:
 ``solve/step.py``; the geodesic acceleration: ``solve/geodesic.py``) -> ``stepper.py``
 (commit) -> this module (:func:`next_state`).

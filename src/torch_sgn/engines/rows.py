@@ -1,4 +1,15 @@
-r"""The output Jacobian ``J`` formed row by row, for exact steps on any per-sample model.
+r"""A residual problem's engine: its rows; and the output Jacobian ``J`` formed row by row.
+
+A residual problem (:class:`~torch_sgn.residual_problem.ResidualProblem`: a
+:class:`torch_sgn.pinn.Residuals` problem, a DeepXDE model through the adapter) says how its
+rows are formed: the blocks of rows whose Jacobians are taken separately (its residual blocks,
+each over its own points), and maybe ``J J^T``, ``J v`` and ``J^T u`` without ``J``, from its
+layers' factors (:mod:`torch_sgn.pinn.layer_kernel`). :class:`RowsEngine` is the engine of
+such a problem, first and alone: the loss and its gradient from one recorded forward pass (its
+products engine's, :class:`~torch_sgn.engines.functional.FunctionalEngine` unless another was
+asked for), and where exact steps may be taken, ``G``, the sample space and ``G v`` from the
+rows, in one place; :meth:`RowsEngine.all_rows` linearizes on all of too many rows from the
+layers' factors alone (:func:`by_factors`). Nothing is traced for it.
 
 The direct solver needs ``G = J^\top H J`` (``P x P``) or the sample-space matrix ``J J^\top``
 (``R x R``, ``R`` the batch's outputs). The layer-wise engine forms both from its chains' own
@@ -6,7 +17,8 @@ per-layer factors. For other models, forming ``G`` from ``P`` products ``G e_i``
 passes; but where each sample's outputs depend on that sample alone (no batch statistics, no
 attention across the batch), each row block of ``J`` is the gradient of one sample's outputs,
 and ``torch.func.vmap`` over samples of ``torch.func.jacrev`` forms all of them in one batched
-reverse pass:
+reverse pass (:func:`jacobian_rows`, :func:`with_jacobian`, which the step applies to any such
+model with ``solver="direct"``):
 
 .. math::
     J = \begin{bmatrix} \partial f(\theta; x_1) / \partial\theta \\ \vdots \\
@@ -15,13 +27,7 @@ reverse pass:
 (Physics-informed residuals whose derivatives are propagated forward, as
 :mod:`torch_sgn.pinn.operators` does, are such models: a point's residual depends on that point
 alone.) Whether a model is per-sample is checked, not assumed: the rows' outputs must equal the
-batched forward pass's (:func:`per_sample`), else the route is not taken.
-
-A residual problem (:class:`~torch_sgn.residual_problem.ResidualProblem`, such as
-:class:`torch_sgn.pinn.Residuals`) says how its rows are formed: the blocks of rows whose
-Jacobians are taken separately (its residual blocks, each over its own points), and maybe
-``J J^T`` and ``J^T u`` without ``J``, from its layers' factors
-(:mod:`torch_sgn.pinn.layer_kernel`).
+batched forward pass's (:func:`per_sample`), else the rows are not formed.
 """
 
 from __future__ import annotations
@@ -34,14 +40,76 @@ import torch
 from torch import Tensor
 
 from ..batch import Batch
-from ..linearization import Linearization, RowSample, SampleSpace, loss_and_output_gradient
+from ..linearization import (
+    FACTORS,
+    ROWS,
+    Engine,
+    Linearization,
+    RowSample,
+    SampleSpace,
+    loss_and_output_gradient,
+)
 from ..losses import OutputLoss
 from ..model.flat_model import FunctionalModel
 from ..model.forward_mode import backward_hooks
 from ..residual_problem import JacobianBlock, residual_problem
 from ..solve.sampled import draw
 
-__all__ = ["by_factors", "jacobian_rows", "per_sample", "with_jacobian"]
+__all__ = ["PerSample", "RowsEngine", "by_factors", "jacobian_rows", "per_sample", "with_jacobian"]
+
+
+class RowsEngine:
+    """The engine of a residual problem (see the module's docstring): the loss and its
+    gradient from ``products``' recorded pass; where ``exact``, ``G``, the sample space and
+    ``G v`` from the problem's rows (:func:`with_jacobian`), the problem being per-sample on
+    the batch (:class:`PerSample`).
+
+    Args:
+        fmodel: the problem as a function of its flat parameters.
+        loss: the loss in output space.
+        products: the engine of the loss, its gradient and ``J^T u`` (and of ``G v`` where
+            the rows are not formed): the functional engine, or the one asked for.
+        exact: whether the step's exact solves may form the rows: not with ``solver="cg"``,
+            CUDA graphs (the captured products are the route) or a data-parallel group (each
+            rank holds its shard's rows only).
+    """
+
+    #: steps through the batch's outputs come from the rows, not from a chain's own factors
+    may_solve_through_outputs = False
+
+    def __init__(self, fmodel: FunctionalModel, loss: OutputLoss, products: Engine, exact: bool):
+        self.fmodel, self.loss, self.products, self.exact = fmodel, loss, products, exact
+        self.per_sample = PerSample()
+
+    def __call__(
+        self, flat: Tensor, batch: Batch, buffers_out: Optional[dict] = None
+    ) -> Linearization:
+        lin = self.products(flat, batch, buffers_out)
+        if not (self.exact and self.per_sample(self.fmodel, flat, batch)):
+            return lin
+        return with_jacobian(lin, self.fmodel, self.loss, flat, batch)
+
+    def all_rows(self, flat: Tensor, batch: Batch, points: int) -> Optional[Linearization]:
+        """The linearization on all of too many rows, from the layers' factors alone
+        (:func:`by_factors`; ``points``: its preconditioner's sample), or ``None``."""
+        return by_factors(self.fmodel, self.loss, flat, batch, points)
+
+
+class PerSample:
+    """:func:`per_sample`, checked once per batch shape, training mode and model settings."""
+
+    def __init__(self) -> None:
+        self._known: dict = {}
+
+    def __call__(self, fmodel: FunctionalModel, flat: Tensor, batch: Batch) -> bool:
+        key = (
+            tuple((tuple(x.shape), x.dtype) for x in batch.args),
+            fmodel.model.training,
+            fmodel.settings(),
+        )
+        if key not in self._known:
+            self._known[key] = per_sample(fmodel, flat, batch)
+        return self._known[key]
 
 
 def _model_blocks(fmodel: FunctionalModel, batch: Batch) -> List[JacobianBlock]:
@@ -129,7 +197,9 @@ def with_jacobian(
 ) -> Linearization:
     """``lin`` with ``G`` and the sample space formed from :func:`jacobian_rows`, for a model
     that is :func:`per_sample` on ``batch``. ``J`` is formed once, when a direct solve first
-    asks for it; a step that solves by CG never forms it."""
+    asks for it; a step that solves by CG never forms it. Where the model is a residual
+    problem whose layers give ``J``'s factors, ``J v``, ``J^T u`` and ``G v`` come from them
+    (the same ``J`` as the solve's), else ``G v`` is ``lin``'s."""
     with torch.no_grad():
         outputs = lin.outputs if lin.outputs is not None else fmodel(flat, batch.inputs)
     outputs = outputs.detach()
@@ -177,6 +247,11 @@ def with_jacobian(
         f = factors()
         return f.kernel(symmetric=True) if f is not None else _symmetric(jac() @ jac().T)
 
+    products = lin.ggn_vp
+
+    def ggn_vp(v: Tensor) -> Tensor:  # J^T H J v
+        return products(v) if factors() is None else vjp(hessian(jvp(v)))
+
     space = SampleSpace(
         outputs=outputs,
         output_grad=output_grad,
@@ -185,7 +260,13 @@ def with_jacobian(
         kernel=kernel,
         jvp=jvp,
     )
-    return replace(lin, dense_ggn=lambda: jac().T @ hessian_columns(), sample_space=space)
+    return replace(
+        lin,
+        ggn_vp=ggn_vp,
+        dense_ggn=lambda: jac().T @ hessian_columns(),
+        sample_space=space,
+        jacobian=ROWS,
+    )
 
 
 def _symmetric(k: Tensor) -> Tensor:
@@ -241,7 +322,13 @@ def by_factors(
         )
 
     return Linearization(
-        loss=value, grad=grad, ggn_vp=ggn_vp, outputs=outputs, vjp=factors.vjp, rows=rows
+        loss=value,
+        grad=grad,
+        ggn_vp=ggn_vp,
+        outputs=outputs,
+        vjp=factors.vjp,
+        rows=rows,
+        jacobian=FACTORS,
     )
 
 
