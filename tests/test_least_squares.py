@@ -372,11 +372,7 @@ def test_a_residuals_fit_tests_gtol_before_each_step(monkeypatch):
     )
     A, b = linear_problem()
     problem = Residuals(_Vector([0.0] * 5), {"r": Residual(lambda m: A @ m.x - b)})
-    fits = []
-    calls = library_calls(lambda: fits.append(least_squares(problem, xtol=0, ftol=0, gtol=1e-10)))
-    assert ("optimizer.py", "SGN.__init__") not in calls
-    assert ("stepper.py", "Stepper.__init__") in calls  # (the observation sees the fit's calls)
-    fit = fits[0]
+    fit = least_squares(problem, xtol=0, ftol=0, gtol=1e-10)
     assert fit.status == 1 and fit.steps >= 1 and len(calls) == fit.steps
     start = Residuals(_Vector(fit.x.tolist()), {"r": Residual(lambda m: A @ m.x - b)})
     again = least_squares(start, xtol=0, ftol=0, gtol=1e-6)  # its start meets gtol
@@ -399,7 +395,6 @@ def test_a_residuals_fit_builds_no_sgn_and_evaluates_each_point_once(monkeypatch
     """A Residuals problem's fit takes SGN's steps through its Stepper, not an SGN, and each
     point's step is prepared once: the gtol test reads the gradient from it (the last point's
     step, prepared and then dropped where gtol ends the fit)."""
-
     prepared = []
     prepare = Stepper.prepare
     monkeypatch.setattr(

@@ -23,12 +23,15 @@ The stalls so far and the stall test's losses are this part's own state
 (:class:`~torch_sgn.solve.state.RowsState` in the optimizer's
 :class:`~torch_sgn.solve.state.StepState`), advanced here (:func:`advance`) and saved with the
 optimizer's state dict, so a resumed run takes the same steps.
+
+:class:`RowStages` is the part a stepper holds: the step's :class:`Rows` (drawn at its start),
+an ``ALL`` step's linearization, and after the step the part's state and the points it used.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import List, Optional, Tuple
 
 from torch import Tensor
@@ -41,7 +44,8 @@ from .solve import sampled
 from .solve.state import RowsState, StepState
 
 __all__ = [
-    "advance", "linearized", "points_used", "sample_points", "sampled_batch", "stage",
+    "RowStages", "Rows", "advance", "linearized", "points_used", "sample_points",
+    "sampled_batch", "stage",
 ]  # fmt: skip
 
 logger = logging.getLogger("torch_sgn")
@@ -134,3 +138,61 @@ def points_used(sample: Optional[RowSample], drawn: Optional[List[Tensor]]) -> O
     if sample is not None:
         return tuple(sample.points)
     return None if drawn is None else tuple(int(i.numel()) for i in drawn)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """One step's rows: its stage (``None``: the batch's rows; ``SAMPLE``; ``ALL``), the batch
+    the step is taken on, and for ``SAMPLE`` the indices of the points drawn from each block."""
+
+    stage: Optional[str]
+    batch: Batch
+    drawn: Optional[List[Tensor]] = None
+
+
+class RowStages:
+    """The stages of a residual problem of many rows (see the module's docstring) as one part
+    of a stepper: :meth:`rows` at the step's start, :meth:`linearized` for an ``ALL`` step,
+    :meth:`advance` after it. The stage itself is the route plan's
+    (:func:`torch_sgn.route_plan.start`, which applies :func:`stage`).
+
+    Args:
+        model: the model (a :class:`~torch_sgn.residual_problem.ResidualProblem` wherever a
+            stage is not ``None``).
+        max_params: SGN's ``direct_max_params``.
+    """
+
+    def __init__(self, model: object, max_params: int):
+        self.model, self.max_params = model, max_params
+
+    def rows(self, stage: Optional[str], batch: Batch, state: StepState) -> Rows:
+        """The step's rows at ``stage``: a ``SAMPLE`` step's drawn points (:func:`sampled_batch`),
+        else the batch."""
+        if stage is None:
+            return Rows(None, batch)
+        drawn_batch, drawn = sampled_batch(stage, self.model, batch, self.max_params, state)
+        return Rows(stage, drawn_batch, drawn)
+
+    def linearized(self, engine: RowsEngine, flat: Tensor, rows: Rows) -> Optional[Linearization]:
+        """An ``ALL`` step's linearization (:func:`linearized`); ``None`` for other steps, and
+        where the layers' factors do not give it."""
+        if rows.stage != sampled.ALL:
+            return None
+        return linearized(engine, flat, rows.batch, self.max_params)
+
+    def advance(
+        self,
+        rows: Rows,
+        state: RowsState,
+        t: int,
+        loss0: float,
+        inputs: object,
+        sample: Optional[RowSample],
+    ) -> Tuple[RowsState, Optional[tuple]]:
+        """After step ``t`` (its loss ``loss0``, its batch's ``inputs``): the part's state
+        (:func:`advance`) and :attr:`StepInfo.sample <torch_sgn.StepInfo.sample>`
+        (:func:`points_used`; ``None`` for a step on the batch's rows)."""
+        if rows.stage is None:
+            return state, None
+        after = advance(state, t, rows.stage, loss0, self.model, inputs, self.max_params)
+        return after, points_used(sample, rows.drawn)

@@ -16,12 +16,12 @@ import contextlib
 import functools
 import logging
 from dataclasses import dataclass, replace
-from typing import Callable, List, Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor
 
-from . import many_rows, route_plan
+from . import route_plan
 from .batch import Batch, Inputs
 from .checks import check_batch, finite_loss
 from .diagnostics import warn
@@ -30,10 +30,11 @@ from .engines.rows import with_jacobian
 from .engines.selection import curvature_subset, select_engine
 from .linearization import Engine, Linearization, check_loss_parameters, weight_penalty
 from .losses import OutputLoss
+from .many_rows import Rows, RowStages
 from .model.flat_model import FunctionalModel
 from .options import Options, Setup
 from .route_plan import Capabilities, Plan, Router, through_outputs
-from .solve import auto, core, direct, geodesic, sampled
+from .solve import auto, core, direct, geodesic
 from .solve.descents import SAMPLED, SAMPLES
 from .solve.nystrom import NystromCache
 from .solve.state import StepState
@@ -78,7 +79,7 @@ class Prepared:
     theta: Tensor
     buffers: dict
     trainable: Optional[Tensor]
-    drawn: Optional[List[Tensor]]
+    rows: Rows
     guard: contextlib.ExitStack
 
     def abandon(self) -> None:
@@ -136,6 +137,7 @@ class Stepper:
                 "curvature_fraction=1 (exact steps form G from every residual)"
             )
         self.router = Router(self.caps, setup, fmodel)  # the route decisions
+        self.stages = RowStages(fmodel.model, setup.direct_max_params)  # of many rows
         self.nystrom = NystromCache()  # CG's preconditioner="nystrom"
         self.nested_warned = False  # the notice of auto.NESTED_NOTICE given
         if setup.solver == "direct" and not through_outputs(self.caps, setup, options):
@@ -158,16 +160,17 @@ class Stepper:
         batch = Batch(inputs, targets)
         state, theta, buffers = StepState.of(stored), self.fmodel.flat(), {}
         # Plan the rows: more than an exact step takes go by samples of them, then all.
-        most, fm = self.setup.direct_max_params, self.fmodel
+        fm = self.fmodel
         plan = self.router.start(options, batch, state)
-        batch, drawn = many_rows.sampled_batch(plan.rows, fm.model, batch, most, state)
+        rows = self.stages.rows(plan.rows, batch, state)
+        batch = rows.batch
         trainable = fm.trainable_mask()
         fm.warn_unfrozen()
         guard = contextlib.ExitStack()
         guard.enter_context(fm.consistent())
         try:
             # Linearize: the loss, its gradient and v -> G v at theta on the batch.
-            lin, plan = self._linearize(plan, state.step, theta, batch, buffers)
+            lin, plan = self._linearize(plan, rows, state.step, theta, buffers)
             unrestricted, work = lin, state  # what the direction is computed from
             if trainable is not None:  # restricted to the parameters still trainable
                 lin, work = lin.restricted(trainable), state.restricted(trainable)
@@ -179,7 +182,7 @@ class Stepper:
         return Prepared(
             lin=lin, loss=loss0, grad_norm=grad_norm, unrestricted=unrestricted, plan=plan,
             options=options, batch=batch, inputs=inputs, stored=stored, state=state,
-            work=work, theta=theta, buffers=buffers, trainable=trainable, drawn=drawn,
+            work=work, theta=theta, buffers=buffers, trainable=trainable, rows=rows,
             guard=guard,
         )  # fmt: skip
 
@@ -200,31 +203,30 @@ class Stepper:
             point = self._point(lin, theta, batch, loss_at, p.trainable, state.step, plan.route)
             taken = core.take(lin, p.work, options, plan.phase, plan.exact, rhs, p.loss, point)
         # Commit: nothing above has touched the model or the optimizer's state.
-        fm, most = self.fmodel, self.setup.direct_max_params
+        fm = self.fmodel
         if taken.run.moved:
             fm.write(theta + taken.displacement)
         fm.write_buffers(p.buffers)
         if options.keep_grad:
             fm.write_grad(lin.grad)
         after = core.next_state(state, taken, options, self.setup.solver)
-        if plan.rows is not None:  # the rows' stages advance their own part
-            rows = many_rows.advance(
-                after.rows, state.step, plan.rows, p.loss, fm.model, p.inputs, most
-            )
-            after = replace(after, rows=rows)
+        rows, sample = self.stages.advance(  # the rows' stages advance their own part
+            p.rows, after.rows, state.step, p.loss, p.inputs, point.sample
+        )
+        after = replace(after, rows=rows)
         after.write(p.stored)
         # Report.
         decay = options.weight_decay
         penalty = weight_penalty(theta, decay) if decay else 0.0
         info = replace(taken.info(p.grad_norm, options.lr, float(penalty)), plan=plan)
-        if plan.rows is not None:
-            info = replace(info, sample=many_rows.points_used(point.sample, p.drawn))
+        if p.rows.stage is not None:
+            info = replace(info, sample=sample)
         log_step(state.step, info)
         return info
 
     # --- the step's phases -------------------------------------------------------------------
     def _linearize(
-        self, plan: Plan, t: int, theta: Tensor, batch: Batch, buffers: dict
+        self, plan: Plan, rows: Rows, t: int, theta: Tensor, buffers: dict
     ) -> tuple[Linearization, Plan]:
         """The model and loss linearized at ``theta`` on the batch (reduced over a data-parallel
         group) by the engine (a residual problem's rows engine forms its rows, and on all of too
@@ -232,10 +234,8 @@ class Stepper:
         :mod:`torch_sgn.many_rows`), with a row-batched Jacobian where exact steps on another
         model take it, and the weight decay's penalty; and the plan with how ``J`` was
         formed."""
-        fm = self.fmodel
-        lin = None
-        if plan.rows == sampled.ALL:
-            lin = many_rows.linearized(self.engine, theta, batch, self.setup.direct_max_params)
+        fm, batch = self.fmodel, rows.batch
+        lin = self.stages.linearized(self.engine, theta, rows)
         lin = lin or self.comm.linearize(t, self.engine_for(t), theta, batch, buffers)
         check_loss_parameters(self.loss, fm, lin, theta, batch)
         if self.router.row_by_row(lin, theta, batch):
