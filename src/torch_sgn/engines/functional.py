@@ -89,7 +89,7 @@ class FunctionalEngine:
                 (jtu,) = torch.autograd.grad(point.outputs, point.leaf, u, retain_graph=True)
             return jtu
 
-        return Linearization(value, grad, ggn_vp, vjp=vjp)
+        return Linearization(value, grad, ggn_vp, outputs=point.outputs.detach(), vjp=vjp)
 
     def _record(
         self, flat: Tensor, batch: Batch, buffers_out: Optional[dict], check: bool
