@@ -50,9 +50,9 @@ from .solve.descents import CG, MATRIX, SAMPLED, SAMPLES
 from .solve.state import StepState
 
 __all__ = [
-    "Capabilities", "Plan", "Router", "choose_route",
-    "curve_steps_allowed", "exact_allowed", "fits", "fits_one_batch", "forms_jacobian",
-    "matrix_fits", "samples_fit", "start", "through_outputs", "with_jacobian",
+    "Capabilities", "Plan", "Router", "choose_route", "curve_steps_allowed", "exact_allowed",
+    "fits", "fits_one_batch", "forms_jacobian", "forms_rows", "matrix_fits", "samples_fit",
+    "start", "through_outputs", "with_jacobian",
 ]  # fmt: skip
 
 
@@ -167,6 +167,14 @@ def start(
     if not (staged and exact_allowed(caps, setup, options)):
         return Plan(None)
     return Plan(many_rows.stage(model, batch, numel, setup.direct_max_params, state))
+
+
+def forms_rows(setup: Setup, single_process: bool) -> bool:
+    """Whether a residual problem's engine forms its rows for exact steps
+    (:class:`~torch_sgn.engines.rows.RowsEngine`'s ``exact``): not where its steps go by CG
+    alone: ``solver="cg"``, CUDA graphs (the captured products are the route) or a
+    data-parallel group (each rank holds its shard's rows only)."""
+    return single_process and setup.solver != "cg" and not setup.cuda_graphs
 
 
 def forms_jacobian(caps: Capabilities, setup: Setup, lin: Linearization) -> bool:

@@ -125,9 +125,9 @@ class Stepper:
                 "cuda_graphs=True is not supported in a data-parallel group of several "
                 "processes (shards may differ in shape); leave it off there"
             )
-        exact = single and setup.solver != "cg"  # whether a residual problem's rows are formed
+        rows = route_plan.forms_rows(setup, single)  # a residual problem's, for exact steps
         self.engine: Engine = select_engine(
-            fmodel, loss, setup.engine, setup.cuda_graphs, setup.compile, exact
+            fmodel, loss, setup.engine, setup.cuda_graphs, setup.compile, rows
         )
         self.caps = Capabilities.of(fmodel.model, self.engine, single)
         if setup.curvature_fraction < 1 and self.caps.residual_problem:

@@ -79,11 +79,10 @@ def select_engine(
     :class:`~torch_sgn.engines.traced.engine.TracedEngine`), with ``compile``
     the traced engine runs its graphs compiled by ``torch.compile``. A residual problem's
     engine is its :class:`~torch_sgn.engines.rows.RowsEngine`, forming the rows where
-    ``exact`` (the step may take exact steps) and there are no CUDA graphs."""
+    ``exact`` (:func:`torch_sgn.route_plan.forms_rows`: the steps may be exact)."""
     engine = engine_name(engine)
     if residual_problem(fmodel.model) is None:
         return _engine(fmodel, loss, engine, cuda_graphs, compile)
-    exact = exact and not cuda_graphs
     if engine == "auto" and exact and not compile:  # G v from the rows: nothing to trace
         products: Engine = FunctionalEngine(fmodel, loss)
     else:
