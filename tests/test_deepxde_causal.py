@@ -47,7 +47,7 @@ def test_causal_steps_weight_the_pde_along_time_and_deepxde_shows_its_own_loss()
     inputs, targets = residuals.batch()
     slabs = residuals.causal_weights()["pde"].slabs
     assert slabs[0] == 1.0 and bool((slabs[1:] <= slabs[:-1]).all() and (slabs > 0).all())
-    causal = float(residuals.loss(residuals(*inputs), targets))
+    causal = float(residuals.loss(residuals(*inputs), targets).detach())
     means = residuals.losses(inputs)
     unweighted = sum(b.weight * means[n] for n, b in zip(residuals.names, residuals.blocks))
     # DeepXDE's loss terms are the unweighted block means; the causal loss weighs the PDE less
