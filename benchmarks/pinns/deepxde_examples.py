@@ -57,6 +57,7 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared modules
+import sgn_methods  # noqa: E402
 from measuring import add_record_arguments, record_folder, run_missing, write_record  # noqa: E402
 
 #: example: (folder, reference, true values of the inverse problem's variables). The reference:
@@ -84,7 +85,7 @@ EXAMPLES: Dict[str, tuple] = {
 }
 METHODS = ("recipe", "sgn", "sgn_balance", "sgn_rad")
 #: The methods that train with ``torch_sgn.deepxde.SGN``.
-SGN_METHODS = ("sgn", "sgn_balance", "sgn_rad")
+SGN_METHODS = sgn_methods.subset("sgn", "sgn_balance", "sgn_rad")
 #: The methods a run makes unless ``--methods`` says otherwise (``sgn_balance``: the rule for
 #: inverse problems, run on the examples it names).
 DEFAULT_METHODS = ("recipe", "sgn")
@@ -122,8 +123,6 @@ def run(
     import deepxde as dde
     import matplotlib.pyplot as plt
 
-    import torch_sgn.deepxde
-
     folder, reference, truths = EXAMPLES[example]
     if not args.float32:
         dde.config.set_default_float("float64")
@@ -153,7 +152,7 @@ def run(
             models.append(self)
         if method in SGN_METHODS:
             if not hasattr(self, "_sgn"):
-                self._sgn = torch_sgn.deepxde.SGN(self, balance=method == "sgn_balance")
+                self._sgn = sgn_methods.optimizer(self, method)
             optimizer = self._sgn
             kw.pop("lr", None)
             kw.pop("decay", None)
@@ -167,7 +166,7 @@ def run(
             return self.losshistory, self.train_state
         if method in SGN_METHODS and iterations is not None:
             iterations = 10**9  # until the budget is spent
-        redraw = [torch_sgn.deepxde.ResidualPoints()] if method == "sgn_rad" else []
+        redraw = sgn_methods.callbacks(method)
         kw.pop("display_every", None)
         clock["since"] = time.process_time()
         return original_train(

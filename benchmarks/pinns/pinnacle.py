@@ -69,6 +69,7 @@ for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: shared modules
+import sgn_methods  # noqa: E402
 from measuring import add_record_arguments, record_folder, run_missing, write_record  # noqa: E402
 
 #: PDE: (module of PINNacle's ``src/pde``, class), in the campaign's order.
@@ -90,7 +91,7 @@ PDES: Dict[str, Tuple[str, str]] = {
 }
 METHODS = ("sgn", "sgn_balance", "sgn_causal", "sgn_rad", "adam_lbfgs", "adam")
 #: The methods that train with ``torch_sgn.deepxde.SGN``.
-SGN_METHODS = ("sgn", "sgn_balance", "sgn_causal", "sgn_rad")
+SGN_METHODS = sgn_methods.subset("sgn", "sgn_balance", "sgn_causal", "sgn_rad")
 
 #: PINNacle's ``benchmark.py`` defaults: ``--iter 20000``, ``--lr 1e-3``; ``Adam_LBFGS``'s switch.
 ITERATIONS = 20_000
@@ -234,8 +235,6 @@ def run(pde_name: str, method: str, args, partial: Optional[Path] = None) -> Dic
     import deepxde as dde
     import torch
 
-    import torch_sgn.deepxde
-
     if not Path(dde.__file__).resolve().is_relative_to(Path(sys.prefix).resolve()):
         raise RuntimeError(f"deepxde imported from {dde.__file__}, not the installed one")
     _patch_test(dde)
@@ -266,14 +265,11 @@ def run(pde_name: str, method: str, args, partial: Optional[Path] = None) -> Dic
         callbacks: list = []
         if method in SGN_METHODS:
             try:
-                optimizer = torch_sgn.deepxde.SGN(
-                    model, balance=method == "sgn_balance", causal=method == "sgn_causal"
-                )
+                optimizer = sgn_methods.optimizer(model, method)
             except Exception as e:  # noqa: BLE001 - recorded: SGN cannot take this model
                 return {**record, "l2re": None, "error": f"{type(e).__name__}: {e}"}
             iterations = 10**9  # until the budget is spent
-            if method == "sgn_rad":
-                callbacks.append(torch_sgn.deepxde.ResidualPoints())
+            callbacks += sgn_methods.callbacks(method)
         elif method == "adam_lbfgs":
             from src.optimizer import Adam_LBFGS
 

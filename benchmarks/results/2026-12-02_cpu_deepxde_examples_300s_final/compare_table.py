@@ -31,7 +31,9 @@ def main() -> None:
     below = hundred = 0
     for example in EXAMPLES:
         recipe, before, here = (
-            read(RECIPES, example, "recipe"), read(BEFORE, example, "sgn"), read(HERE, example, "sgn")
+            read(RECIPES, example, "recipe"),
+            read(BEFORE, example, "sgn"),
+            read(HERE, example, "sgn"),
         )
         if here is None or here.get("rel_l2") is None:
             print(f"| {example} | | | (no run) | | | |")
@@ -41,9 +43,12 @@ def main() -> None:
         hundred += h * 100 <= r
         print(
             f"| {example} | {r:.2e} | {b:.2e} ({before['iterations']}) | {h:.2e} "
-            f"({here['iterations']}) | {r / h:.3g} | {h / b:.2f} | {here['environment']['commit']} |"
+            f"({here['iterations']}) | {r / h:.3g} | {h / b:.2f} "
+            f"| {here['environment']['commit']} |"
         )
-    print(f"\nSGN below the recipe on {below} of {len(EXAMPLES)}, at least 100x below on {hundred}.")
+    print(
+        f"\nSGN below the recipe on {below} of {len(EXAMPLES)}, at least 100x below on {hundred}."
+    )
 
 
 if __name__ == "__main__":

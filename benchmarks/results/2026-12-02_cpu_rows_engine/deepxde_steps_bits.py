@@ -6,7 +6,8 @@
 DeepXDE's Poisson problem on [-1, 1] (-u'' = pi^2 sin(pi x), u(+-1) = 0; FNN 1 x 20 x 20 x 1,
 tanh, Glorot normal; 64 domain and 2 boundary points; float64; seed 0) and Burgers' (its
 example's geometry and conditions, FNN 2 x 20 x 20 x 20 x 1, 500 domain, 80 boundary, 160
-initial points), 20 steps each by the adapter's defaults in DeepXDE's ``train``; the parameters after every step.
+initial points), 20 steps each by the adapter's defaults in DeepXDE's ``train``; the
+parameters after every step.
 """
 
 from __future__ import annotations
@@ -65,11 +66,16 @@ def record(out: str) -> None:
         params = []
 
         class Keep(dde.callbacks.Callback):
-            def on_batch_end(self):
-                flat = [p.detach().reshape(-1) for p in model.net.parameters()]
-                params.append(torch.cat(flat).clone())
+            def __init__(self, net, kept):
+                super().__init__()
+                self.net, self.kept = net, kept
 
-        model.train(iterations=20, display_every=1000, callbacks=[Keep()], verbose=0)
+            def on_batch_end(self):
+                flat = [p.detach().reshape(-1) for p in self.net.parameters()]
+                self.kept.append(torch.cat(flat).clone())
+
+        keep = Keep(model.net, params)
+        model.train(iterations=20, display_every=1000, callbacks=[keep], verbose=0)
         saved[name] = torch.stack(params)
         print(name, "parameters' norm after 20 steps:", float(params[-1].norm()))
     torch.save(saved, out)
@@ -80,7 +86,10 @@ def compare(before: str, after: str) -> None:
     for key in a:
         same = [torch.equal(p, q) for p, q in zip(a[key], b[key])]
         first = same.index(False) if False in same else None
-        print(f"{key}: {len(same)} steps,", "identical" if first is None else f"differs from step {first}")
+        print(
+            f"{key}: {len(same)} steps,",
+            "identical" if first is None else f"differs from step {first}",
+        )
 
 
 if __name__ == "__main__":

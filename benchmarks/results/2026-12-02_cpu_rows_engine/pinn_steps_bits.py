@@ -18,7 +18,11 @@ import sys
 
 import torch
 
-RUNS = (("poisson2d", "2-64-1", 100), ("poisson2d", "2-64-64-48-48-1", 30), ("heat1d", "2-64-1", 60))
+RUNS = (
+    ("poisson2d", "2-64-1", 100),
+    ("poisson2d", "2-64-64-48-48-1", 30),
+    ("heat1d", "2-64-1", 60),
+)
 
 
 def record(checkout: str, out: str) -> None:
