@@ -54,7 +54,7 @@ def test_causal_steps_weight_the_pde_along_time_and_deepxde_shows_its_own_loss()
     _, terms = model.outputs_losses_train(
         model.train_state.X_train, model.train_state.y_train, model.train_state.train_aux_vars
     )
-    assert float(terms.sum()) == pytest.approx(unweighted, rel=1e-10)
+    assert float(terms.sum().detach()) == pytest.approx(unweighted, rel=1e-10)
     assert causal < unweighted
 
 
