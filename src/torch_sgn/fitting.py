@@ -155,8 +155,9 @@ def least_squares(
             ``geodesic_acceleration``, ``attempts``, ...), except ``keep_grad`` (the fit
             leaves each parameter's ``.grad`` as it was). Two defaults differ from
             SGN's: ``damping_update="nielsen"`` (on the NIST StRD suite it took fewer steps
-            than the paper's threshold rule), and ``engine="functional"``: exact steps need
-            no ``G v`` products, and the other engines prepare them at every fit.
+            than the paper's threshold rule), and ``engine="functional"`` (for exact steps the
+            engine ``"auto"`` takes on these problems too; with ``solver="cg"`` it makes
+            the ``G v`` products by forward mode, where ``"auto"`` traces the problem).
 
     A residual function's fit (``residuals`` a callable) takes its steps through
     :class:`~torch_sgn.curve_steps.CurveSteps`: SGN's exact steps with these options, without
@@ -217,9 +218,8 @@ def least_squares(
             ".grad as it was"
         )
 
-    # Exact steps form J row-batched (torch_sgn.engines.rows) and need no G v products: the
-    # functional engine, which prepares nothing, saves the traced engine's tracing at every
-    # fit (Misra1a, 8 steps, one thread: 50-60 ms a fit with it, 200-400 ms with "auto").
+    # Exact steps form J row-batched (torch_sgn.engines.rows): the functional engine, which
+    # traces nothing, is the rows engine's under "auto" too; the default pins it for CG fits.
     sgn_options.setdefault("engine", "functional")
     sgn_options.setdefault("damping_update", "nielsen")
     problem, params, curve = _problem(residuals, params_or_module)

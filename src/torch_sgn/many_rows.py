@@ -44,8 +44,7 @@ from .solve import sampled
 from .solve.state import RowsState, StepState
 
 __all__ = [
-    "RowStages", "Rows", "advance", "linearized", "points_used", "sample_points",
-    "sampled_batch", "stage",
+    "RowStages", "Rows", "advance", "points_used", "sample_points", "sampled_batch", "stage",
 ]  # fmt: skip
 
 logger = logging.getLogger("torch_sgn")
@@ -91,16 +90,6 @@ def sampled_batch(
     index = sampled.draw(counts, points, state.step, batch.targets.device)
     inputs = model.subset(batch.args, index)
     return Batch(inputs, batch.targets.new_zeros(model.count(inputs))), index
-
-
-def linearized(
-    engine: RowsEngine, flat: Tensor, batch: Batch, max_params: int
-) -> Optional[Linearization]:
-    """An ``ALL`` step's linearization on every row, from the layers' factors, whose samples
-    (its preconditioner's) have the first sample's size
-    (:meth:`~torch_sgn.engines.rows.RowsEngine.all_rows`)."""
-    points = sample_points(engine.fmodel.model, batch, max_params, 0)
-    return engine.all_rows(flat, batch, points)
 
 
 def advance(
@@ -168,17 +157,18 @@ class RowStages:
     def rows(self, stage: Optional[str], batch: Batch, state: StepState) -> Rows:
         """The step's rows at ``stage``: a ``SAMPLE`` step's drawn points (:func:`sampled_batch`),
         else the batch."""
-        if stage is None:
-            return Rows(None, batch)
         drawn_batch, drawn = sampled_batch(stage, self.model, batch, self.max_params, state)
         return Rows(stage, drawn_batch, drawn)
 
     def linearized(self, engine: RowsEngine, flat: Tensor, rows: Rows) -> Optional[Linearization]:
-        """An ``ALL`` step's linearization (:func:`linearized`); ``None`` for other steps, and
-        where the layers' factors do not give it."""
+        """An ``ALL`` step's linearization on every row, from the layers' factors
+        (:meth:`~torch_sgn.engines.rows.RowsEngine.all_rows`), whose samples (its
+        preconditioner's) have the first sample's size; ``None`` for other steps, and where
+        the factors do not give it."""
         if rows.stage != sampled.ALL:
             return None
-        return linearized(engine, flat, rows.batch, self.max_params)
+        points = sample_points(self.model, rows.batch, self.max_params, 0)
+        return engine.all_rows(flat, rows.batch, points)
 
     def advance(
         self,
@@ -192,7 +182,5 @@ class RowStages:
         """After step ``t`` (its loss ``loss0``, its batch's ``inputs``): the part's state
         (:func:`advance`) and :attr:`StepInfo.sample <torch_sgn.StepInfo.sample>`
         (:func:`points_used`; ``None`` for a step on the batch's rows)."""
-        if rows.stage is None:
-            return state, None
         after = advance(state, t, rows.stage, loss0, self.model, inputs, self.max_params)
         return after, points_used(sample, rows.drawn)

@@ -218,9 +218,9 @@ class Stepper:
         # Report.
         decay = options.weight_decay
         penalty = weight_penalty(theta, decay) if decay else 0.0
-        info = replace(taken.info(p.grad_norm, options.lr, float(penalty)), plan=plan)
-        if p.rows.stage is not None:
-            info = replace(info, sample=sample)
+        info = replace(
+            taken.info(p.grad_norm, options.lr, float(penalty)), plan=plan, sample=sample
+        )
         log_step(state.step, info)
         return info
 
