@@ -179,7 +179,7 @@ def _marks(budget: float) -> List[float]:
     return marks
 
 
-def _patch_test(dde) -> None:
+def patch_test(dde) -> None:
     """:data:`PATCHES`' second entry: ``Model._test`` with the training losses only."""
 
     def _test(self, verbose=1):
@@ -196,7 +196,7 @@ def _patch_test(dde) -> None:
     dde.Model._test = _test
 
 
-def _reference(pde, model) -> Tuple[np.ndarray, np.ndarray]:
+def reference(pde, model) -> Tuple[np.ndarray, np.ndarray]:
     """PINNacle's test points and reference values (its ``TesterCallback.on_train_begin``)."""
     if pde.ref_sol is not None:
         points = 2500 if pde.input_dim == 2 else 20000
@@ -215,7 +215,7 @@ def _reference(pde, model) -> Tuple[np.ndarray, np.ndarray]:
     raise ValueError("the PDE has no reference")
 
 
-def _l2re(model, x: np.ndarray, y: np.ndarray, dtype) -> float:
+def l2re(model, x: np.ndarray, y: np.ndarray, dtype) -> float:
     pred = model.predict(x.astype(dtype))
     return float(np.sqrt(((pred - y) ** 2).mean()) / np.sqrt((y**2).mean()))
 
@@ -237,7 +237,7 @@ def run(pde_name: str, method: str, args, partial: Optional[Path] = None) -> Dic
 
     if not Path(dde.__file__).resolve().is_relative_to(Path(sys.prefix).resolve()):
         raise RuntimeError(f"deepxde imported from {dde.__file__}, not the installed one")
-    _patch_test(dde)
+    patch_test(dde)
     if not args.float32:
         dde.config.set_default_float("float64")
     dtype = np.float32 if args.float32 else np.float64
@@ -279,7 +279,7 @@ def run(pde_name: str, method: str, args, partial: Optional[Path] = None) -> Dic
         else:
             raise ValueError(f"unknown method {method!r}")
         model.compile(optimizer, loss_weights=loss_weights)
-        x_ref, y_ref = _reference(pde, model)
+        x_ref, y_ref = reference(pde, model)
         record.update(
             parameters=sum(p.numel() for p in net.parameters()),
             points={
@@ -297,7 +297,7 @@ def run(pde_name: str, method: str, args, partial: Optional[Path] = None) -> Dic
         clock = {"used": 0.0, "since": 0.0, "iterations": 0, "written": time.time()}
 
         def measure() -> None:
-            curve.append([clock["used"], clock["iterations"], _l2re(model, x_ref, y_ref, dtype)])
+            curve.append([clock["used"], clock["iterations"], l2re(model, x_ref, y_ref, dtype)])
             if partial is not None and time.time() - clock["written"] > 60:
                 partial.write_text(json.dumps({**record, "curve": curve}))
                 clock["written"] = time.time()
@@ -328,7 +328,7 @@ def run(pde_name: str, method: str, args, partial: Optional[Path] = None) -> Dic
             )
         except Exception as e:  # noqa: BLE001 - recorded: a method that cannot run the PDE
             error = f"{type(e).__name__}: {e}"
-        final = _l2re(model, x_ref, y_ref, dtype)
+        final = l2re(model, x_ref, y_ref, dtype)
         curve.append([clock["used"], clock["iterations"], final])
         losses = None
         if error is None:

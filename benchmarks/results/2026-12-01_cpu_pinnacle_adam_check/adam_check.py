@@ -59,7 +59,7 @@ def main() -> None:
     sys.path.append(str(root))
     import deepxde as dde
 
-    pinnacle._patch_test(dde)
+    pinnacle.patch_test(dde)
     dde.config.set_default_float("float64")
     os.chdir(root)
     print(f"torch {torch.__version__}, DeepXDE {dde.__version__}, {ITERATIONS} iterations each")

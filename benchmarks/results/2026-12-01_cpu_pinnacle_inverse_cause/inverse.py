@@ -48,7 +48,7 @@ def main() -> None:
 
     import torch_sgn.deepxde
 
-    pinnacle._patch_test(dde)
+    pinnacle.patch_test(dde)
     dde.config.set_default_float("float64")
     dde.config.set_random_seed(0)
     os.chdir(root)
@@ -61,7 +61,7 @@ def main() -> None:
     opt = torch_sgn.deepxde.SGN(model)
     weights = args.weights or [1.0, 1.0, 1.0]
     model.compile(opt, loss_weights=np.array(weights))
-    x_ref, y_ref = pinnacle._reference(pde, model)
+    x_ref, y_ref = pinnacle.reference(pde, model)
     names = [c["name"] for c in pde.loss_config]
     print(f"{args.pde}: loss terms {names}, weights {weights}, rows {len(model.data.train_x)}")
 

@@ -19,6 +19,7 @@ sys.path.append(root)
 import deepxde as dde  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from poisson_inv_corrected import corrected_source  # noqa: E402
 
 dde.config.set_default_float("float64")
 os.chdir(root)
@@ -56,19 +57,8 @@ pde = inverse.PoissonInv()
 points = gen.uniform(0, 1, size=(20000, 2))
 r = residual(pde, points, poisson_reference)
 source = pde.f_src(torch.tensor(points))
-x, y = [torch.tensor(points[:, i : i + 1]) for i in range(2)]
 a = poisson_reference(torch.tensor(points))[:, 1:2]
-# the source with (2x - 1), (2y - 1): -div(a grad u) of the reference
-corrected = (
-    2 * pi**2 * torch.sin(pi * x) * torch.sin(pi * y) * a
-    + 2
-    * pi
-    * (
-        (2 * x - 1) * torch.cos(pi * x) * torch.sin(pi * y)
-        + (2 * y - 1) * torch.sin(pi * x) * torch.cos(pi * y)
-    )
-    * a**2
-)
+corrected = corrected_source(torch.tensor(points), a)  # -div(a grad u) of the reference
 print(
     f"PoissonInv: residual of the class's PDE at the reference: rms {rms(r):.3e}, "
     f"max {float(r.abs().max()):.3e}; the source's rms {rms(source):.3e}"

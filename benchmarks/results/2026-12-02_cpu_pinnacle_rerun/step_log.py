@@ -41,7 +41,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    bench._patch_test(dde)
+    bench.patch_test(dde)
     dde.config.set_default_float("float64")
     dde.config.set_random_seed(0)
     module, cls = bench.PDES[args.pde]
@@ -52,7 +52,7 @@ def main() -> None:
     model = pde.create_model(net)
     opt = sgn_methods.optimizer(model, args.method)
     model.compile(opt, loss_weights=np.ones(pde.num_loss))
-    x_ref, y_ref = bench._reference(pde, model)
+    x_ref, y_ref = bench.reference(pde, model)
     os.chdir(cwd)
     rows = []
     clock = {"used": 0.0, "since": 0.0, "step": 0}
@@ -83,7 +83,7 @@ def main() -> None:
                 "step_size": info.step_size,
             }
             if clock["step"] % args.every == 0:
-                row["l2re"] = bench._l2re(model, x_ref, y_ref, np.float64)
+                row["l2re"] = bench.l2re(model, x_ref, y_ref, np.float64)
             rows.append(row)
             print(json.dumps(row), flush=True)
             if clock["used"] >= args.seconds:
