@@ -1,4 +1,4 @@
-"""solver="auto": the paper's CG steps until exact steps prove better (torch_sgn.solve.auto)."""
+"""solver="auto": the paper's CG steps until exact steps prove better (torch_sgn.route_plan)."""
 
 import copy
 import logging
@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from cases import flat_parameters, sgn_options
-from torch_sgn import SGN
-from torch_sgn.solve import auto
+from torch_sgn import SGN, route_plan
+from torch_sgn.solve import core
 from torch_sgn.solve.state import AutoState
 
 #: The stored keys of solver='auto''s part of the state.
@@ -42,15 +42,15 @@ def _regression(seed=0, batches=30):
 
 
 def test_exact_wins_needs_the_margin_and_stalled_needs_two_full_windows():
-    assert auto.exact_wins(0.98, 1.0) and not auto.exact_wins(0.995, 1.0)
-    assert auto.exact_wins(-1.02, -1.0) and not auto.exact_wins(-1.005, -1.0)
-    w = auto.WINDOW
+    assert route_plan.exact_wins(0.98, 1.0) and not route_plan.exact_wins(0.995, 1.0)
+    assert route_plan.exact_wins(-1.02, -1.0) and not route_plan.exact_wins(-1.005, -1.0)
+    w = route_plan.CG_STALL.window
     falling = [0.5**k for k in range(2 * w)]
     flat = [1.0] * (2 * w)
-    assert not auto.stalled(falling) and auto.stalled(flat)
-    assert not auto.stalled(flat[1:])  # one window not full yet
-    slow = [1.0] * w + [1.0 - 0.5 * auto.STALL] * w  # falls by half the share
-    assert auto.stalled(slow)
+    assert not route_plan.CG_STALL.stalled(falling) and route_plan.CG_STALL.stalled(flat)
+    assert not route_plan.CG_STALL.stalled(flat[1:])  # one window not full yet
+    slow = [1.0] * w + [1.0 - 0.5 * route_plan.CG_STALL.share] * w  # falls by half the share
+    assert route_plan.CG_STALL.stalled(slow)
 
 
 def test_auto_steps_by_cg_until_the_probe_wins_then_exactly(caplog):
@@ -69,9 +69,9 @@ def test_auto_steps_by_cg_until_the_probe_wins_then_exactly(caplog):
 def test_the_cg_phase_is_the_cg_solver_step_for_step(monkeypatch):
     # Probes compute and judge, never write: until it switches, auto's steps are
     # solver="cg"'s, bit for bit; probes come every PROBE_EVERY steps.
-    monkeypatch.setattr(auto, "exact_wins", lambda exact, cg: False)
+    monkeypatch.setattr(route_plan, "exact_wins", lambda exact, cg: False)
     probes = []
-    original = auto.plan
+    original = route_plan.auto_phase
 
     def plan(state, t, *args):
         phase = original(state, t, *args)
@@ -79,7 +79,7 @@ def test_the_cg_phase_is_the_cg_solver_step_for_step(monkeypatch):
             probes.append(t)
         return phase
 
-    monkeypatch.setattr(auto, "plan", plan)
+    monkeypatch.setattr(route_plan, "auto_phase", plan)
     model, data = _regression(batches=25)
     auto_model, cg = copy.deepcopy(model), copy.deepcopy(model)
     opt_auto, opt_cg = SGN(auto_model, "mse"), SGN(cg, "mse", solver="cg")
@@ -87,7 +87,7 @@ def test_the_cg_phase_is_the_cg_solver_step_for_step(monkeypatch):
         a, c = opt_auto.step(x, y), opt_cg.step(x, y)
         assert a.solver == "cg" and a.loss == c.loss and a.damping == c.damping
         assert torch.equal(flat_parameters(auto_model), flat_parameters(cg))
-    every = auto.PROBE_EVERY
+    every = route_plan.PROBE_EVERY
     assert probes == list(range(0, len(data), every))
 
 
@@ -95,19 +95,19 @@ def test_a_stall_switches_without_a_probe(monkeypatch):
     # The same noisy batch again and again: CG reaches its minimum, and the loss stops falling.
     # Copies of it, all alive (distinct tensors), so that the run is not taken for a full-batch
     # fit, where solver="auto" takes exact steps at once.
-    monkeypatch.setattr(auto, "exact_wins", lambda exact, cg: False)
+    monkeypatch.setattr(route_plan, "exact_wins", lambda exact, cg: False)
     model, data = _linear()
     opt = SGN(model, "mse")
     x, y = data[0]
-    copies = [x.clone() for _ in range(3 * auto.WINDOW)]
+    copies = [x.clone() for _ in range(3 * route_plan.CG_STALL.window)]
     solvers = [opt.step(c, y).solver for c in copies]
     first = solvers.index("direct")  # both windows full first, then direct for good
-    assert first >= 2 * auto.WINDOW and set(solvers[first:]) == {"direct"}
+    assert first >= 2 * route_plan.CG_STALL.window and set(solvers[first:]) == {"direct"}
 
 
 def test_a_full_batch_fit_takes_exact_steps_from_its_second_step(monkeypatch):
     # The first step cannot tell; the second sees the same tensors, unchanged: one batch.
-    monkeypatch.setattr(auto, "exact_wins", lambda exact, cg: False)
+    monkeypatch.setattr(route_plan, "exact_wins", lambda exact, cg: False)
     model, data = _linear()
     opt = SGN(model, "mse")
     x, y = data[0]
@@ -174,22 +174,22 @@ def test_cg_settings_of_a_one_batch_run_whose_forward_differentiates_itself():
         cg_iters=10, cg_tol=None, cg_rtol=0.0, preconditioner=False, warmup_cg_iters=None,
         warmup_steps=10,
     )  # fmt: skip
-    plain32 = auto.cg_settings(group, 5, False, torch.float32)
-    plain64 = auto.cg_settings(group, 5, False, torch.float64)
+    plain32 = core.cg_settings(group, 5, False, torch.float32)
+    plain64 = core.cg_settings(group, 5, False, torch.float64)
     assert (plain32.iters, plain32.tol, plain32.rtol, plain32.preconditioner) == (
-        10, auto.CG_TOL, 0.0, False,
+        10, core.CG_TOL, 0.0, False,
     )  # fmt: skip
     assert plain64.tol == 0.0  # a float64 fit is not cut at a gradient of 1e-6
-    nested64 = auto.cg_settings(group, 5, True, torch.float64)
-    assert nested64.iters == auto.ONE_BATCH_CG_ITERS
-    assert nested64.rtol == auto.ONE_BATCH_CG_RTOL and nested64.preconditioner == "nystrom"
-    assert auto.cg_settings(group, 5, True, torch.float32).preconditioner is False
-    mine = auto.cg_settings(
+    nested64 = core.cg_settings(group, 5, True, torch.float64)
+    assert nested64.iters == core.ONE_BATCH_CG_ITERS
+    assert nested64.rtol == core.ONE_BATCH_CG_RTOL and nested64.preconditioner == "nystrom"
+    assert core.cg_settings(group, 5, True, torch.float32).preconditioner is False
+    mine = core.cg_settings(
         replace(group, cg_iters=300, cg_rtol=1e-6, preconditioner="diagonal"), 5, True,
         torch.float64,
     )  # fmt: skip
     assert (mine.iters, mine.rtol, mine.preconditioner) == (300, 1e-6, "diagonal")
-    assert auto.cg_settings(replace(group, cg_tol=1e-3), 5, False, torch.float64).tol == 1e-3
+    assert core.cg_settings(replace(group, cg_tol=1e-3), 5, False, torch.float64).tol == 1e-3
 
 
 class _AutogradResiduals(nn.Module):

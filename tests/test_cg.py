@@ -5,8 +5,7 @@ import torch
 
 from cases import LOSSES, MODELS, make_batch
 from torch_sgn import GGN, conjugate_gradient
-from torch_sgn.solve.damping import scheduled_damping, trust_region_update
-from torch_sgn.solve.line_search import backtracking
+from torch_sgn.solve.step import backtracking, scheduled_damping, trust_region_update
 
 
 def _spd(n: int, seed: int = 0, cond: float = 100.0) -> torch.Tensor:
@@ -119,6 +118,15 @@ def test_damping_schedules_decay_to_the_floor(schedule):
     expected = 0.5 if schedule == "linear" else math.cos(math.pi / 4)
     assert mid == pytest.approx(rho_min + (rho0 - rho_min) * expected)
     assert scheduled_damping("constant", rho0, rho_min, 100, K) == rho0
+
+
+def test_the_schedules_the_options_accept_are_the_ones_the_rule_takes():
+    from torch_sgn.options import DAMPING_SCHEDULES
+
+    for schedule in DAMPING_SCHEDULES:
+        assert 1e-4 <= scheduled_damping(schedule, 1e-2, 1e-4, 5, 20) <= 1e-2
+    with pytest.raises(ValueError, match="unknown damping schedule 'step'"):
+        scheduled_damping("step", 1e-2, 1e-4, 5, 20)
 
 
 def test_backtracking_returns_largest_armijo_step():

@@ -19,7 +19,7 @@ from torch_sgn.pinn import Residual, Residuals
 from torch_sgn.route_plan import curve_steps_allowed
 from torch_sgn.solve import geodesic
 from torch_sgn.solve import step as step_module
-from torch_sgn.solve.line_search import backtracking
+from torch_sgn.solve.step import backtracking
 
 D = torch.float64
 TIGHT = dict(xtol=1e-15, ftol=1e-15, gtol=1e-15)

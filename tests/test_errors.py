@@ -235,7 +235,7 @@ def test_model_returning_a_tuple_is_rejected_with_advice(each_engine):
 
 
 def test_finiteness_check_survives_an_overflowing_sum():
-    from torch_sgn.checks import all_finite as _all_finite
+    from torch_sgn.stepper import all_finite as _all_finite
 
     big = torch.full((8,), 3e38)  # finite, but the float32 sum overflows
     assert _all_finite(big)

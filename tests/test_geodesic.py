@@ -13,7 +13,7 @@ from torch_sgn import SGN, route_plan
 from torch_sgn.solve import geodesic
 from torch_sgn.solve import step as step_module
 from torch_sgn.solve.direct import solve_damped
-from torch_sgn.solve.line_search import LineSearchResult
+from torch_sgn.solve.step import LineSearchResult
 
 EXACT = dict(line_search=False, trust_region=False, lr=1.0, momentum=0.0, solver="direct")
 

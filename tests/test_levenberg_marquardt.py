@@ -11,7 +11,7 @@ from torch import nn
 from cases import LOSSES, MODELS, dense_ggn, flat_parameters, loss_fn, make_batch
 from torch_sgn import SGN
 from torch_sgn.solve import core, direct
-from torch_sgn.solve.damping import DAMPING_MAX, nielsen_update, rejected_update
+from torch_sgn.solve.step import DAMPING_MAX, nielsen_update, rejected_update
 
 pytestmark = pytest.mark.usefixtures("each_engine")  # every test, once per engine
 

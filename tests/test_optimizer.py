@@ -170,7 +170,7 @@ def test_damping_stays_finite_once_the_batch_is_solved():
 
 @pytest.mark.parametrize("schedule", ["linear", "cosine"])
 def test_damping_schedule_drives_the_damping_without_trust_region(schedule):
-    from torch_sgn.solve.damping import scheduled_damping
+    from torch_sgn.solve.step import scheduled_damping
 
     model, x, y = make_batch(MODELS[0], LOSSES[0])
     opt = SGN(

@@ -15,7 +15,7 @@ from torch_sgn.linearization import FACTORS
 from torch_sgn.model.flat_model import FunctionalModel
 from torch_sgn.pinn import Causal, Residual, Residuals, laplacian, time_derivative
 from torch_sgn.pinn.causal import slab_weights
-from torch_sgn.solve.sampled import ALL, SAMPLE
+from torch_sgn.route_plan import ALL, SAMPLE
 
 D = torch.float64
 T = 2.0  # the time range [0, T]

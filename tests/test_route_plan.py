@@ -16,7 +16,6 @@ from torch_sgn.batch import Batch
 from torch_sgn.linearization import ENGINE, FACTORS, ROWS
 from torch_sgn.options import Setup
 from torch_sgn.route_plan import Capabilities, Plan
-from torch_sgn.solve import sampled
 from torch_sgn.solve.descents import CG, MATRIX, SAMPLED, SAMPLES
 from torch_sgn.solve.state import DampingState, StepState
 
@@ -58,11 +57,11 @@ def test_too_many_rows_plan_a_sample_then_all_rows_by_the_layers_factors(caplog)
     opt = SGN(problem, problem.loss, direct_max_params=50)
     ((plan, info),) = _plans(caplog, opt, problem.batch())
     _consistent(plan, info)
-    assert plan.rows == sampled.SAMPLE and plan.jacobian == ROWS and plan.route == SAMPLES
+    assert plan.rows == route_plan.SAMPLE and plan.jacobian == ROWS and plan.route == SAMPLES
     opt.state[next(problem.parameters())]["stalls"] = 1  # past the largest sample
     ((plan, info),) = _plans(caplog, opt, problem.batch())
     _consistent(plan, info)
-    assert plan.rows == sampled.ALL and plan.jacobian == FACTORS and plan.route == SAMPLED
+    assert plan.rows == route_plan.ALL and plan.jacobian == FACTORS and plan.route == SAMPLED
 
 
 def test_solver_cg_plans_cg_on_the_batch(caplog):
@@ -110,4 +109,4 @@ def test_rows_are_the_batchs_wherever_the_stages_do_not_apply(what):
     allowed = Setup.of("auto", False, False, 1.0, "auto", 50)
     caps_ok = Capabilities.of(problem, object(), single_process=True)
     base = route_plan.start(caps_ok, allowed, sgn_options(), problem, batch, numel, state)
-    assert base == Plan(sampled.SAMPLE)  # (the same problem, where the stages apply)
+    assert base == Plan(route_plan.SAMPLE)  # (the same problem, where the stages apply)

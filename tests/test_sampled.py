@@ -12,14 +12,14 @@ import torch
 from torch import nn
 
 from cases import poisson_residuals
-from torch_sgn import SGN, many_rows
+from torch_sgn import SGN, route_plan
 from torch_sgn.batch import Batch
 from torch_sgn.engines.rows import by_factors, jacobian_rows
 from torch_sgn.linearization import RowSample
 from torch_sgn.model.flat_model import FunctionalModel
 from torch_sgn.pinn import Residual, Residuals
+from torch_sgn.route_plan import StallTest
 from torch_sgn.solve import sampled
-from torch_sgn.solve.stall import StallTest
 from torch_sgn.solve.state import DampingState, StepState
 
 D = torch.float64
@@ -64,10 +64,11 @@ def test_draw_is_seeded_by_the_step():
 
 
 def test_stall_test_compares_two_windows():
-    w = sampled.WINDOW
-    assert not sampled.stalled([1.0] * (2 * w - 1))
-    assert sampled.stalled([1.0] * (2 * w))
-    assert not sampled.stalled([1.0] * w + [0.5] * w)
+    test = route_plan.SAMPLE_STALL
+    w = test.window
+    assert not test.stalled([1.0] * (2 * w - 1))
+    assert test.stalled([1.0] * (2 * w))
+    assert not test.stalled([1.0] * w + [0.5] * w)
 
 
 # --- the all-rows linearization and the preconditioner, against dense references --------------
@@ -144,8 +145,11 @@ def test_many_rows_per_parameter_take_the_stages_where_the_matrix_fits():
     numel = sum(p.numel() for p in fewer.parameters())
     assert 440 < sampled.ROWS_PER_PARAMETER * numel <= 1760
     state = StepState(step=0, damping=DampingState(1e-4))
-    assert many_rows.stage(fewer, Batch(*fewer.batch()), numel, max_params, state) is None
-    assert many_rows.stage(more, Batch(*more.batch()), numel, max_params, state) == sampled.SAMPLE
+    assert route_plan.row_stage(fewer, Batch(*fewer.batch()), numel, max_params, state) is None
+    assert (
+        route_plan.row_stage(more, Batch(*more.batch()), numel, max_params, state)
+        == route_plan.SAMPLE
+    )
     info = SGN(more, more.loss, direct_max_params=max_params).step(*more.batch())
     assert info.sample == tuple(sampled.allocate([1600, 160], min(sampled.POINTS, max_params)))
     assert info.taken and info.loss_after < info.loss
@@ -173,11 +177,11 @@ def test_the_sample_doubles_at_each_stall_then_all_rows(monkeypatch):
     monkeypatch.setattr(sampled, "POINTS", 8)
     problem = poisson_residuals(400, 40)
     batch = Batch(*problem.batch())
-    sizes = [many_rows.sample_points(problem, batch, 40, stalls) for stalls in range(6)]
+    sizes = [route_plan.sample_points(problem, batch, 40, stalls) for stalls in range(6)]
     assert sizes == [8, 16, 32, 40, 0, 0]  # 0: the largest sample stalled, all rows
     two = poisson_residuals(400, 40)  # two rows a point: at most 20 points
     two.blocks[0].fn = lambda u, x: torch.cat([u(x), 2 * u(x)], 1)
-    assert [many_rows.sample_points(two, Batch(*two.batch()), 40, k) for k in range(4)] == [
+    assert [route_plan.sample_points(two, Batch(*two.batch()), 40, k) for k in range(4)] == [
         8, 16, 20, 0,
     ]  # fmt: skip
 
@@ -202,7 +206,8 @@ def test_a_resumed_run_takes_the_same_steps(monkeypatch):
     """The samples, the stall test and the switch to all rows resume from the state dict, and
     the steps are the same to the bit (fails where anything of them lives outside it, or where
     a sum's order follows the objects' addresses)."""
-    monkeypatch.setattr(sampled, "STALL_TEST", StallTest(2, sampled.STALL))  # all rows soon
+    share = route_plan.SAMPLE_STALL.share
+    monkeypatch.setattr(route_plan, "SAMPLE_STALL", StallTest(2, share))  # all rows soon
     problem = poisson_residuals(300, 30)
     inputs, targets = problem.batch()
     opt = SGN(problem, problem.loss, direct_max_params=40)
@@ -268,7 +273,8 @@ def test_past_the_largest_sample_all_rows_only_where_the_layer_factors_follow(fa
     inputs, targets = problem.batch()
     opt.step(inputs, targets)
     state = opt.state[next(problem.parameters())]
-    state["sampled_losses"] = [0.0] * (2 * sampled.WINDOW - 1)  # the next step stalls
+    window = route_plan.SAMPLE_STALL.window
+    state["sampled_losses"] = [0.0] * (2 * window - 1)  # the next step stalls
     opt.step(inputs, targets)
     assert state.get("stalls", 0) == (1 if factors else 0)
     assert problem.factors_follow == factors

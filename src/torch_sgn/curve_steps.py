@@ -46,8 +46,7 @@ from .distributed import SingleProcess
 from .linearization import Linearization
 from .model.flat_model import flat_gradient
 from .solve import core, geodesic
-from .solve.auto import Phase
-from .solve.descents import MATRIX
+from .solve.descents import MATRIX, Phase
 from .solve.scaled_trust_region import ACCEPT, Radius, Scaled, update
 from .solve.state import StepState
 from .solve.step import LineSearch
@@ -319,7 +318,7 @@ class CurveSteps:
         point = core.Point(theta, self.loss_at, accelerator, search=self.search)
         phase, rhs = Phase(MATRIX), (grad, None)
         taken = core.take(lin, self.state, self.options, phase, MATRIX, rhs, loss0, point)
-        self.state = core.next_state(self.state, taken, self.options, "direct")
+        self.state = core.next_state(self.state, taken, self.options)
         moved = taken.displacement
         point = theta + moved if moved is not None else theta
         grad_norm = float(torch.linalg.vector_norm(grad))

@@ -56,8 +56,7 @@ from .losses import resolve_loss
 from .model.flat_model import FunctionalModel, flat_gradient
 from .options import SETUP_KEYS, Options, Setup
 from .pinn.residuals import Residual, Residuals
-from .route_plan import curve_steps_allowed
-from .solve.sampled import ALL
+from .route_plan import ALL, curve_steps_allowed
 from .solve.state import StepState
 from .step_info import StepInfo
 from .stepper import Prepared, Stepper

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -22,7 +23,6 @@ from .options import (
 )
 from .solve import direct
 from .solve.state import StepState
-from .step_call import batch_of_call, refuse_grad_scaler
 from .step_info import StepInfo
 from .stepper import Stepper
 
@@ -70,7 +70,7 @@ class SGN(torch.optim.Optimizer):
             ``solver="auto"``, a run that fits one batch with a forward that differentiates
             itself by ``torch.autograd.grad`` takes at least 100, to ``cg_rtol`` 1e-3 where none
             is set, with the Nystrom preconditioner on float64 parameters where none is set
-            (:func:`~torch_sgn.solve.auto.cg_settings`).
+            (:func:`~torch_sgn.solve.core.cg_settings`).
         cg_tol: CG stops early once the largest absolute residual entry is at most this
             (``CG_TOL``). Default ``None``: the original's and the paper's ``1e-6``
             (:meth:`paper`) on float32 parameters, near the rounding of their loss's gradient;
@@ -91,11 +91,11 @@ class SGN(torch.optim.Optimizer):
             along the last one. Counted in :attr:`StepInfo.attempts`. Default 1 (the paper:
             one solve, then the line search).
         damping_update: how the trust region adapts the damping. ``"threshold"``: the paper's
-            rule (:func:`~torch_sgn.solve.damping.trust_region_update`: times 3/2 below ratio 1/4,
+            rule (:func:`~torch_sgn.solve.step.trust_region_update`: times 3/2 below ratio 1/4,
             times 2/3 above 3/4). ``"nielsen"``: Nielsen's smooth rule
-            (:func:`~torch_sgn.solve.damping.nielsen_update`: down to a third after a good step,
+            (:func:`~torch_sgn.solve.step.nielsen_update`: down to a third after a good step,
             with no band where it is stuck), and on a rejected attempt times 2, 4, 8, ...
-            (:func:`~torch_sgn.solve.damping.rejected_update`); it needs ``damping_min > 0``.
+            (:func:`~torch_sgn.solve.step.rejected_update`); it needs ``damping_min > 0``.
             Default ``"threshold"``.
         line_search: backtracking Armijo line search on the same mini-batch (``LS``). Default on,
             as in the paper.
@@ -233,9 +233,10 @@ class SGN(torch.optim.Optimizer):
             where ``G`` comes from the per-sample Jacobian, or ``P <= cg_iters``); elsewhere
             CG's steps first, then exact steps for good once they prove better: every 10th
             step also computes the exact step, which wins if its point has a lower loss on the
-            next batch, or the batch loss stalls (:mod:`torch_sgn.solve.auto`); residual
-            problems too large for either matrix, by samples (:mod:`torch_sgn.many_rows`). Rules,
-            not timings. :attr:`StepInfo.solver` says which ran. :meth:`SGN.paper` sets ``"cg"``.
+            next batch, or the batch loss stalls (:func:`torch_sgn.route_plan.auto_phase`);
+            residual problems too large for either matrix, by samples
+            (:func:`torch_sgn.route_plan.row_stage`). Rules, not timings.
+            :attr:`StepInfo.solver` says which ran. :meth:`SGN.paper` sets ``"cg"``.
         direct_max_params: the largest matrix ``solver="auto"`` takes the direct solver for
             (its rows: parameters, or the batch's outputs). Default 4000 (the matrix and its
             factor take about 384 MB: they are float64).
@@ -331,7 +332,7 @@ class SGN(torch.optim.Optimizer):
         self._comm = communicator(self._fmodel, self._loss, process_group)
         super().__init__(self._fmodel.params, defaults)
         # A GradScaler then calls step directly, which refuses it with the reason
-        # (step_call.refuse_grad_scaler) rather than fail inside the scaler.
+        # (refuse_grad_scaler) rather than fail inside the scaler.
         self._step_supports_amp_scaling = True
         if len(self.param_groups) != 1:  # pragma: no cover - guarded by add_param_group
             raise ValueError("SGN doesn't support per-parameter options (parameter groups)")
@@ -346,7 +347,7 @@ class SGN(torch.optim.Optimizer):
 
         The arguments are :data:`~torch_sgn.options.PAPER_OPTIONS`: CG, damping ``1e-4`` with
         floor ``1e-6``, the threshold trust-region rule
-        (:func:`~torch_sgn.solve.damping.trust_region_update`), one solve per step (no
+        (:func:`~torch_sgn.solve.step.trust_region_update`), one solve per step (no
         Levenberg-Marquardt re-solves), 10 CG iterations stopped only by the absolute
         ``cg_tol=1e-6``, 10 CG iterations during the first 10 steps (``warmup_cg_iters``),
         Armijo backtracking, step size 1, and the original's behaviour where the line search
@@ -475,3 +476,90 @@ class SGN(torch.optim.Optimizer):
         # Read once, checked: a user or a scheduler may have changed them since the last step.
         self._options = options = Options.of(self.param_groups[0], in_step=True)
         return self._stepper.step(options, inputs, targets, self._global_state())
+
+
+# --- how SGN.step is called: a mini-batch, never a closure alone, never by a GradScaler -----
+_WHY = (
+    "SGN.step takes the mini-batch, opt.step(inputs, targets), not a closure: SGN needs the "
+    "model's outputs and the targets, not only the loss a closure returns, to form the "
+    "Gauss-Newton matrix J^T H J, and runs the forward passes itself"
+)
+_LIGHTNING = (
+    ". With PyTorch Lightning, set `self.automatic_optimization = False` in the "
+    "LightningModule's __init__ and call `self.optimizers().step(inputs=x, targets=y)` in "
+    "training_step (keywords: LightningOptimizer.step takes no positional batch)"
+)
+_LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric")
+_GRAD_SCALER = (
+    "SGN.step was called by a torch.amp.GradScaler (PyTorch Lightning: precision='16-mixed'). "
+    "SGN computes its own loss, gradient and Gauss-Newton products at every step, so there is "
+    "no scaled loss to unscale: drop the scaler and step under "
+    "torch.autocast alone, with dtype=torch.bfloat16 (float32's range; Lightning: "
+    "precision='bf16-mixed') or torch.float16 (its products are then not loss-scaled)"
+)
+
+
+def refuse_grad_scaler(optimizer: object) -> None:
+    """Raises ``TypeError`` where a :class:`torch.amp.GradScaler` calls the step.
+
+    An optimizer with ``_step_supports_amp_scaling`` (SGN has it) is stepped by
+    ``GradScaler.step`` directly, with its scale and inf flag set as the attributes
+    ``grad_scale`` and ``found_inf`` for the call: their presence says who called. Without the
+    flag the scaler would first fail on its own, with an assertion that names no cause. The
+    attributes are removed before the error (the scaler removes them only after a step that
+    returns), so that the optimizer steps as before once the scaler is gone.
+
+    Such a scaler (``scaler.step(opt, x, y)`` after ``scaler.scale(loss).backward()``, as a
+    ``torch.amp`` training loop has it) scales a loss the user backpropagated and unscales its
+    gradients, while SGN computes its own loss, gradient and curvature at every step: there is
+    nothing for it to scale. (Lightning's ``precision="16-mixed"`` on CUDA never reaches SGN:
+    its scaler fails first, having scaled no loss.)
+    """
+    present = [name for name in ("found_inf", "grad_scale") if hasattr(optimizer, name)]
+    for name in present:
+        delattr(optimizer, name)
+    if present:
+        raise TypeError(_GRAD_SCALER)
+
+
+def batch_of_call(
+    inputs: Optional[Inputs], targets: Optional[Tensor], closure: Optional[Callable[[], Any]]
+) -> tuple[Optional[Inputs], Optional[Tensor]]:
+    """The batch that ``SGN.step(inputs, targets, closure=closure)`` steps on.
+
+    torch's optimizers take ``step(closure)``, a function that returns the loss. SGN needs the
+    model's outputs and the targets (to form ``G = J^T H J``), so it takes the batch,
+    positionally or by keyword. A closure given beside the batch is called once, with
+    gradients enabled, before the step (where ``torch.optim`` optimizers call theirs); its
+    value is not used. A closure without a batch, positional (``step(closure)``) or by keyword,
+    raises ``TypeError`` with the reason.
+
+    PyTorch Lightning's manual optimization, ``self.optimizers().step(inputs=x, targets=y)``,
+    passes the batch as keywords together with a closure that it always builds (its precision
+    plugin's wrapper around the user's closure, or around a no-op): calling it once keeps the
+    ``on_before_optimizer_step`` hooks, and the trainer's step count, as with any optimizer.
+    Lightning's automatic optimization calls ``step(closure=...)`` with no batch, which SGN
+    cannot serve: the error says what to do instead.
+    """
+    alone = closure if inputs is None and targets is None else None
+    if callable(inputs) and targets is None:  # torch's step(closure)
+        alone = inputs
+    if alone is not None:
+        raise TypeError(_WHY + (_LIGHTNING if _from_lightning(alone) else ""))
+    if closure is not None:
+        if not callable(closure):
+            raise TypeError(f"closure must be callable, got {type(closure).__name__}")
+        if targets is not None:  # else the step refuses the batch before anything ran
+            with torch.enable_grad():
+                closure()
+    return inputs, targets
+
+
+def _from_lightning(closure: Callable[[], Any]) -> bool:
+    # Lightning's closures are functools.partial objects of its precision plugin's methods,
+    # wrapping instances of its own Closure class.
+    parts = [closure]
+    if isinstance(closure, functools.partial):
+        parts += [closure.func, *closure.args]
+    modules = [getattr(p, "__module__", None) or type(p).__module__ for p in parts]
+    return any(m.split(".")[0] in _LIGHTNING_PACKAGES for m in modules)

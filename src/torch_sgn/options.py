@@ -17,12 +17,13 @@ from types import MappingProxyType
 from typing import Callable, Mapping, Optional, Union
 
 from .engines.selection import ENGINE_ALIASES, ENGINES, engine_name
-from .solve.damping import DAMPING_SCHEDULES, DAMPING_UPDATES
 from .solve.direct import DEFAULT_DIRECT_MAX_PARAMS, SOLVERS
 from .solve.quadratic import STEP_RULES
 
 __all__ = [
     "ARGUMENT_NAMES",
+    "DAMPING_SCHEDULES",
+    "DAMPING_UPDATES",
     "KEYS",
     "KEY_OF",
     "OPTION_ARGUMENTS",
@@ -159,6 +160,12 @@ SETUP_KEYS = tuple(f.name for f in fields(Setup))
 
 #: The values of ``preconditioner``: none, the paper's diagonal, a randomized Nystrom one.
 PRECONDITIONERS = (False, True, "diagonal", "nystrom")
+#: The values of ``damping_schedule`` (:func:`~torch_sgn.solve.step.scheduled_damping`).
+DAMPING_SCHEDULES = ("constant", "linear", "cosine")
+#: The values of ``damping_update``, the rules that adapt the damping from the trust-region
+#: ratio: ``"nielsen"`` (:func:`~torch_sgn.solve.step.nielsen_update`) and ``"threshold"``
+#: (:func:`~torch_sgn.solve.step.trust_region_update`, the paper's).
+DAMPING_UPDATES = ("nielsen", "threshold")
 
 #: The constructor's argument for each group key named otherwise.
 ARGUMENT_NAMES = {"gradient_averaging": "momentum"}

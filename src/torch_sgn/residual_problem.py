@@ -25,6 +25,7 @@ This module is a leaf: it imports nothing of the package, so the residual proble
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 from torch import Tensor
@@ -32,13 +33,14 @@ from torch import Tensor
 __all__ = ["JacobianBlock", "ResidualProblem", "residual_problem"]
 
 
+@dataclass(frozen=True)
 class JacobianBlock:
     """Rows of the model's outputs taken together: ``rows(flat, *point) -> outputs of one
     point`` (flat), vmapped over ``points`` (tensors sharing their leading dimension; none for a
     block of the parameters alone, whose ``rows(flat)`` is taken once)."""
 
-    def __init__(self, rows: Callable[..., Tensor], points: Sequence[Tensor]):
-        self.rows, self.points = rows, tuple(points)
+    rows: Callable[..., Tensor]
+    points: Tuple[Tensor, ...]
 
 
 @runtime_checkable

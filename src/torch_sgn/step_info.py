@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
     from .route_plan import Plan
 
-__all__ = ["StepInfo", "log_step"]
-
-logger = logging.getLogger("torch_sgn")
+__all__ = ["StepInfo"]
 
 
 @dataclass(frozen=True)
@@ -66,10 +63,10 @@ class StepInfo:
         penalty: the weight decay's term ``weight_decay / 2 * ||theta||^2`` of ``loss``,
             at the point the step started from (0 without weight decay).
         sample: on a residual problem too large for an exact step through one matrix
-            (:mod:`torch_sgn.many_rows`), the points drawn from each residual block, in the
-            blocks' order: the points the step was taken on (``solver`` ``"direct"``; ``loss``,
-            ``loss_after`` and ``grad_norm`` are then the sample's, estimates of the whole
-            problem's), or those whose rows preconditioned CG on every row (``"cg"``);
+            (:func:`torch_sgn.route_plan.row_stage`), the points drawn from each residual block,
+            in the blocks' order: the points the step was taken on (``solver`` ``"direct"``;
+            ``loss``, ``loss_after`` and ``grad_norm`` are then the sample's, estimates of the
+            whole problem's), or those whose rows preconditioned CG on every row (``"cg"``);
             ``None`` where the step used no sample.
         plan: the step's :class:`~torch_sgn.route_plan.Plan`: the rows it used, how its ``J``
             was formed, the exact route it could take and the route it took (with
@@ -98,22 +95,3 @@ class StepInfo:
     penalty: float = 0.0
     sample: Optional[tuple] = None
     plan: Optional[Plan] = None
-
-
-def log_step(t: int, info: StepInfo) -> None:
-    """Step ``t`` on the ``torch_sgn`` logger: its outcome at INFO, its solve at DEBUG."""
-    uphill = ""
-    if info.uphill_resolves:
-        uphill = f" (uphill: solved again {info.uphill_resolves} times"
-        uphill += ")" if info.taken else ", not taken)"
-    logger.info(
-        "step %d: loss %.6g -> %.6g, damping %.3g, step %.3g%s",
-        t, info.loss, info.loss_after, info.damping, info.step_size, uphill,
-    )  # fmt: skip
-    logger.debug(
-        "  |g| %.4g, %s %d it (%s), |r| %.3g, ratio %s, %d loss evals%s",
-        info.grad_norm, "CG" if info.solver == "cg" else "direct", info.iterations,
-        info.stop_reason, info.residual,
-        "-" if info.tr_ratio is None else f"{info.tr_ratio:.3g}", info.loss_evals,
-        "" if info.sample is None else f", sample {info.sample}",
-    )  # fmt: skip

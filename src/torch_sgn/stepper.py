@@ -3,7 +3,9 @@
 :class:`Stepper` holds what a step needs besides its options and state (the model as a
 function of a flat vector, the loss, the engine, the route decisions, the communicator) and
 runs it in two halves: :meth:`Stepper.prepare` (the guards, the rows, the linearization, the
-check of the loss) and :meth:`Stepper.finish` (the route, the core, the commit, the report).
+check of the loss) and :meth:`Stepper.finish` (the route, the core, the commit, the report);
+and the checks of a step's batch (:func:`check_batch`) and of the loss and gradient at its
+point (:func:`finite_loss`), with errors that say what to do.
 :class:`~torch_sgn.SGN` runs both halves in one call; :func:`~torch_sgn.least_squares` builds a
 stepper, not an ``SGN``, for a :class:`~torch_sgn.pinn.Residuals` problem and reads each point's
 gradient from the prepared step (its ``gtol`` test) before it finishes it, so that the point is
@@ -15,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 from dataclasses import dataclass, replace
 from typing import Callable, Optional, Union
 
@@ -23,24 +26,31 @@ from torch import Tensor
 
 from . import route_plan
 from .batch import Batch, Inputs
-from .checks import check_batch, finite_loss
 from .diagnostics import warn
 from .distributed import DataParallel, SingleProcess
 from .engines.rows import with_jacobian
 from .engines.selection import curvature_subset, select_engine
 from .linearization import Engine, Linearization, check_loss_parameters, weight_penalty
 from .losses import OutputLoss
-from .many_rows import Rows, RowStages
 from .model.flat_model import FunctionalModel
 from .options import Options, Setup
-from .route_plan import Capabilities, Plan, Router, through_outputs
-from .solve import auto, core, direct, geodesic
+from .residual_problem import ResidualProblem
+from .route_plan import (
+    NESTED_NOTICE,
+    Capabilities,
+    Plan,
+    Router,
+    Rows,
+    RowStages,
+    through_outputs,
+)
+from .solve import core, direct, geodesic
 from .solve.descents import SAMPLED, SAMPLES
 from .solve.nystrom import NystromCache
 from .solve.state import StepState
-from .step_info import StepInfo, log_step
+from .step_info import StepInfo
 
-__all__ = ["Prepared", "Stepper"]
+__all__ = ["Prepared", "Stepper", "all_finite", "check_batch", "finite_loss", "log_step"]
 
 logger = logging.getLogger("torch_sgn")
 
@@ -139,7 +149,7 @@ class Stepper:
         self.router = Router(self.caps, setup, fmodel)  # the route decisions
         self.stages = RowStages(fmodel.model, setup.direct_max_params)  # of many rows
         self.nystrom = NystromCache()  # CG's preconditioner="nystrom"
-        self.nested_warned = False  # the notice of auto.NESTED_NOTICE given
+        self.nested_warned = False  # the notice of route_plan.NESTED_NOTICE given
         if setup.solver == "direct" and not through_outputs(self.caps, setup, options):
             # before anything of the matrix's size is allocated
             direct.check_direct_fits(fmodel.numel, torch.float64, fmodel.device)
@@ -198,7 +208,7 @@ class Stepper:
             logger.debug("step %d: %s", state.step, plan)
             if plan.phase.one_batch and not self.nested_warned:
                 self.nested_warned = True
-                warn(auto.NESTED_NOTICE)
+                warn(NESTED_NOTICE)
             # Solve with damping attempts, then the line search (nothing written).
             point = self._point(lin, theta, batch, loss_at, p.trainable, state.step, plan.route)
             taken = core.take(lin, p.work, options, plan.phase, plan.exact, rhs, p.loss, point)
@@ -209,7 +219,9 @@ class Stepper:
         fm.write_buffers(p.buffers)
         if options.keep_grad:
             fm.write_grad(lin.grad)
-        after = core.next_state(state, taken, options, self.setup.solver)
+        after = core.next_state(state, taken, options)  # the damping, the history
+        auto = self.router.advance(state, plan, p.loss, taken.candidate)  # solver="auto"'s
+        after = replace(after, auto=auto)
         rows, sample = self.stages.advance(  # the rows' stages advance their own part
             p.rows, after.rows, state.step, p.loss, p.inputs, point.sample
         )
@@ -231,8 +243,8 @@ class Stepper:
         """The model and loss linearized at ``theta`` on the batch (reduced over a data-parallel
         group) by the engine (a residual problem's rows engine forms its rows, and on all of too
         many rows linearizes from the layers' factors where ``plan`` says so,
-        :mod:`torch_sgn.many_rows`), with a row-batched Jacobian where exact steps on another
-        model take it, and the weight decay's penalty; and the plan with how ``J`` was
+        :func:`torch_sgn.route_plan.row_stage`), with a row-batched Jacobian where exact steps on
+        another model take it, and the weight decay's penalty; and the plan with how ``J`` was
         formed."""
         fm, batch = self.fmodel, rows.batch
         lin = self.stages.linearized(self.engine, theta, rows)
@@ -315,3 +327,119 @@ class Stepper:
             return value + weight_penalty(flat, weight_decay) if weight_decay else value
 
         return self.comm.loss_value(value)
+
+
+# --- the report ----------------------------------------------------------------------------
+def log_step(t: int, info: StepInfo) -> None:
+    """Step ``t`` on the ``torch_sgn`` logger: its outcome at INFO, its solve at DEBUG."""
+    uphill = ""
+    if info.uphill_resolves:
+        uphill = f" (uphill: solved again {info.uphill_resolves} times"
+        uphill += ")" if info.taken else ", not taken)"
+    logger.info(
+        "step %d: loss %.6g -> %.6g, damping %.3g, step %.3g%s",
+        t, info.loss, info.loss_after, info.damping, info.step_size, uphill,
+    )  # fmt: skip
+    logger.debug(
+        "  |g| %.4g, %s %d it (%s), |r| %.3g, ratio %s, %d loss evals%s",
+        info.grad_norm, "CG" if info.solver == "cg" else "direct", info.iterations,
+        info.stop_reason, info.residual,
+        "-" if info.tr_ratio is None else f"{info.tr_ratio:.3g}", info.loss_evals,
+        "" if info.sample is None else f", sample {info.sample}",
+    )  # fmt: skip
+
+
+# --- the checks of a step's batch, and of the loss and gradient at its point -------------
+def finite_loss(
+    lin: Linearization,
+    batch: Batch,
+    loss_fn: OutputLoss,
+    problem: Optional[ResidualProblem] = None,
+) -> tuple[float, float]:
+    """The loss and the gradient's norm (one host transfer); raises unless both are finite.
+
+    The batch is scanned for NaN and infinite values only then, to name the cause: a
+    non-finite entry that reaches the loss or the gradient is found without a pass over the
+    batch in every step (on a distributed step, every rank sees the reduced values, so all
+    raise together). On a residual problem (``problem``) the blocks and points whose residuals
+    are not finite are named.
+    """
+    norm = torch.linalg.vector_norm(lin.grad).to(lin.loss.dtype)
+    loss, grad_norm = torch.stack([lin.loss.reshape(()), norm]).tolist()
+    # A norm that overflows on finite entries is settled by the exact test.
+    finite = math.isfinite(loss) and (
+        math.isfinite(grad_norm) or bool(torch.isfinite(lin.grad).all())
+    )
+    if not finite:
+        _check_finite_batch(batch.inputs, batch.targets)
+        _check_counted_targets(batch.targets, loss_fn)
+    if not math.isfinite(loss):
+        where = None if problem is None else problem.non_finite(batch.args)
+        raise FloatingPointError(
+            f"the loss is {loss} at the current parameters on this batch"
+            + (f": the residuals are not finite in {where}" if where else "")
+            + "; the parameters were not changed. Check the data and the model's output (e.g. "
+            "lower the learning rate of an earlier optimizer, or raise `damping`)"
+        )
+    if not finite:
+        raise FloatingPointError(
+            "the gradient has non-finite entries at the current parameters; the parameters "
+            "were not changed"
+        )
+    return loss, grad_norm
+
+
+def check_batch(inputs: Inputs, targets: Optional[Tensor]) -> None:
+    """Raises ``TypeError`` unless the batch is a tensor (or a tuple of tensors) and targets."""
+    if targets is None:
+        if callable(inputs):
+            raise TypeError(
+                "SGN.step takes the mini-batch, opt.step(inputs, targets), not a closure: SGN "
+                "needs the model's outputs and the targets, not only the loss a closure "
+                "returns, to form the Gauss-Newton matrix J^T H J, and runs the forward passes "
+                "itself"
+            )
+        raise TypeError("SGN.step(inputs, targets) needs the targets of the batch")
+    items = inputs if isinstance(inputs, tuple) else (inputs,)
+    for i, x in enumerate(items):
+        if not isinstance(x, Tensor):
+            raise TypeError(
+                f"inputs must be a tensor or a tuple of tensors; item {i} is {type(x).__name__}"
+            )
+    if not isinstance(targets, Tensor):
+        raise TypeError(f"targets must be a tensor, got {type(targets).__name__}")
+
+
+def _check_counted_targets(targets: Tensor, loss: OutputLoss) -> None:
+    """Raises ``ValueError`` if the batch has no target that a mean of the loss counts."""
+    if targets.numel() == 0:
+        raise ValueError(
+            f"the batch is empty (targets of shape {tuple(targets.shape)}): the mean loss of no "
+            "samples is NaN; skip empty batches"
+        )
+    if loss.reduction == "mean" and loss.normalizer(targets) == 0:
+        raise ValueError(
+            f"no target of this batch counts toward the mean {loss.name} loss (each one is "
+            "ignore_index, or of a class of weight 0), so the mean is 0 / 0: skip such "
+            "batches, or use reduction='sum'"
+        )
+
+
+def _check_finite_batch(inputs: Inputs, targets: Tensor) -> None:
+    items = inputs if isinstance(inputs, tuple) else (inputs,)
+    for i, x in enumerate(items):
+        if x.is_floating_point() and not all_finite(x):
+            where = "inputs" if not isinstance(inputs, tuple) else f"inputs[{i}]"
+            raise ValueError(f"{where} contain NaN or infinite values; clean the batch first")
+    if targets.is_floating_point() and not all_finite(targets):
+        raise ValueError("targets contain NaN or infinite values; clean the batch first")
+
+
+def all_finite(x: Tensor) -> bool:
+    """Whether every entry is finite, without temporaries the size of ``x``.
+
+    ``isfinite(x)`` allocates about twice the batch in temporaries, more than the rest of a
+    step on an input-heavy model; one sum is finite exactly when no entry is NaN or infinite,
+    unless finite entries overflow it, and then the exact test decides.
+    """
+    return bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())

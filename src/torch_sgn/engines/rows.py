@@ -52,7 +52,7 @@ from ..linearization import (
 from ..losses import OutputLoss
 from ..model.flat_model import FunctionalModel
 from ..model.forward_mode import backward_hooks
-from ..residual_problem import JacobianBlock, residual_problem
+from ..residual_problem import JacobianBlock
 from ..solve.sampled import draw
 
 __all__ = ["PerSample", "RowsEngine", "by_factors", "jacobian_rows", "per_sample", "with_jacobian"]
@@ -113,14 +113,14 @@ class PerSample:
 
 
 def _model_blocks(fmodel: FunctionalModel, batch: Batch) -> List[JacobianBlock]:
-    problem = residual_problem(fmodel.model)
+    problem = fmodel.problem
     if problem is not None:
         return problem.jacobian_blocks(fmodel, batch.args)
 
     def rows(flat: Tensor, *point: Tensor) -> Tensor:
         return fmodel(flat, tuple(p.unsqueeze(0) for p in point)).reshape(-1)
 
-    return [JacobianBlock(rows, batch.args)]
+    return [JacobianBlock(rows, tuple(batch.args))]
 
 
 def jacobian_rows(fmodel: FunctionalModel, flat: Tensor, batch: Batch) -> Tuple[Tensor, Tensor]:
@@ -225,7 +225,7 @@ def with_jacobian(
 
     def factors():  # a model's own factors of J (layer_factors), or None
         if not factored:
-            problem = residual_problem(fmodel.model)
+            problem = fmodel.problem
             factored.append(
                 None if problem is None else problem.layer_factors(fmodel, flat, batch.args)
             )
@@ -285,7 +285,7 @@ def by_factors(
     ``rows``, a weighted sample of ``J``'s rows at about ``points`` points. ``None`` where the
     model has no factors, or the loss's output-space Hessian is not a multiple ``h I`` of the
     identity."""
-    problem = residual_problem(fmodel.model)
+    problem = fmodel.problem
     factors = None if problem is None else problem.layer_factors(fmodel, flat, batch.args)
     if factors is None or factors.values is None:
         return None

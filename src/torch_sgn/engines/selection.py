@@ -34,7 +34,6 @@ from ..diagnostics import WarnOnce, warn
 from ..linearization import Engine, Linearization
 from ..losses import OutputLoss
 from ..model.flat_model import FunctionalModel
-from ..residual_problem import residual_problem
 from .functional import FunctionalEngine
 from .layerwise.engine import LayerwiseEngine
 from .not_applicable import NotApplicable
@@ -81,7 +80,7 @@ def select_engine(
     engine is its :class:`~torch_sgn.engines.rows.RowsEngine`, forming the rows where
     ``exact`` (:func:`torch_sgn.route_plan.forms_rows`: the steps may be exact)."""
     engine = engine_name(engine)
-    if residual_problem(fmodel.model) is None:
+    if fmodel.problem is None:
         return _engine(fmodel, loss, engine, cuda_graphs, compile)
     if engine == "auto" and exact and not compile:  # G v from the rows: nothing to trace
         products: Engine = FunctionalEngine(fmodel, loss)

@@ -16,6 +16,7 @@ from torch.func import functional_call
 
 from ..batch import Inputs
 from ..diagnostics import warn
+from ..residual_problem import ResidualProblem, residual_problem
 from .attributes import changed_attributes, model_attributes
 from .composites import Composites, composite_modules, scripted_stop
 from .forward_mode import backward_hooks, inspect_pass, kernels, load_decompositions
@@ -65,6 +66,8 @@ class FunctionalModel:
                 "(scripted submodules inside it are fine)"
             )
         self.model = model
+        #: the model as a residual problem, read once (``None``: it is not one)
+        self.problem: Optional[ResidualProblem] = residual_problem(model)
         load_decompositions()  # now, not inside a pass that warnings-as-errors would fail
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:

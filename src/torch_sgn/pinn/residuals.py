@@ -494,7 +494,7 @@ class Residuals(nn.Module):
         out = []
         for name, block, pts, weight, n in self._parts(inputs):
             scale = math.sqrt(block.weight / n)
-            tensors = pts if weight is None else (*pts, weight)
+            tensors = tuple(pts) if weight is None else (*pts, weight)
             out.append(JacobianBlock(_Rows(self, fmodel, name, scale), tensors))
         return out
 
@@ -502,7 +502,7 @@ class Residuals(nn.Module):
     def factors_follow(self) -> bool:
         """Whether the layers' factors (:meth:`layer_factors`) have been checked against
         ``J``'s rows and followed them, on some points: steps on every row of a problem of
-        many points take them (:mod:`torch_sgn.many_rows`)."""
+        many points take them (:func:`torch_sgn.route_plan.row_stage`)."""
         return any(self._factors_ok.values())
 
     def layer_factors(

@@ -4,7 +4,7 @@ Whoever linearizes hands the core the same things: the linearization at the poin
 (:class:`~torch_sgn.linearization.Linearization`: the loss's gradient, ``v -> G v`` and the
 exact routes it offers), the state (:class:`~torch_sgn.solve.state.StepState`), the options
 (:class:`~torch_sgn.options.Options`), the step's route (its
-:class:`~torch_sgn.solve.auto.Phase`, chosen by :mod:`torch_sgn.route_plan`) and the
+:class:`~torch_sgn.solve.descents.Phase`, chosen by :mod:`torch_sgn.route_plan`) and the
 :class:`Point`: how to evaluate the objective and the model's outputs at other parameters. It
 returns a :class:`Step`, from which :func:`next_state` makes the state the next step starts
 from and :meth:`Step.info` the :class:`~torch_sgn.StepInfo`. Two callers:
@@ -17,16 +17,18 @@ from and :meth:`Step.info` the :class:`~torch_sgn.StepInfo`. Two callers:
   linearization from the residuals ``r`` and their Jacobian ``J`` -> :func:`take` by the route
   ``"matrix"``.
 
-The walk of one ``SGN.step`` on a :class:`torch_sgn.pinn.Residuals` problem, file by file:
-``optimizer.py`` (the call and its options, checked by ``options.py``) -> ``stepper.py``
-(the step's recipe) ->
-``route_plan.py`` (the rows: ``many_rows.py``, which reads the problem through
-``residual_problem.py``) -> the linearization (``engines/rows.py``, the problem's engine: the
-loss and gradient by ``engines/functional.py``, ``J``'s rows and ``G v`` from them) ->
-``route_plan.py`` (the route) -> this module
-(the descent: ``solve/descents.py``, ``solve/direct.py``; the damped step:
-``solve/step.py``; the geodesic acceleration: ``solve/geodesic.py``) -> ``stepper.py``
-(commit) -> this module (:func:`next_state`).
+The walk of one ``SGN.step`` on a :class:`torch_sgn.pinn.Residuals` problem, file by file
+(``scripts/step_walk.py`` measures it: 16 files besides the problem's own evaluation):
+``optimizer.py`` (the call, its options read and checked by ``options.py``) -> ``stepper.py``
+(the step's recipe: the batch's checks, the state from ``solve/state.py``) ->
+``route_plan.py`` (the rows: the batch's, or a sample's; the problem read through its
+protocol; ``batch.py``'s mini-batch) -> the linearization (``distributed.py``'s communicator,
+``linearization.py``; ``engines/rows.py``, the problem's engine: the loss and gradient by
+``engines/functional.py`` and ``losses.py``, ``J``'s rows and ``G v`` from them) ->
+``route_plan.py`` (the route, ``solver="auto"``'s phase) -> this module (the descent:
+``solve/descents.py``, ``solve/direct.py``; the damped step, its damping rules and line search:
+``solve/step.py``; the geodesic acceleration: ``solve/geodesic.py``) -> ``stepper.py`` (the
+commit, this module's :func:`next_state`, ``route_plan.py``'s parts of the state, the report).
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Optional, Tuple, Union
 
+import torch
 from torch import Tensor
 
 from ..linearization import Linearization, RowSample
 from ..step_info import StepInfo
-from . import auto, geodesic, sampled
+from . import geodesic, sampled
 from .descents import (
     CG,
     MATRIX,
@@ -48,6 +51,7 @@ from .descents import (
     CGDescent,
     Descent,
     MatrixDescent,
+    Phase,
     Result,
     SampledDescent,
     SampleSpaceDescent,
@@ -61,13 +65,60 @@ from .step import DampingRule, LineSearch, Outcome, Problem, damped_step
 if TYPE_CHECKING:
     from ..options import Options
 
-__all__ = ["Accelerate", "Point", "Step", "next_state", "right_hand_side", "take"]
+__all__ = [
+    "CG_TOL", "ONE_BATCH_CG_ITERS", "ONE_BATCH_CG_RTOL", "Accelerate", "CGSettings", "Point",
+    "Step", "cg_settings", "next_state", "right_hand_side", "take",
+]  # fmt: skip
 
 logger = logging.getLogger("torch_sgn")
 
 #: ``result -> (lr^2 / 2) a``: the geodesic acceleration's term of an exact solve
 #: (:func:`torch_sgn.solve.geodesic.accelerator`).
 Accelerate = Callable[[Result], Union[Tensor, geodesic.TooLarge, None]]
+
+
+#: CG's iterations at least, and its relative residual, on a run of one batch whose forward
+#: differentiates itself (:func:`cg_settings`).
+ONE_BATCH_CG_ITERS = 100
+ONE_BATCH_CG_RTOL = 1e-3
+#: CG's absolute tolerance where ``cg_tol=None`` (the default) on float32 parameters: the
+#: original's and the paper's ``CG_TOL``, near the rounding of a float32 loss's gradient.
+CG_TOL = 1e-6
+
+
+@dataclass(frozen=True)
+class CGSettings:
+    """A CG step's iterations, absolute and relative tolerances and preconditioner (the values
+    of ``SGN``'s ``cg_iters``, ``cg_tol``, ``cg_rtol`` and ``preconditioner``)."""
+
+    iters: int
+    tol: float
+    rtol: float
+    preconditioner: object
+
+
+def cg_settings(options: Options, step: int, one_batch: bool, dtype: torch.dtype) -> CGSettings:
+    """The settings of a CG step ``step`` from SGN's ``options``: ``warmup_cg_iters``
+    during the first ``warmup_steps``; ``cg_tol=None``: :data:`CG_TOL` for parameters of
+    ``dtype`` float32 or narrower, off (0) for float64; on a run of one batch without an
+    exact route (``solver="auto"``, :attr:`~torch_sgn.solve.descents.Phase.one_batch`) at least
+    :data:`ONE_BATCH_CG_ITERS` iterations, the relative tolerance :data:`ONE_BATCH_CG_RTOL`
+    where none is set, and the Nystrom preconditioner where none is set."""
+    iters = options.cg_iters
+    if options.warmup_cg_iters is not None and step < options.warmup_steps:
+        iters = options.warmup_cg_iters
+    tol = options.cg_tol
+    if tol is None:
+        tol = CG_TOL if torch.finfo(dtype).bits <= 32 else 0.0
+    settings = CGSettings(iters, tol, options.cg_rtol, options.preconditioner)
+    if not one_batch:
+        return settings
+    return CGSettings(
+        max(iters, ONE_BATCH_CG_ITERS),
+        settings.tol,
+        settings.rtol or ONE_BATCH_CG_RTOL,
+        settings.preconditioner or ("nystrom" if dtype == torch.float64 else False),
+    )
 
 
 @dataclass(frozen=True)
@@ -113,7 +164,7 @@ class Step:
 
     run: Outcome
     exact: str
-    phase: auto.Phase
+    phase: Phase
     loss0: float
     momentum_buffer: Optional[Tensor]
     candidate: Optional[Tensor]
@@ -171,7 +222,7 @@ def take(
     lin: Linearization,
     state: StepState,
     options: Options,
-    phase: auto.Phase,
+    phase: Phase,
     exact: str,
     rhs: Tuple[Tensor, Optional[Tensor]],
     loss0: float,
@@ -252,7 +303,7 @@ def _descent(
         return SampleSpaceDescent(lin.sample_space, lin.grad, lin.ggn_vp)
     if route == MATRIX:
         return MatrixDescent(lin.ggn_matrix, rhs)
-    cg = auto.cg_settings(options, state.step, one_batch, rhs.dtype)
+    cg = cg_settings(options, state.step, one_batch, rhs.dtype)
     x0 = None
     prev = state.history.prev_direction
     if options.warm_start > 0 and prev is not None:
@@ -270,20 +321,14 @@ def _descent(
     )  # fmt: skip
 
 
-def next_state(state: StepState, step: Step, options: Options, solver: str) -> StepState:
+def next_state(state: StepState, step: Step, options: Options) -> StepState:
     """The state the next step starts from, after ``step`` (committed) from ``state``, with
-    SGN's ``options`` and ``solver``: the damping its trust region set, ``solver="auto"``'s
-    state advanced (:func:`torch_sgn.solve.auto.advance`) where an exact route existed, and
-    what the next solve reads of this one. The rows' stages are their own part's
-    (:func:`torch_sgn.many_rows.advance`)."""
+    SGN's ``options``: the damping its trust region set and what the next solve reads of this
+    one. ``solver="auto"``'s part and the rows' stages are their own owners'
+    (:meth:`torch_sgn.route_plan.Router.advance`, :func:`torch_sgn.route_plan.advance_rows`)."""
     t, run = state.step, step.run
     growth = run.growth if options.damping_update == "nielsen" else state.damping.growth
     after = replace(state, step=t + 1, damping=DampingState(run.next_damping, growth))
-    if solver == "auto" and step.exact != CG:
-        part, switched = auto.advance(state.auto, t, step.phase, step.loss0, step.candidate)
-        after = replace(after, auto=part)
-        if switched is not None:
-            logger.info("step %d: solver='auto' switches to exact steps (%s)", t, switched)
     history = after.history
     if step.momentum_buffer is not None:
         history = replace(history, momentum_buffer=step.momentum_buffer)

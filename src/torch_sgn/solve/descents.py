@@ -49,6 +49,7 @@ __all__ = [
     "CGDescent",
     "Descent",
     "MatrixDescent",
+    "Phase",
     "Result",
     "SampleSpaceDescent",
     "SampledDescent",
@@ -63,6 +64,23 @@ ROUTES = (CG, MATRIX, SAMPLES, SAMPLED)
 
 #: What a descent returns.
 Result = Union[CGResult, DirectResult]
+
+
+@dataclass(frozen=True)
+class Phase:
+    """What one step of ``solver="auto"`` does.
+
+    ``route``: the route it takes (:data:`ROUTES`); ``probe``: the
+    exact route solved besides, whose point is the next step's candidate (``None``: no probe);
+    ``verdict``: whether the last probe's candidate won on this step's batch (``None``: none was
+    judged); ``one_batch``: a CG step of a run that fits one batch with a forward that
+    differentiates itself (:func:`~torch_sgn.solve.core.cg_settings`).
+    """
+
+    route: str
+    probe: Optional[str] = None
+    verdict: Optional[bool] = None
+    one_batch: bool = False
 
 
 class Descent(Protocol):

@@ -1,10 +1,10 @@
 r"""Exact Gauss-Newton steps on many residuals: samples of the rows, and conjugate gradient on
 all the rows preconditioned by the Gauss-Newton matrix of a random subset of them.
 
-:mod:`torch_sgn.many_rows` plans the stages (exact steps on samples, then on all rows); this
-module holds what they share: how a sample is drawn (:func:`allocate`, :func:`draw`), the
-stall test (:func:`stalled`), the memory rule of the last stage (:func:`all_rows_fit`), and
-that stage's preconditioner (:class:`SampledPreconditioner`), described below.
+:mod:`torch_sgn.route_plan` plans the stages (exact steps on samples, then on all rows, and
+when each stalls); this module holds what the steps take of them: how a sample is drawn
+(:func:`allocate`, :func:`draw`) and the last stage's preconditioner
+(:class:`SampledPreconditioner`), described below.
 
 Where a least-squares problem has more residuals ``R`` than an exact step can take through the
 ``R x R`` Gram matrix, and more parameters ``P`` than it can take through the ``P x P`` matrix
@@ -57,28 +57,17 @@ import math
 from typing import Callable, List, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..linearization import RowSample
-from .direct import available_memory
-from .stall import StallTest
 
 __all__ = [
-    "ALL", "ITERATIONS", "POINTS", "ROWS_PER_PARAMETER", "RTOL", "SAMPLE", "STALL", "STALL_TEST",
-    "WINDOW",
-    "SampledPreconditioner", "all_rows_fit", "allocate", "draw", "stalled",
+    "ITERATIONS", "POINTS", "ROWS_PER_PARAMETER", "RTOL", "SampledPreconditioner", "allocate",
+    "draw",
 ]  # fmt: skip
 
-#: The stages of a problem of many rows: exact steps on a sample of the points, then steps on
-#: all rows.
-SAMPLE, ALL = "sample", "all"
-#: Sampled steps in each of the stall test's two windows.
-WINDOW = 50
-#: The relative fall of the windows' mean loss above which the sampled steps have not stalled.
-STALL = 0.01
-
 #: The points of a sample (all rows of a point are taken): the first sample of the exact
-#: sampled steps (:mod:`torch_sgn.many_rows` doubles it at each stall) and the sample of the
+#: sampled steps (:mod:`torch_sgn.route_plan` doubles it at each stall) and the sample of the
 #: preconditioner. Its ``m x m`` matrix costs ``2 m^2`` products of a row with a row, and its
 #: factorization ``m^3 / 3``; never more rows than ``SGN(direct_max_params)``.
 POINTS = 1024
@@ -151,30 +140,3 @@ class SampledPreconditioner:
             return (v - sample.vjp(w)).div_(mu)
 
         return apply
-
-
-#: The stall test of the sampled steps' losses.
-STALL_TEST = StallTest(WINDOW, STALL)
-
-
-def stalled(losses: Sequence[float]) -> bool:
-    """Whether the mean of the last :data:`WINDOW` losses fell by less than :data:`STALL` (as
-    a share) below the mean of the :data:`WINDOW` before (:data:`STALL_TEST`): the sampled
-    steps have reached the noise of their samples. ``False`` until both windows are full."""
-    return STALL_TEST.stalled(losses)
-
-
-def all_rows_fit(
-    model: nn.Module, counts: Sequence[int], inputs: Sequence[Tensor], device: torch.device
-) -> bool:
-    """Whether steps on all rows fit in a quarter of the device's free memory: the layers'
-    factors of every point (:mod:`torch_sgn.pinn.layer_kernel`), ``C (in + 1 + out)`` float64
-    numbers per point and linear layer for ``C`` channels (the value, the input's directions
-    and the Laplacian), and the pass that forms them about as much again."""
-    dim = max((x.shape[-1] if x.dim() > 1 else 1) for x in inputs) if inputs else 1
-    widths = sum(
-        m.in_features + 1 + m.out_features for m in model.modules() if isinstance(m, nn.Linear)
-    )
-    need = 2 * 8 * (dim + 2) * widths * sum(counts)
-    free = available_memory(device)
-    return free is None or need <= free / 4

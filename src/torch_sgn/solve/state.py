@@ -6,9 +6,9 @@ part of the step owns and advances.
 * :class:`History`: what the next step's solve reads of this one (the gradient's average, the
   last solution and update), advanced by the step core;
 * :class:`AutoState`: ``solver="auto"``'s probes and switch, advanced by
-  :func:`torch_sgn.solve.auto.advance`;
+  :meth:`torch_sgn.route_plan.Router.advance`;
 * :class:`RowsState`: the stages of a problem of many rows, advanced by
-  :func:`torch_sgn.many_rows.advance`.
+  :func:`torch_sgn.route_plan.advance_rows`.
 
 The optimizer keeps it, as torch's optimizers keep global state (:class:`torch.optim.LBFGS`), in
 the ``state`` of its first parameter, as one plain dict of the keys :data:`KEYS` (so that
@@ -26,12 +26,16 @@ from typing import TYPE_CHECKING, List, MutableMapping, Optional
 
 from torch import Tensor
 
-from .damping import GROWTH_START
-
 if TYPE_CHECKING:
     from ..options import Options
 
-__all__ = ["KEYS", "AutoState", "DampingState", "History", "RowsState", "StepState"]
+__all__ = [
+    "GROWTH_START", "KEYS", "AutoState", "DampingState", "History", "RowsState", "StepState",
+]  # fmt: skip
+
+#: The first growth factor of a run of rejected steps (Nielsen, 1999), doubled at each: a
+#: state's growth where none is carried.
+GROWTH_START = 2.0
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,7 @@ class History:
 
 @dataclass(frozen=True)
 class AutoState:
-    """``solver="auto"``'s state (:mod:`~torch_sgn.solve.auto`).
+    """``solver="auto"``'s state (:func:`~torch_sgn.route_plan.auto_phase`).
 
     Attributes:
         exact: it has switched to exact steps for good.
@@ -95,7 +99,7 @@ class AutoState:
 @dataclass(frozen=True)
 class RowsState:
     """The stages of a problem of more rows than an exact step takes
-    (:mod:`torch_sgn.many_rows`).
+    (:func:`torch_sgn.route_plan.row_stage`).
 
     Attributes:
         stalls: how often the exact steps on samples have stalled: each doubles the sample, and

@@ -1,4 +1,5 @@
-r"""One damped step: the Levenberg-Marquardt attempts, the trust region and the line search.
+r"""One damped step: the Levenberg-Marquardt attempts, the trust region and the line search;
+the damping rules and the Armijo line search it applies.
 
 Given a descent (:mod:`~torch_sgn.solve.descents`, ``damping -> d``) and the step's local
 problem (gradient, right-hand side, loss at the point and at trial points),
@@ -20,6 +21,11 @@ problem (gradient, right-hand side, loss at the point and at trial points),
    reach this stage, so they cost and compute exactly what they did without it.
 
 Nothing is written: the result (:class:`Outcome`) is the optimizer's to commit.
+
+The damping rules (:func:`trust_region_update`, the paper's threshold rule; Nielsen's
+:func:`nielsen_update` and :func:`rejected_update`; :func:`scheduled_damping` with the trust
+region off) and the backtracking Armijo search (:func:`backtracking`) are pure functions of
+numbers, written before the step that applies them.
 """
 
 from __future__ import annotations
@@ -33,35 +39,18 @@ import torch
 from torch import Tensor
 
 from . import geodesic
-from .damping import (
-    CG_DAMPING_MIN,
-    DAMPING_MAX,
-    DIRECT_DAMPING_MIN,
-    GROWTH_START,
-    nielsen_update,
-    rejected_update,
-    scheduled_damping,
-    trust_region_update,
-)
 from .descents import Descent, Result
-from .line_search import LineSearchResult, backtracking
-from .state import StepState
+from .state import GROWTH_START, StepState
 
 if TYPE_CHECKING:
     from ..options import Options
 
 __all__ = [
-    "DampingRule",
-    "LineSearch",
-    "Outcome",
-    "Problem",
-    "Solution",
-    "Trial",
-    "UPHILL_RESOLVES",
-    "damped_step",
-    "damping_floor",
-    "rounding",
-]
+    "CG_DAMPING_MIN", "DAMPING_MAX", "DIRECT_DAMPING_MIN", "UPHILL_RESOLVES", "DampingRule",
+    "LineSearch", "LineSearchResult", "Outcome", "Problem", "Solution", "Trial", "backtracking",
+    "damped_step", "damping_floor", "nielsen_update", "rejected_update", "rounding",
+    "scheduled_damping", "trust_region_update",
+]  # fmt: skip
 
 logger = logging.getLogger("torch_sgn")
 
@@ -72,6 +61,181 @@ logger = logging.getLogger("torch_sgn")
 UPHILL_RESOLVES = 3
 
 
+# --- the damping rules --------------------------------------------------------------------
+#: A damping grown past this is held there: it is already a plain gradient step of negligible
+#: length, and growing further would overflow.
+DAMPING_MAX = 1e16
+
+#: The damping floor where ``SGN(damping_min=None)`` (the default) leaves it to the solver that
+#: runs. CG: the paper's 1e-6; its inexact steps gain nothing from a smaller damping. An exact
+#: solve: low enough that the damping never stops a fit to high precision (``docs/SOLVERS.md``);
+#: growth after a failed step keeps it stable.
+CG_DAMPING_MIN = 1e-6
+DIRECT_DAMPING_MIN = 1e-15
+
+#: Trust-region thresholds and factors (Nocedal & Wright, Alg. 4.1; as the original).
+_SHRINK_BELOW, _EXPAND_ABOVE = 0.25, 0.75
+_INCREASE, _DECREASE = 1.5, 2.0 / 3.0
+
+
+def trust_region_update(damping: float, ratio: float, damping_min: float) -> float:
+    r"""Adapts the damping from the ratio of actual to predicted reduction.
+
+    .. math::
+        \rho \leftarrow \begin{cases}
+            \tfrac32\,\rho & \text{if } r < \tfrac14 \text{ (or } r \text{ is not finite)},\\
+            \max(\tfrac23\,\rho,\ \rho_{\min}) & \text{if } r > \tfrac34,\\
+            \rho & \text{otherwise.}
+        \end{cases}
+
+    A larger damping shortens the next step and bends it towards the gradient; a smaller one
+    trusts the Gauss-Newton model more.
+
+    .. note::
+        A non-finite ratio (the loss at the trial point overflowed) counts as a failed
+        prediction, so the damping grows; the original would have propagated the NaN.
+    """
+    if not math.isfinite(ratio) or ratio < _SHRINK_BELOW:
+        return damping * _INCREASE
+    if ratio > _EXPAND_ABOVE:
+        return max(damping * _DECREASE, damping_min)
+    return damping
+
+
+def nielsen_update(damping: float, ratio: float, damping_min: float) -> float:
+    r"""The damping after an accepted step, by Nielsen's (1999) smooth rule.
+
+    .. math::
+        \rho \leftarrow \max\Bigl(\rho \cdot \max\bigl(\tfrac13,\ 1 - (2r - 1)^3\bigr),\
+            \rho_{\min}\Bigr)
+
+    A ratio ``r`` near 1 (the quadratic model predicted the loss well) divides the damping by
+    3; ``r = 1/2`` keeps it; a small positive ``r`` raises it, at most twofold. Unlike the
+    threshold rule there is no band in which the damping is stuck, so it can fall by many
+    orders of magnitude within a few dozen good steps, which a high-precision fit needs.
+    A rejected step is handled by :func:`rejected_update`.
+
+    References:
+        H. B. Nielsen. Damping parameter in Marquardt's method. IMM-REP-1999-05, Technical
+        University of Denmark, 1999. K. Madsen, H. B. Nielsen, O. Tingleff. Methods for
+        non-linear least squares problems, 2nd ed., 2004, eq. (3.16).
+    """
+    factor = max(1.0 / 3.0, 1.0 - (2.0 * ratio - 1.0) ** 3) if math.isfinite(ratio) else 2.0
+    return min(max(damping * factor, damping_min), DAMPING_MAX)
+
+
+def rejected_update(damping: float, growth: float) -> tuple[float, float]:
+    r"""The damping after a rejected step and the next growth factor (Nielsen, 1999).
+
+    .. math::
+        \rho \leftarrow \nu \rho,\qquad \nu \leftarrow 2 \nu,
+
+    with :math:`\nu` reset to 2 by the next accepted step: successive failures raise the
+    damping by 2, 4, 8, ... (a factor 1024 after four), so a damping that fell too far
+    recovers within a few re-solves. Capped at :data:`DAMPING_MAX`.
+    """
+    return min(damping * growth, DAMPING_MAX), min(2.0 * growth, DAMPING_MAX)
+
+
+def scheduled_damping(
+    schedule: str, initial: float, damping_min: float, step: int, steps: int
+) -> float:
+    r"""The damping at ``step`` (0-based) of a fixed schedule, used when the trust region is off.
+
+    * ``"constant"``: :math:`\rho_0`.
+    * ``"linear"``: :math:`\rho_{\min} + (\rho_0 - \rho_{\min})(1 - t/K)` for :math:`t < K`,
+      then :math:`\rho_{\min}`.
+    * ``"cosine"``: :math:`\rho_{\min} + (\rho_0 - \rho_{\min})\cos(\tfrac{\pi}{2}\,t/K)` for
+      :math:`t < K`, then :math:`\rho_{\min}`.
+
+    .. note::
+        The original's cosine rule is :math:`\rho_0 \cos(\tfrac{\pi}{2} t/K)` switched to
+        :math:`\rho_{\min}` after :math:`K` steps; the form here reaches :math:`\rho_{\min}`
+        continuously at :math:`t = K` and is identical when :math:`\rho_{\min} = 0`.
+    """
+    if schedule == "constant":
+        return initial
+    if step >= steps:
+        return damping_min
+    frac = step / steps
+    if schedule == "linear":
+        decay = 1.0 - frac
+    elif schedule == "cosine":
+        decay = math.cos(0.5 * math.pi * frac)
+    else:
+        raise ValueError(
+            f"unknown damping schedule {schedule!r}; use 'constant', 'linear' or 'cosine'"
+        )
+    return damping_min + (initial - damping_min) * decay
+
+
+# --- the line search ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class LineSearchResult:
+    """Outcome of :func:`backtracking`.
+
+    Attributes:
+        step: the accepted fraction ``a`` of the proposed step.
+        loss: the loss at ``a``.
+        evaluations: loss evaluations made (a value handed in through ``first`` counts too).
+        success: whether the Armijo condition held at ``step``.
+    """
+
+    step: float
+    loss: float
+    evaluations: int
+    success: bool
+
+
+def backtracking(
+    loss_at: Callable[[float], float],
+    loss0: float,
+    slope: float,
+    *,
+    c: float = 1e-4,
+    shrink: float = 0.5,
+    max_evals: int = 10,
+    first: Optional[float] = None,
+    floor: float = 0.0,
+) -> LineSearchResult:
+    r"""Shrinks ``a`` from 1 until the Armijo condition holds (Nocedal & Wright, Alg. 3.1).
+
+    .. math::
+        L(\theta + a\,s) \le L(\theta) + c\,a\,\nabla L^\top s,\qquad a \in \{1, \tfrac12,
+        \tfrac14, \dots\}
+
+    Args:
+        loss_at: ``a -> L(theta + a s)`` on the step's mini-batch.
+        loss0: ``L(theta)``.
+        slope: the directional derivative ``m_hat . s`` along the step (negative for a
+            descent direction; with gradient momentum the original uses ``m_hat``).
+        c: sufficient-decrease constant (``C_LS``).
+        shrink: factor applied to ``a`` after each rejection (``RHO_LS``).
+        max_evals: at most this many loss evaluations (``MAX_LS_ITERS``).
+        first: ``L(theta + s)`` if already known (the trust-region test computes it), which
+            saves one evaluation.
+        floor: the rounding of the loss: the search gives up (``success=False``) rather than
+            try an ``a`` whose predicted decrease :math:`|a\, \nabla L^\top s|` is at most
+            this, where a comparison of losses says nothing. 0: off.
+
+    Returns:
+        A :class:`LineSearchResult`. If no trial passes, the last (smallest) one is returned
+        with ``success=False``, as the original keeps the last step size it tried.
+    """
+    a = 1.0
+    loss = first if first is not None else loss_at(a)
+    evaluations = 1
+    while True:
+        if math.isfinite(loss) and loss <= loss0 + c * a * slope:
+            return LineSearchResult(a, loss, evaluations, True)
+        if evaluations >= max_evals or -a * shrink * slope <= floor:
+            return LineSearchResult(a, loss, evaluations, False)
+        a *= shrink
+        loss = loss_at(a)
+        evaluations += 1
+
+
+# --- the damped step ----------------------------------------------------------------------
 @dataclass(frozen=True)
 class Problem:
     r"""The step's local problem at :math:`\theta`.
@@ -125,8 +289,8 @@ class LineSearch:
 
 def damping_floor(damping_min: Optional[float], exact: bool) -> float:
     """The damping floor of a step: ``damping_min``, or where it is ``None`` the floor of the
-    solver that runs (:data:`~torch_sgn.solve.damping.CG_DAMPING_MIN`,
-    :data:`~torch_sgn.solve.damping.DIRECT_DAMPING_MIN`)."""
+    solver that runs (:data:`CG_DAMPING_MIN`,
+    :data:`DIRECT_DAMPING_MIN`)."""
     if damping_min is not None:
         return damping_min
     return DIRECT_DAMPING_MIN if exact else CG_DAMPING_MIN
@@ -139,7 +303,8 @@ class DampingRule:
 
     Attributes:
         trust_region: adapt the damping from the trust-region ratio.
-        update: ``"threshold"`` or ``"nielsen"`` (:mod:`~torch_sgn.solve.damping`).
+        update: ``"threshold"`` (:func:`trust_region_update`) or ``"nielsen"``
+            (:func:`nielsen_update`).
         floor: the step's floor (:func:`damping_floor`).
         attempts: most solves in one step's Levenberg-Marquardt attempts.
         schedule, initial, decay_steps: the schedule used with the trust region off.
