@@ -26,9 +26,9 @@ from cases import (
     make_model,
 )
 from torch_sgn import GGN, SGN
-from torch_sgn.batch import Batch
 from torch_sgn.engines.functional import FunctionalEngine
 from torch_sgn.engines.selection import select_engine
+from torch_sgn.linearization import Batch
 from torch_sgn.losses import resolve_loss
 from torch_sgn.model.flat_model import FunctionalModel
 from torch_sgn.model.forward_mode import kernels, missing_rule, switch_for

@@ -17,7 +17,7 @@ from torch_sgn.fitting import least_squares
 from torch_sgn.options import Options, Setup
 from torch_sgn.pinn import Residual, Residuals
 from torch_sgn.route_plan import curve_steps_allowed
-from torch_sgn.solve import geodesic
+from torch_sgn.solve import core
 from torch_sgn.solve import step as step_module
 from torch_sgn.solve.step import backtracking
 
@@ -389,10 +389,10 @@ def test_the_first_accelerated_step_equals_a_dense_reference(monkeypatch):
     J = torch.autograd.functional.jacobian(flat_fn, theta)
     A = 2 * J.T @ J + res.last_step.damping * torch.eye(3, dtype=D)
     v = -torch.linalg.solve(A, 2 * J.T @ r)
-    h = geodesic.STEP
+    h = core.STEP
     fvv = 2 * (flat_fn(theta + h * v) - r - h * (J @ v)) / h**2
     a = -torch.linalg.solve(A, J.T @ (2 * fvv))
-    assert 2 * a.norm() <= geodesic.RATIO * v.norm()
+    assert 2 * a.norm() <= core.RATIO * v.norm()
     torch.testing.assert_close(res.x, theta + v + 0.5 * a, rtol=1e-10, atol=1e-12)
     assert (a.norm() > 1e-3 * v.norm()) and not torch.allclose(res.x, theta + v)
 
@@ -414,9 +414,9 @@ def test_strict_acceleration_solves_again_where_the_bend_is_too_large(monkeypatc
     J = torch.autograd.functional.jacobian(decay_flat, theta)
     A = 2 * J.T @ J + last.damping * torch.eye(3, dtype=D)
     v = -torch.linalg.solve(A, 2 * J.T @ r)
-    h = geodesic.STEP
+    h = core.STEP
     a = -torch.linalg.solve(A, J.T @ (4 * (decay_flat(theta + h * v) - r - h * (J @ v)) / h**2))
-    assert 2 * a.norm() <= geodesic.RATIO * v.norm()
+    assert 2 * a.norm() <= core.RATIO * v.norm()
     torch.testing.assert_close(res.x, theta + v + 0.5 * a, rtol=1e-10, atol=1e-12)
 
 

@@ -22,11 +22,10 @@ from cases import (
     normal,
 )
 from torch_sgn import SGN, linearization
-from torch_sgn.batch import Batch
-from torch_sgn.engines import rows as jacobian
+from torch_sgn.engines import functional as jacobian
 from torch_sgn.engines.layerwise import engine as layerwise
 from torch_sgn.engines.selection import select_engine
-from torch_sgn.linearization import ggn_matrix
+from torch_sgn.linearization import Batch, ggn_matrix
 from torch_sgn.losses import resolve_loss
 from torch_sgn.model.flat_model import FunctionalModel
 from torch_sgn.solve import direct

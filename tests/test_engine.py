@@ -10,11 +10,11 @@ from torch import nn
 
 from cases import MODELS, dense_ggn
 from torch_sgn import GGN, SGN
-from torch_sgn.batch import Batch
 from torch_sgn.engines.functional import FunctionalEngine
 from torch_sgn.engines.layerwise.engine import LayerwiseEngine, Unsupported, plan
 from torch_sgn.engines.layerwise.rules import RULES
 from torch_sgn.experiments.models import PRESETS
+from torch_sgn.linearization import Batch
 from torch_sgn.losses import resolve_loss
 from torch_sgn.model.flat_model import FunctionalModel
 

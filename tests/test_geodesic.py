@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from cases import dense_parts, flat_parameters
 from torch_sgn import SGN, route_plan
-from torch_sgn.solve import geodesic
+from torch_sgn.solve import core
 from torch_sgn.solve import step as step_module
 from torch_sgn.solve.direct import solve_damped
 from torch_sgn.solve.step import LineSearchResult
@@ -42,10 +42,10 @@ def _reference_step(model, loss, x, y, rho: float, predicted: list | None = None
     f, J, H, g, theta = dense_parts(model, loss, x, y)
     A = J.T @ H @ J + rho * torch.eye(len(theta), dtype=theta.dtype)
     d = -torch.linalg.solve(A, g)
-    h = geodesic.STEP
+    h = core.STEP
     fvv = (f(theta + h * d) - 2 * f(theta) + f(theta - h * d)).reshape(-1) / h**2
     a = -torch.linalg.solve(A, J.T @ H @ fvv)
-    used = 2 * float(a.norm()) <= geodesic.RATIO * float(d.norm())
+    used = 2 * float(a.norm()) <= core.RATIO * float(d.norm())
     if predicted is not None:
         predicted += [float(g @ d), float(d @ A @ d)]
     return theta, d, a if used else None
@@ -66,9 +66,9 @@ def test_second_difference_matches_the_exact_second_directional_derivative():
     zero = torch.zeros((), dtype=torch.float64)
     exact = torch.func.jvp(slope, (zero,), (torch.ones_like(zero),))[1]
     errors = []
-    for h in (geodesic.STEP, geodesic.STEP / 2):
-        fvv, norms = geodesic.second_difference(f, theta, v, f(theta), h)
-        assert geodesic.above_rounding(norms, torch.float64)
+    for h in (core.STEP, core.STEP / 2):
+        fvv, norms = core.second_difference(f, theta, v, f(theta), h)
+        assert core.above_rounding(norms, torch.float64)
         errors.append(float((fvv - exact).norm() / exact.norm()))
     assert errors[0] < 0.05
     assert errors[1] < 0.3 * errors[0]  # a central difference: second order in h
@@ -86,9 +86,9 @@ def test_the_one_sided_difference_is_first_order_and_refused_within_rounding():
         (torch.zeros((), dtype=torch.float64),), (torch.ones((), dtype=torch.float64),),
     )[1]  # fmt: skip
     errors = []
-    for h in (geodesic.STEP, geodesic.STEP / 4):
-        fvv, norms = geodesic.second_difference(f, theta, v, f(theta), h, jvp=jvp)
-        assert geodesic.above_rounding(norms, torch.float64)
+    for h in (core.STEP, core.STEP / 4):
+        fvv, norms = core.second_difference(f, theta, v, f(theta), h, jvp=jvp)
+        assert core.above_rounding(norms, torch.float64)
         errors.append(float((fvv - exact).norm() / exact.norm()))
     assert errors[0] < 0.2
     assert 0.15 * errors[0] < errors[1] < 0.4 * errors[0]  # first order: about a quarter
@@ -96,8 +96,8 @@ def test_the_one_sided_difference_is_first_order_and_refused_within_rounding():
     linear = nn.Linear(3, 2).double()
     f, J, _, _, theta = dense_parts(linear, "mse", x, torch.zeros(8, 2, dtype=torch.float64))
     jvp = lambda u: (J @ u).reshape(f(theta).shape)  # noqa: E731
-    _, norms = geodesic.second_difference(f, theta, v[: theta.numel()], f(theta), jvp=jvp)
-    assert not geodesic.above_rounding(norms, torch.float64)
+    _, norms = core.second_difference(f, theta, v[: theta.numel()], f(theta), jvp=jvp)
+    assert not core.above_rounding(norms, torch.float64)
 
 
 def test_second_difference_within_rounding_is_refused():
@@ -106,24 +106,24 @@ def test_second_difference_within_rounding_is_refused():
     x = torch.randn(5, 3, dtype=torch.float64)
     f, _, _, _, theta = dense_parts(model, "mse", x, torch.zeros(5, 2, dtype=torch.float64))
     v = torch.randn(theta.shape, dtype=torch.float64)
-    _, norms = geodesic.second_difference(f, theta, v, f(theta))
-    assert not geodesic.above_rounding(norms, torch.float64)
+    _, norms = core.second_difference(f, theta, v, f(theta))
+    assert not core.above_rounding(norms, torch.float64)
     bent = lambda flat: f(flat) + 0.1 * flat.square().sum()  # noqa: E731
-    _, norms = geodesic.second_difference(bent, theta, v, bent(theta))
-    assert geodesic.above_rounding(norms, torch.float64)
+    _, norms = core.second_difference(bent, theta, v, bent(theta))
+    assert core.above_rounding(norms, torch.float64)
     # The same relative size passes in float64 and not in float32.
     small = torch.tensor([1e-12, 1.0, 1.0, 1.0], dtype=torch.float64)  # squared: 1e-6 x 4
-    assert geodesic.above_rounding(small, torch.float64)
-    assert not geodesic.above_rounding(small, torch.float32)
-    assert not geodesic.above_rounding(torch.tensor([float("nan"), 1, 1, 1]), torch.float64)
+    assert core.above_rounding(small, torch.float64)
+    assert not core.above_rounding(small, torch.float32)
+    assert not core.above_rounding(torch.tensor([float("nan"), 1, 1, 1]), torch.float64)
 
 
 def test_an_acceleration_larger_than_the_ratio_allows_is_dropped():
     v = torch.ones(4, dtype=torch.float64)
-    assert geodesic.accepted(v, torch.full((4,), 0.4).double()) is None  # 2 * 0.8 > 0.75 * 2
+    assert core.accepted(v, torch.full((4,), 0.4).double()) is None  # 2 * 0.8 > 0.75 * 2
     small = torch.full((4,), 0.3).double()
-    assert geodesic.accepted(v, small) is small
-    assert geodesic.accepted(v, torch.full((4,), float("nan")).double()) is None
+    assert core.accepted(v, small) is small
+    assert core.accepted(v, torch.full((4,), float("nan")).double()) is None
 
 
 # --- the solvers' second solve --------------------------------------------------------------------
@@ -190,7 +190,7 @@ def test_the_acceleration_is_dropped_where_it_is_large_against_the_step(monkeypa
     plain = copy.deepcopy(model)
     rho = 1e-3
     theta, d, _ = _reference_step(model, "mse", x, y, rho)
-    monkeypatch.setattr(geodesic, "RATIO", 0.0)  # every acceleration is too large
+    monkeypatch.setattr(core, "RATIO", 0.0)  # every acceleration is too large
     info = SGN(model, "mse", damping=rho, **EXACT).step(x, y)
     assert not info.accelerated
     torch.testing.assert_close(
@@ -240,7 +240,7 @@ def test_a_frozen_parameter_stays_frozen_under_the_acceleration():
 def test_cg_steps_and_the_paper_take_no_acceleration(monkeypatch):
     model, x, y = _near_fit(40)
     calls = []
-    monkeypatch.setattr(geodesic, "second_difference", lambda *a: calls.append(1))
+    monkeypatch.setattr(core, "second_difference", lambda *a: calls.append(1))
     assert not SGN(copy.deepcopy(model), "mse", solver="cg").step(x, y).accelerated
     assert not SGN.paper(copy.deepcopy(model), "mse").step(x, y).accelerated
     assert not calls
@@ -259,12 +259,12 @@ def test_strict_rejects_an_attempt_whose_acceleration_is_too_large(monkeypatch):
     model, x, y = _near_fit(40)
     plain = copy.deepcopy(model)
     rho = 1e-3
-    monkeypatch.setattr(geodesic, "RATIO", float("inf"))  # the references keep every a
+    monkeypatch.setattr(core, "RATIO", float("inf"))  # the references keep every a
     theta, d0, a0 = _reference_step(model, "mse", x, y, rho)
     _, d1, a1 = _reference_step(model, "mse", x, y, 1.5 * rho)
     r0, r1 = (2 * float(a.norm() / d.norm()) for a, d in ((a0, d0), (a1, d1)))
     assert r1 < 0.9 * r0  # more damping, a shorter step, a smaller bend
-    monkeypatch.setattr(geodesic, "RATIO", 0.5 * (r0 + r1))
+    monkeypatch.setattr(core, "RATIO", 0.5 * (r0 + r1))
     options = dict(damping=rho, attempts=2, **EXACT)
     info = SGN(model, "mse", geodesic_acceleration="strict", **options).step(x, y)
     assert info.attempts == 2 and info.accelerated and info.damping == pytest.approx(1.5 * rho)

@@ -550,8 +550,8 @@ def test_captured_cuda_dropout_steps_match_eager_cuda_steps(name):
 
 
 def test_traced_graphs_draw_from_the_random_state_the_step_replays(cpu_graph_captures):
-    from torch_sgn.batch import Batch
     from torch_sgn.engines.selection import select_engine
+    from torch_sgn.linearization import Batch
     from torch_sgn.losses import resolve_loss
     from torch_sgn.model.flat_model import FunctionalModel
 
@@ -576,9 +576,9 @@ def test_traced_graphs_draw_from_the_random_state_the_step_replays(cpu_graph_cap
 def test_traced_replays_are_kept_per_trace_and_dropped_with_it(cpu_graph_captures, monkeypatch):
     """The traced engine keeps one set of captured graphs per cached trace (a batch shape),
     replays it for that shape, and frees it when the trace leaves its cache."""
-    from torch_sgn.batch import Batch
     from torch_sgn.engines.selection import select_engine
     from torch_sgn.engines.traced import engine as traced_engine
+    from torch_sgn.linearization import Batch
     from torch_sgn.losses import resolve_loss
     from torch_sgn.model.flat_model import FunctionalModel
 
@@ -650,8 +650,8 @@ def test_draws_taken_out_of_a_graph_are_those_it_would_draw(op):
 
 
 def test_traced_products_of_a_replaced_point_raise(cpu_graph_captures):
-    from torch_sgn.batch import Batch
     from torch_sgn.engines.selection import select_engine
+    from torch_sgn.linearization import Batch
     from torch_sgn.losses import resolve_loss
     from torch_sgn.model.flat_model import FunctionalModel
 

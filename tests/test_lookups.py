@@ -18,9 +18,9 @@ from torch import nn
 
 from cases import dense_ggn
 from torch_sgn import GGN, SGN
-from torch_sgn.batch import Batch
 from torch_sgn.engines.functional import FunctionalEngine
 from torch_sgn.engines.selection import select_engine
+from torch_sgn.linearization import Batch
 from torch_sgn.losses import resolve_loss
 from torch_sgn.model.composites import Composites
 from torch_sgn.model.flat_model import FunctionalModel

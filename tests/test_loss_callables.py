@@ -18,9 +18,9 @@ from torch import nn
 
 from cases import BranchesOnValues, dense_ggn
 from torch_sgn import GGN, SGN
-from torch_sgn.batch import Batch
 from torch_sgn.engines.selection import select_engine
 from torch_sgn.engines.traced.opaque_loss import calls_opaque_loss
+from torch_sgn.linearization import Batch
 from torch_sgn.losses import resolve_loss
 from torch_sgn.model.flat_model import FunctionalModel
 

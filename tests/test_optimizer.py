@@ -261,7 +261,7 @@ def test_warm_start_starts_cg_from_the_scaled_previous_direction():
     # the CG direction, not the step taken (which is lr times it)
     torch.testing.assert_close(theta + 0.5 * prev, flat_parameters(model))
     calls = []
-    from torch_sgn.solve import descents as optmod
+    from torch_sgn.solve import core as optmod
 
     real = optmod.conjugate_gradient
 

@@ -1,5 +1,5 @@
 """Residual least squares (torch_sgn.pinn.Residuals) and exact steps from the row-batched
-Jacobian (torch_sgn.engines.rows), against dense float64 references built by reverse mode
+Jacobian (torch_sgn.engines.functional), against dense float64 references built by reverse mode
 alone."""
 
 import math
@@ -10,9 +10,8 @@ from torch import nn
 
 from cases import library_calls, pointwise_laplacian
 from torch_sgn import GGN, SGN
-from torch_sgn.batch import Batch
-from torch_sgn.engines.rows import jacobian_rows, per_sample, with_jacobian
-from torch_sgn.linearization import ENGINE, ROWS
+from torch_sgn.engines.functional import jacobian_rows, per_sample, with_jacobian
+from torch_sgn.linearization import ENGINE, ROWS, Batch
 from torch_sgn.losses import resolve_loss
 from torch_sgn.model.flat_model import FunctionalModel
 from torch_sgn.pinn import Residual, Residuals, laplacian
@@ -115,7 +114,7 @@ def test_a_residual_problem_is_linearized_by_its_rows_engine_first(solver):
     infos = []
     calls = library_calls(lambda: infos.extend(opt.step(inputs, targets) for _ in range(2)))
     files = {file for file, _ in calls}
-    assert ("engines/rows.py", "RowsEngine.__call__") in calls
+    assert ("engines/functional.py", "RowsEngine.__call__") in calls
     chain = ("engines/layerwise/", "engines/traced/")  # the engines of other models
     assert any(f.startswith(chain) for f in files) == (solver == "cg")
     assert any(f.startswith("engines/traced/") for f in files) == (solver == "cg")

@@ -9,9 +9,8 @@ import torch
 from torch import nn
 
 from torch_sgn import SGN
-from torch_sgn.batch import Batch
-from torch_sgn.engines.rows import jacobian_rows
-from torch_sgn.linearization import FACTORS
+from torch_sgn.engines.functional import jacobian_rows
+from torch_sgn.linearization import FACTORS, Batch
 from torch_sgn.model.flat_model import FunctionalModel
 from torch_sgn.pinn import Causal, Residual, Residuals, laplacian, time_derivative
 from torch_sgn.pinn.causal import slab_weights

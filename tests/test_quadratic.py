@@ -10,7 +10,7 @@ from torch import nn
 from cases import LOSS, MODELS, dense_ggn, flat_parameters, make_batch
 from torch_sgn import SGN
 from torch_sgn.solve.cg import conjugate_gradient
-from torch_sgn.solve.descents import CGDescent
+from torch_sgn.solve.core import CGDescent
 from torch_sgn.solve.quadratic import QuadraticDescent, step_coefficients
 from torch_sgn.solve.step import Solution
 

@@ -12,8 +12,7 @@ from torch import nn
 
 from cases import poisson_residuals, sgn_options
 from torch_sgn import SGN, route_plan
-from torch_sgn.batch import Batch
-from torch_sgn.linearization import ENGINE, FACTORS, ROWS
+from torch_sgn.linearization import ENGINE, FACTORS, ROWS, Batch
 from torch_sgn.options import Setup
 from torch_sgn.route_plan import Capabilities, Plan
 from torch_sgn.solve.descents import CG, MATRIX, SAMPLED, SAMPLES

@@ -13,9 +13,8 @@ from torch import nn
 
 from cases import poisson_residuals
 from torch_sgn import SGN, route_plan
-from torch_sgn.batch import Batch
-from torch_sgn.engines.rows import by_factors, jacobian_rows
-from torch_sgn.linearization import RowSample
+from torch_sgn.engines.functional import by_factors, jacobian_rows
+from torch_sgn.linearization import Batch, RowSample
 from torch_sgn.model.flat_model import FunctionalModel
 from torch_sgn.pinn import Residual, Residuals
 from torch_sgn.route_plan import StallTest

@@ -9,7 +9,7 @@ from torch import nn
 
 from cases import sgn_options
 from torch_sgn import SGN
-from torch_sgn.solve.descents import CGDescent, MatrixDescent
+from torch_sgn.solve.core import CGDescent, MatrixDescent
 from torch_sgn.solve.state import KEYS, DampingState, StepState
 from torch_sgn.solve.step import DampingRule, LineSearch, Problem, damped_step
 

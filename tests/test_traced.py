@@ -18,11 +18,11 @@ from cases import (
     make_model,
 )
 from torch_sgn import GGN, SGN
-from torch_sgn.batch import Batch
 from torch_sgn.engines.layerwise.engine import LayerwiseEngine
 from torch_sgn.engines.selection import select_engine
 from torch_sgn.engines.traced.engine import TracedEngine
 from torch_sgn.engines.traced.jvp_rules import BatchNorm, LayerNorm, LSTMLayer, Softmax
+from torch_sgn.linearization import Batch
 from torch_sgn.losses import resolve_loss
 from torch_sgn.model.flat_model import FunctionalModel
 

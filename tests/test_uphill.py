@@ -13,7 +13,7 @@ from torch import nn
 from cases import flat_parameters, sgn_options
 from torch_sgn import SGN
 from torch_sgn.options import PAPER_OPTIONS
-from torch_sgn.solve.descents import CGDescent
+from torch_sgn.solve.core import CGDescent
 from torch_sgn.solve.state import DampingState, StepState
 from torch_sgn.solve.step import UPHILL_RESOLVES, DampingRule, LineSearch, Problem, damped_step
 

@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: sha
 from measuring import environment, environment_line  # noqa: E402
 from workloads import batch  # noqa: E402
 
-from torch_sgn.batch import Batch  # noqa: E402
 from torch_sgn.engines.selection import select_engine  # noqa: E402
+from torch_sgn.linearization import Batch  # noqa: E402
 from torch_sgn.losses import resolve_loss  # noqa: E402
 from torch_sgn.model.flat_model import FunctionalModel  # noqa: E402
 from torch_sgn.solve.cg import conjugate_gradient  # noqa: E402

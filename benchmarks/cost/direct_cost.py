@@ -33,9 +33,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from torch_sgn.batch import Batch
 from torch_sgn.engines.selection import select_engine
-from torch_sgn.linearization import ggn_matrix
+from torch_sgn.linearization import Batch, ggn_matrix
 from torch_sgn.losses import resolve_loss
 from torch_sgn.model.flat_model import FunctionalModel
 from torch_sgn.solve import direct as solvers

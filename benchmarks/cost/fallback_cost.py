@@ -52,8 +52,8 @@ from typing import Callable, Dict, List
 import torch
 from torch import nn
 
-from torch_sgn.batch import Batch
 from torch_sgn.engines.functional import FunctionalEngine
+from torch_sgn.linearization import Batch
 from torch_sgn.losses import resolve_loss
 from torch_sgn.model.flat_model import FunctionalModel
 from torch_sgn.model.forward_mode import kernels

@@ -75,9 +75,9 @@ import torch
 from torch import nn
 
 from torch_sgn import SGN
-from torch_sgn.batch import Batch
 from torch_sgn.engines import cuda_graphs as graphs
 from torch_sgn.engines.selection import select_engine
+from torch_sgn.linearization import Batch
 from torch_sgn.losses import resolve_loss
 from torch_sgn.model.flat_model import FunctionalModel
 

@@ -47,9 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: sha
 import measuring  # noqa: E402  (the record's environment)
 import workloads  # noqa: E402  (the models, batches and kernel switches of the cost table)
 
-from torch_sgn.batch import Batch  # noqa: E402
 from torch_sgn.engines.not_applicable import NotApplicable  # noqa: E402
 from torch_sgn.engines.selection import select_engine  # noqa: E402
+from torch_sgn.linearization import Batch  # noqa: E402
 from torch_sgn.losses import resolve_loss  # noqa: E402
 from torch_sgn.model.flat_model import FunctionalModel  # noqa: E402
 

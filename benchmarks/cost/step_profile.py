@@ -40,8 +40,8 @@ from typing import Dict, List
 
 import torch
 
-import torch_sgn.optimizer as optimizer
-import torch_sgn.solve.descents as descents
+import torch_sgn.solve.core as core
+import torch_sgn.stepper as stepper
 from torch_sgn import SGN
 from torch_sgn.losses import resolve_loss
 from torch_sgn.model.flat_model import FunctionalModel
@@ -95,17 +95,17 @@ def measure(name: str, engine: str, k: int, rounds: int, device: torch.device) -
     )
     flat = FunctionalModel(model).flat()
     meter = _Meter(device)
-    inner = opt._engine
+    inner = opt._stepper.engine
 
     def engine_call(*args, **kwargs):
         lin = meter.wrap("lin", inner)(*args, **kwargs)
         lin.ggn_vp = meter.wrap("Gv", lin.ggn_vp)
         return lin
 
-    opt._engine = engine_call
-    loss_at, solve = optimizer.SGN._loss_at, descents.conjugate_gradient
-    optimizer.SGN._loss_at = meter.wrap("trial", loss_at)
-    descents.conjugate_gradient = meter.wrap("cg", solve)
+    opt._stepper.engine = engine_call
+    loss_at, solve = stepper.Stepper._loss_at, core.conjugate_gradient
+    stepper.Stepper._loss_at = meter.wrap("trial", loss_at)
+    core.conjugate_gradient = meter.wrap("cg", solve)
     try:
         opt.step(x, y)  # traces
         state = copy.deepcopy(opt.state_dict())
@@ -137,7 +137,7 @@ def measure(name: str, engine: str, k: int, rounds: int, device: torch.device) -
             for key, value in row.items():
                 rows.setdefault(key, []).append(value)
     finally:
-        optimizer.SGN._loss_at, descents.conjugate_gradient = loss_at, solve
+        stepper.Stepper._loss_at, core.conjugate_gradient = loss_at, solve
     return {"model": name, "engine": engine, "k": k, "rounds": rows}
 
 

@@ -78,10 +78,10 @@ def _case(device: torch.device, loss: str, n_out: int, momentum: float, geodesic
     d = -torch.linalg.solve(A, g)  # the first gradient average is the gradient itself
     expected, used = theta + d, False
     if geodesic:
-        h = 0.1  # torch_sgn.solve.geodesic.STEP
+        h = 0.1  # torch_sgn.solve.core.STEP
         fdd = (f(theta + h * d) - 2 * z + f(theta - h * d)).reshape(-1) / h**2
         a = -torch.linalg.solve(A, J.T @ H @ fdd)
-        used = 2 * float(a.norm()) <= 0.75 * float(d.norm())  # torch_sgn.solve.geodesic.RATIO
+        used = 2 * float(a.norm()) <= 0.75 * float(d.norm())  # torch_sgn.solve.core.RATIO
         if used:
             expected = theta + d + 0.5 * a
     model = model.to(device)

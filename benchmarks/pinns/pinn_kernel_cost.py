@@ -9,7 +9,7 @@ For each problem and net of ``benchmarks/pinns/pinn.py`` (its points at step 0),
 this process to form ``J J^T`` and one ``J^T u`` two ways, interleaved, median of ``--repeats``:
 ``factors``, :meth:`torch_sgn.pinn.Residuals.layer_factors` (:mod:`torch_sgn.pinn.layer_kernel`),
 and ``rows``, ``J`` by ``vmap`` of ``jacrev`` over the points
-(:func:`torch_sgn.engines.rows.jacobian_rows`) and ``J J^T`` from it, as exact steps formed
+(:func:`torch_sgn.engines.functional.jacobian_rows`) and ``J J^T`` from it, as exact steps formed
 it before. The largest difference between the two matrices, relative to the largest entry, is
 recorded as well.
 """
@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from measuring import environment  # noqa: E402
 from pinn import PROBLEMS, network  # noqa: E402
 
-from torch_sgn.batch import Batch  # noqa: E402
-from torch_sgn.engines.rows import jacobian_rows  # noqa: E402
+from torch_sgn.engines.functional import jacobian_rows  # noqa: E402
+from torch_sgn.linearization import Batch  # noqa: E402
 from torch_sgn.model.flat_model import FunctionalModel  # noqa: E402
 from torch_sgn.pinn import Residuals  # noqa: E402
 

@@ -30,7 +30,7 @@ The loss is SGN's for a residual problem, :math:`L = \lVert r \rVert^2` (gradien
 the same options up to rounding (``tests/test_curve_steps.py`` compares them), but for the
 geodesic acceleration's second difference: with ``J`` at hand it is one-sided,
 :math:`2 (r(\theta + h v) - r - h J v) / h^2`, one evaluation where SGN's central one takes two
-(:func:`~torch_sgn.solve.geodesic.second_difference`).
+(:func:`~torch_sgn.solve.core.second_difference`).
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from torch import Tensor, nn
 from .distributed import SingleProcess
 from .linearization import Linearization
 from .model.flat_model import flat_gradient
-from .solve import core, geodesic
-from .solve.descents import MATRIX, Phase
+from .solve import core
+from .solve.descents import MATRIX, Accelerate, Phase
 from .solve.scaled_trust_region import ACCEPT, Radius, Scaled, update
 from .solve.state import StepState
 from .solve.step import LineSearch
@@ -102,7 +102,7 @@ class CurveSteps:
         # comparisons of losses there would pick a step by the noise.
         self.search = replace(LineSearch.of(options), above_rounding=True)
         self.lr = float(options.lr)
-        self.accelerate = geodesic.wanted(options.geodesic_acceleration, params[0].dtype)
+        self.accelerate = core.wanted(options.geodesic_acceleration, params[0].dtype)
         self.state = StepState.first(options)
         self.region: Optional[Radius] = None  # the scaled trust region's, once it runs
         self.broadcast: Optional[bool] = None  # J by broadcast copies: decided at the first J
@@ -307,8 +307,8 @@ class CurveSteps:
                 matrix = 2.0 * (jac.T @ jac)
             return matrix
 
-        def accelerator(route: str) -> core.Accelerate:
-            return geodesic.accelerator(
+        def accelerator(route: str) -> Accelerate:
+            return core.accelerator(
                 theta, self.residuals_at, lambda centre: lambda t: 2.0 * t,
                 lambda u: jac.T @ u, self.shares, theta.numel(), 0.5 * self.lr**2,
                 centre=r, jvp=lambda v: jac @ v,
@@ -346,14 +346,14 @@ class CurveSteps:
             step, damping = scaled.step(self.region.radius)
             trial = step
             if self.accelerate:  # as SGN's steps: p + a / 2 where a is small against p
-                curve, norms = geodesic.second_difference(
+                curve, norms = core.second_difference(
                     self.residuals_at, theta, step, r, jvp=lambda v: jac @ v
                 )
                 evals += 1
-                if geodesic.above_rounding(norms, theta.dtype):
+                if core.above_rounding(norms, theta.dtype):
                     a = scaled.acceleration(jac.T @ curve, damping)
                     scale = self.region.scale
-                    if geodesic.accepted(scale * step, scale * a) is not None:
+                    if core.accepted(scale * step, scale * a) is not None:
                         trial = step + 0.5 * a
             loss = self.loss_at(theta + trial)
             evals += 1

@@ -53,8 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .batch import Batch
-from .linearization import Engine, Linearization, linearize
+from .linearization import Batch, Engine, Linearization, linearize
 from .losses import OutputLoss
 from .model.flat_model import FunctionalModel
 

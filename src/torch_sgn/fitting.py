@@ -48,10 +48,10 @@ from typing import Callable, List, Optional, Protocol, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from .batch import Batch
 from .curve_steps import CurveSteps
 from .distributed import communicator
-from .engines.rows import jacobian_rows
+from .engines.functional import jacobian_rows
+from .linearization import Batch
 from .losses import resolve_loss
 from .model.flat_model import FunctionalModel, flat_gradient
 from .options import SETUP_KEYS, Options, Setup
@@ -217,7 +217,7 @@ def least_squares(
             ".grad as it was"
         )
 
-    # Exact steps form J row-batched (torch_sgn.engines.rows): the functional engine, which
+    # Exact steps form J row-batched (torch_sgn.engines.functional): the functional engine, which
     # traces nothing, is the rows engine's under "auto" too; the default pins it for CG fits.
     sgn_options.setdefault("engine", "functional")
     sgn_options.setdefault("damping_update", "nielsen")

@@ -20,11 +20,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .batch import Batch, Inputs
 from .engines.selection import select_engine
-from .linearization import check_loss_parameters
+from .linearization import Batch, check_loss_parameters
 from .losses import LossSpec, resolve_loss
-from .model.flat_model import FunctionalModel
+from .model.flat_model import FunctionalModel, Inputs
 
 __all__ = ["GGN"]
 

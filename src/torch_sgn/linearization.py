@@ -1,7 +1,8 @@
 r"""The interface between the optimizer and the curvature engines.
 
-An *engine* linearizes the model and loss at a point on a mini-batch: one call
-``engine(flat, batch, buffers_out)`` returns a :class:`Linearization` holding the loss, its
+An *engine* linearizes the model and loss at a point on a mini-batch (a :class:`Batch`: the
+model's inputs and the loss's targets): one call ``engine(flat, batch, buffers_out)`` returns a
+:class:`Linearization` holding the loss, its
 gradient and the matrix-free product ``v -> G v`` at the parameters ``flat``. The optimizer,
 CG, the data-parallel communicator and the CUDA-graph capture consume it; the engines
 (:mod:`~torch_sgn.model.flat_model`, :mod:`~torch_sgn.engines.layerwise.engine`) produce it, and
@@ -16,14 +17,14 @@ from typing import TYPE_CHECKING, Callable, List, Optional, Protocol, Tuple
 import torch
 from torch import Tensor
 
-from .batch import Batch
 from .losses import OutputLoss
 
 if TYPE_CHECKING:
-    from .model.flat_model import FunctionalModel
+    from .model.flat_model import FunctionalModel, Inputs
 
 __all__ = [
     "ENGINE",
+    "Batch",
     "FACTORS",
     "ROWS",
     "Engine",
@@ -40,9 +41,32 @@ __all__ = [
 
 #: How a linearization's ``J`` is formed (:attr:`Linearization.jacobian`): by the engine's
 #: products (or its own dense ``G`` or sample space), row by row
-#: (:mod:`torch_sgn.engines.rows`), or on all of too many rows by the layers' factors
-#: (:func:`torch_sgn.engines.rows.by_factors`).
+#: (:mod:`torch_sgn.engines.functional`), or on all of too many rows by the layers' factors
+#: (:func:`torch_sgn.engines.functional.by_factors`).
 ENGINE, ROWS, FACTORS = "engine", "rows", "factors"
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One mini-batch: the model's ``inputs`` (a tensor, or a tuple passed positionally) and the
+    loss's ``targets``."""
+
+    inputs: Inputs
+    targets: Tensor
+
+    @property
+    def args(self) -> Tuple[Tensor, ...]:
+        """The inputs as the tuple of positional arguments of the model's forward."""
+        return self.inputs if isinstance(self.inputs, tuple) else (self.inputs,)
+
+    def __len__(self) -> int:
+        """The number of samples (the leading dimension of the first input)."""
+        return self.args[0].shape[0]
+
+    def subset(self, index: Tensor) -> Batch:
+        """The samples at ``index`` (along the leading dimension of inputs and targets)."""
+        xs = tuple(x[index] for x in self.args)
+        return Batch(xs if isinstance(self.inputs, tuple) else xs[0], self.targets[index])
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,9 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from .batch import Inputs
 from .distributed import ProcessGroup, SingleProcess, communicator
 from .losses import LossSpec, resolve_loss
-from .model.flat_model import FunctionalModel
+from .model.flat_model import FunctionalModel, Inputs
 from .options import (
     OPTION_ARGUMENTS,
     PAPER_OPTIONS,
@@ -150,21 +149,22 @@ class SGN(torch.optim.Optimizer):
             objective) into each parameter's ``.grad``. Default off: SGN leaves ``.grad``
             untouched.
         geodesic_acceleration: add to each exact (direct) step its geodesic acceleration
-            (Transtrum and Sethna, 2012; :mod:`torch_sgn.solve.geodesic`): the second-order term
-            ``a / 2``, ``(G + rho I) a = -J^T H f_vv``, of the path along which the outputs
-            keep their velocity, with ``f_vv`` the outputs' second difference along the step
-            ``d`` (three forward passes) and the step's own factorization. Used only while
-            ``2 |a| <= 0.75 |d|`` and above the outputs' rounding; the trust region and the
-            line search judge ``d``. It keeps exact steps moving along the curved valleys of
-            precise fits. Ignored by CG steps. Default ``None``: on for float64 models, off in
-            lower precision, where the outputs' rounding blurs ``f_vv`` near a precise fit
-            (``docs/SOLVERS.md`` has the measurements behind this default). :meth:`SGN.paper`
-            turns it off. ``"strict"``: on, and an attempt whose acceleration fails
-            ``2 |a| <= 0.75 |d|`` is rejected as a failed one (solved again with more damping,
-            within ``attempts``; Transtrum and Sethna's own rule) rather than taken without it:
-            fewer steps off the model's valid region at the price of more solves (on the NIST
-            StRD suite ``least_squares`` with ``attempts=10, max_steps=1000`` fits all 54
-            starts where the default fits 53, in 1.8 times the steps).
+            (Transtrum and Sethna, 2012; :func:`torch_sgn.solve.core.accelerator`): the
+            second-order term ``a / 2``, ``(G + rho I) a = -J^T H f_vv``, of the path along
+            which the outputs keep their velocity, with ``f_vv`` the outputs' second difference
+            along the step ``d`` (three forward passes) and the step's own factorization. Used
+            only while ``2 |a| <= 0.75 |d|`` and above the outputs' rounding; the trust region
+            and the line search judge ``d``. It keeps exact steps moving along the curved
+            valleys of precise fits. Ignored by CG steps. Default ``None``: on for float64
+            models, off in lower precision, where the outputs' rounding blurs ``f_vv`` near a
+            precise fit (``docs/SOLVERS.md`` has the measurements behind this default).
+            :meth:`SGN.paper` turns it off. ``"strict"``: on, and an attempt whose
+            acceleration fails ``2 |a| <= 0.75 |d|`` is rejected as a failed one (solved again
+            with more damping, within ``attempts``; Transtrum and Sethna's own rule) rather
+            than taken without it: fewer steps off the model's valid region at the price of
+            more solves (on the NIST StRD suite ``least_squares`` with ``attempts=10,
+            max_steps=1000`` fits all 54 starts where the default fits 53, in 1.8 times the
+            steps).
         step_rule: ``"lr"``: the step is ``lr`` times CG's solution ``d`` (the paper's).
             ``"quadratic"``: the step is ``lr`` times :math:`\alpha d + \beta \delta`, with
             :math:`\delta` the previous step's update and :math:`(\alpha, \beta)` the minimiser

@@ -9,7 +9,7 @@ functions) tells the step how its rows are formed, which a general model cannot:
   (:meth:`~ResidualProblem.subset`), which the sampled steps of many rows draw;
 * the Jacobian's rows, block by block (:meth:`~ResidualProblem.jacobian_blocks`): each point's
   rows depend on that point alone, so ``vmap`` of ``jacrev`` forms them
-  (:mod:`torch_sgn.engines.rows`);
+  (:mod:`torch_sgn.engines.functional`);
 * the layers' factors of ``J`` (:meth:`~ResidualProblem.layer_factors`, ``None`` where the
   network's layers do not give them) and whether they were checked against ``J``'s rows and
   followed them (:attr:`~ResidualProblem.factors_follow`);

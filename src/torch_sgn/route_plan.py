@@ -14,7 +14,7 @@ needs, one field per function, each taking the plan so far and returning it comp
    (:attr:`~torch_sgn.linearization.Linearization.jacobian`: by the engine's products, row by
    row, or on all of too many rows by the layers' factors); on a model that is not a residual
    problem, :meth:`Router.row_by_row` says whether the step forms its rows
-   (:func:`~torch_sgn.engines.rows.with_jacobian`);
+   (:func:`~torch_sgn.engines.functional.with_jacobian`);
 3. :meth:`Router.route`: the exact route (:func:`choose_route`) and, for ``solver="auto"``, the
    phase (:func:`auto_phase`: CG, a probe, a verdict).
 
@@ -85,9 +85,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from .batch import Batch
-from .engines.rows import PerSample, RowsEngine
-from .linearization import Linearization, RowSample
+from .engines.functional import PerSample, RowsEngine
+from .linearization import Batch, Linearization, RowSample
 from .model.flat_model import FunctionalModel
 from .options import Options, Setup
 from .residual_problem import ResidualProblem, residual_problem
@@ -222,7 +221,7 @@ def curve_steps_allowed(setup: Setup, options: Options, numel: int) -> bool:
 
 def through_outputs(caps: Capabilities, setup: Setup, options: Options) -> bool:
     """Whether steps may go through the batch's outputs (each batch decides): the layer-wise
-    engine's chains, and a residual problem's rows (:mod:`torch_sgn.engines.rows`).
+    engine's chains, and a residual problem's rows (:mod:`torch_sgn.engines.functional`).
     ``solver="direct"`` then checks the ``P x P`` matrix's memory at the steps that cannot,
     not at construction."""
     may = caps.through_outputs or caps.residual_problem
@@ -248,7 +247,7 @@ def start(
 
 def forms_rows(setup: Setup, single_process: bool) -> bool:
     """Whether a residual problem's engine forms its rows for exact steps
-    (:class:`~torch_sgn.engines.rows.RowsEngine`'s ``exact``): not where its steps go by CG
+    (:class:`~torch_sgn.engines.functional.RowsEngine`'s ``exact``): not where its steps go by CG
     alone: ``solver="cg"``, CUDA graphs (the captured products are the route) or a
     data-parallel group (each rank holds its shard's rows only)."""
     return single_process and setup.solver != "cg" and not setup.cuda_graphs
@@ -256,12 +255,12 @@ def forms_rows(setup: Setup, single_process: bool) -> bool:
 
 def forms_jacobian(caps: Capabilities, setup: Setup, lin: Linearization) -> bool:
     """Whether the step's exact solves form the ``J`` of a model that is not a residual
-    problem row by row (:func:`~torch_sgn.engines.rows.with_jacobian`; a residual problem's
-    rows are its engine's, :class:`~torch_sgn.engines.rows.RowsEngine`): with
+    problem row by row (:func:`~torch_sgn.engines.functional.with_jacobian`; a residual problem's
+    rows are its engine's, :class:`~torch_sgn.engines.functional.RowsEngine`): with
     ``solver="direct"`` (in place of ``P`` products), where the engine has no route of its own
     (no dense ``G``, no sample space), without CUDA graphs (the captured products are the
     route), in one process and without a curvature subset. The caller checks, once per batch
-    shape, that the model is per-sample (:class:`~torch_sgn.engines.rows.PerSample`)."""
+    shape, that the model is per-sample (:class:`~torch_sgn.engines.functional.PerSample`)."""
     return not (
         caps.residual_problem
         or setup.solver != "direct"
@@ -312,7 +311,7 @@ class Router:
     def row_by_row(self, lin: Linearization, theta: Tensor, batch: Batch) -> bool:
         """Whether this step's exact solves form ``J`` row by row (:func:`forms_jacobian`), the
         model being per-sample on batches of this shape
-        (:class:`~torch_sgn.engines.rows.PerSample`, checked once per shape and mode)."""
+        (:class:`~torch_sgn.engines.functional.PerSample`, checked once per shape and mode)."""
         if lin.rows is not None or not forms_jacobian(self.caps, self.setup, lin):
             return False
         return self._per_sample(self.fmodel, theta, batch)
@@ -559,7 +558,7 @@ class RowStages:
 
     def linearized(self, engine: RowsEngine, flat: Tensor, rows: Rows) -> Optional[Linearization]:
         """An ``ALL`` step's linearization on every row, from the layers' factors
-        (:meth:`~torch_sgn.engines.rows.RowsEngine.all_rows`), whose samples (its
+        (:meth:`~torch_sgn.engines.functional.RowsEngine.all_rows`), whose samples (its
         preconditioner's) have the first sample's size; ``None`` for other steps, and where
         the factors do not give it."""
         if rows.stage != ALL:

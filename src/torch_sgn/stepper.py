@@ -25,14 +25,13 @@ import torch
 from torch import Tensor
 
 from . import route_plan
-from .batch import Batch, Inputs
 from .diagnostics import warn
 from .distributed import DataParallel, SingleProcess
-from .engines.rows import with_jacobian
+from .engines.functional import with_jacobian
 from .engines.selection import curvature_subset, select_engine
-from .linearization import Engine, Linearization, check_loss_parameters, weight_penalty
+from .linearization import Batch, Engine, Linearization, check_loss_parameters, weight_penalty
 from .losses import OutputLoss
-from .model.flat_model import FunctionalModel
+from .model.flat_model import FunctionalModel, Inputs
 from .options import Options, Setup
 from .residual_problem import ResidualProblem
 from .route_plan import (
@@ -44,8 +43,8 @@ from .route_plan import (
     RowStages,
     through_outputs,
 )
-from .solve import core, direct, geodesic
-from .solve.descents import SAMPLED, SAMPLES
+from .solve import core, direct
+from .solve.descents import SAMPLED, SAMPLES, Accelerate
 from .solve.nystrom import NystromCache
 from .solve.state import StepState
 from .step_info import StepInfo
@@ -286,9 +285,9 @@ class Stepper:
         theta: Tensor,
         route: str,
         mask: Optional[Tensor],
-    ) -> core.Accelerate:
+    ) -> Accelerate:
         r"""``solution -> (lr^2 / 2) a``, the geodesic acceleration's term of an exact step
-        by ``route`` (:func:`torch_sgn.solve.geodesic.accelerator`).
+        by ``route`` (:func:`torch_sgn.solve.core.accelerator`).
 
         In a data-parallel group each rank differences its shard's outputs and the shards'
         ``J^T H f_vv`` are reduced as the gradient is, so every rank takes the same step."""
@@ -300,7 +299,7 @@ class Stepper:
         vjp = None
         if not samples:
             vjp = lin.vjp if lin.vjp is not None else self.fmodel.vjp_at(theta, batch.inputs)
-        return geodesic.accelerator(
+        return core.accelerator(
             theta, outputs_at, lambda centre: self.loss.hessian(centre, batch.targets), vjp,
             self.comm.shares, lin.sample_space.size if samples else theta.numel(),
             0.5 * self.options.lr**2, mask,

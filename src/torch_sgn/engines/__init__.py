@@ -6,7 +6,8 @@ product ``v -> G v``). :func:`select_engine` picks one for the ``engine`` argume
 
 * :mod:`.layerwise`: chains of known layers, by hand-written per-layer rules;
 * :mod:`.traced`: any model ``torch.fx`` can trace, one traced graph split at ``v``;
-* :mod:`.functional`: any model, by ``torch.func``;
+* :mod:`.functional`: any model, by ``torch.func``; and on it a residual problem's engine,
+  from its rows (first in the chain for such a problem);
 * :mod:`.cuda_graphs`: capture and replay of an engine's work as CUDA graphs.
 """
 

@@ -32,9 +32,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..batch import Batch
 from ..diagnostics import warn
-from ..linearization import Linearization
+from ..linearization import Batch, Linearization
 from ..losses import OutputLoss
 from ..model.flat_model import FunctionalModel
 

@@ -12,7 +12,7 @@ functional engine with the reason in a one-time warning. The fallbacks are this 
 engine that does not apply raises :class:`~torch_sgn.engines.not_applicable.NotApplicable` and
 :class:`EngineChain` calls the next one. A residual problem
 (:class:`~torch_sgn.residual_problem.ResidualProblem`) gets its rows engine
-(:class:`~torch_sgn.engines.rows.RowsEngine`) first: under ``"auto"`` with exact steps its
+(:class:`~torch_sgn.engines.functional.RowsEngine`) first: under ``"auto"`` with exact steps its
 products are the functional engine's (one recorded pass; ``G v`` comes from the rows, nothing
 is traced); steps by CG alone (``solver="cg"``, a data-parallel group, CUDA graphs) take
 their ``G v`` products from the chain above, which replays them faster than forward mode
@@ -29,15 +29,13 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..batch import Batch
 from ..diagnostics import WarnOnce, warn
-from ..linearization import Engine, Linearization
+from ..linearization import Batch, Engine, Linearization
 from ..losses import OutputLoss
 from ..model.flat_model import FunctionalModel
-from .functional import FunctionalEngine
+from .functional import FunctionalEngine, RowsEngine
 from .layerwise.engine import LayerwiseEngine
 from .not_applicable import NotApplicable
-from .rows import RowsEngine
 from .traced.engine import TracedEngine
 
 __all__ = ["ENGINES", "EngineChain", "curvature_subset", "engine_name", "select_engine"]
@@ -77,7 +75,7 @@ def select_engine(
     :mod:`torch_sgn.engines.cuda_graphs` and
     :class:`~torch_sgn.engines.traced.engine.TracedEngine`), with ``compile``
     the traced engine runs its graphs compiled by ``torch.compile``. A residual problem's
-    engine is its :class:`~torch_sgn.engines.rows.RowsEngine`, forming the rows where
+    engine is its :class:`~torch_sgn.engines.functional.RowsEngine`, forming the rows where
     ``exact`` (:func:`torch_sgn.route_plan.forms_rows`: the steps may be exact)."""
     engine = engine_name(engine)
     if fmodel.problem is None:

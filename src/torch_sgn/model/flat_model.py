@@ -8,20 +8,22 @@ every engine of :mod:`torch_sgn.engines.selection` evaluates the model through i
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager, nullcontext
-from typing import Callable, ContextManager, FrozenSet, Iterator, Optional, Sequence, Tuple
+from typing import Callable, ContextManager, FrozenSet, Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from ..batch import Inputs
 from ..diagnostics import warn
 from ..residual_problem import ResidualProblem, residual_problem
 from .attributes import changed_attributes, model_attributes
 from .composites import Composites, composite_modules, scripted_stop
 from .forward_mode import backward_hooks, inspect_pass, kernels, load_decompositions
 
-__all__ = ["ConstantOutputError", "FunctionalModel", "check_depends", "flat_gradient"]
+__all__ = ["ConstantOutputError", "FunctionalModel", "Inputs", "check_depends", "flat_gradient"]
+
+#: What a model's forward takes: a tensor, or a tuple of tensors passed positionally.
+Inputs = Union[Tensor, Tuple[Tensor, ...]]
 
 
 class FunctionalModel:

@@ -2,7 +2,7 @@ r"""The residual Gram matrix ``J J^T`` of a physics-informed network from its la
 
 Exact Gauss-Newton steps on ``R`` residuals and ``P > R`` parameters solve through the ``R x R``
 matrix ``J J^T`` (:func:`~torch_sgn.solve.direct.solve_in_sample_space`). Formed from ``J``
-itself (:mod:`torch_sgn.engines.rows`), it costs ``2 R^2 P`` flops and ``R P`` memory:
+itself (:mod:`torch_sgn.engines.functional`), it costs ``2 R^2 P`` flops and ``R P`` memory:
 for a 116,097-parameter network and 1,020 points, 2.4e11 flops and a 1 GB ``J``. The layers'
 structure gives it for far less.
 

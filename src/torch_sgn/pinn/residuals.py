@@ -12,7 +12,7 @@ and its boundary, say), or of the parameters alone. :class:`Residuals` is that p
 (:attr:`Residuals.loss`) takes Gauss-Newton steps on :math:`L` itself: ``G = 2 J^T J``.
 
 Each point's residual depends on that point alone, so SGN forms the Jacobian row-batched, one
-block at a time (``jacobian_blocks``; see :mod:`torch_sgn.engines.rows`), for its exact
+block at a time (``jacobian_blocks``; see :mod:`torch_sgn.engines.functional`), for its exact
 steps: through the ``P x P`` matrix where the parameters are few, through the ``R x R`` Gram
 matrix ``J J^T`` where the residuals are fewer.
 
@@ -475,7 +475,7 @@ class Residuals(nn.Module):
                 )
         return "; ".join(found) if found else None
 
-    # --- the row-batched Jacobian (torch_sgn.engines.rows) --------------------------------
+    # --- the row-batched Jacobian (torch_sgn.engines.functional) --------------------------------
     def jacobian_blocks(
         self, fmodel: FunctionalModel, inputs: Sequence[Tensor]
     ) -> List[JacobianBlock]:

@@ -31,7 +31,7 @@ class CGResult:
             ``"non_finite"``. The last two flag a breakdown; ``x`` is then the iterate before it.
         again: ``b -> -A^{-1} b``, the same system solved for another right-hand side, where
             the caller attached it (the geodesic acceleration's second solve,
-            :class:`~torch_sgn.solve.descents.SampledDescent`); ``None`` otherwise.
+            :class:`~torch_sgn.solve.core.SampledDescent`); ``None`` otherwise.
         breakdown: whether ``reason`` flags a breakdown (``"non_positive_curvature"`` or
             ``"non_finite"``).
     """

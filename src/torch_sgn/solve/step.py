@@ -33,13 +33,12 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import Tensor
 
-from . import geodesic
-from .descents import Descent, Result
+from .descents import TOO_LARGE, Accelerate, Descent, Result
 from .state import GROWTH_START, StepState
 
 if TYPE_CHECKING:
@@ -494,7 +493,7 @@ def damped_step(
     state: StepState,
     rule: DampingRule,
     search: LineSearch,
-    accelerate: Optional[Callable[[Result], Union[Tensor, geodesic.TooLarge, None]]] = None,
+    accelerate: Optional[Accelerate] = None,
 ) -> Outcome:
     """One step's solution by one descent: its damping attempts and its line search, and with
     ``rule.uphill_resolves`` its re-solves while it ends uphill; nothing is written.
@@ -507,7 +506,7 @@ def damped_step(
         search: the step length and line search.
         accelerate: ``result -> lr^2 a / 2``, the geodesic acceleration's term of an exact
             step (``None`` where it does not apply to that result,
-            :data:`~torch_sgn.solve.geodesic.TOO_LARGE` where it is too large against the step:
+            :data:`~torch_sgn.solve.descents.TOO_LARGE` where it is too large against the step:
             the step goes without it, or with ``rule.strict_acceleration`` the attempt is
             rejected), or ``None``.
     """
@@ -558,7 +557,7 @@ def _attempts(
     problem: Problem,
     rule: DampingRule,
     search: LineSearch,
-    accelerate: Optional[Callable[[Result], Union[Tensor, geodesic.TooLarge, None]]],
+    accelerate: Optional[Accelerate],
     damping: float,
     growth: float,
 ) -> tuple[Trial, float, float, int, int]:
@@ -570,7 +569,7 @@ def _attempts(
     for attempts in range(1, rule.attempts + 1):
         result = descent(damping)
         curve = None if accelerate is None else accelerate(result)
-        if curve is geodesic.TOO_LARGE:
+        if curve is TOO_LARGE:
             if rule.strict_acceleration and attempts < rule.attempts:
                 # Transtrum and Sethna's rule: a step whose path bends this much leaves the
                 # region where the linear model holds; solved again with more damping.

@@ -37,9 +37,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from ...batch import Batch
 from ...diagnostics import warn
-from ...linearization import Linearization, SampleSpace, loss_and_output_gradient
+from ...linearization import Batch, Linearization, SampleSpace, loss_and_output_gradient
 from ...losses import OutputLoss
 from ...model.attributes import model_attributes
 from ...model.flat_model import FunctionalModel

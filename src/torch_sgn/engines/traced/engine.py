@@ -51,9 +51,8 @@ from typing import Dict, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from ...batch import Batch
 from ...diagnostics import WarnOnce
-from ...linearization import Linearization
+from ...linearization import Batch, Linearization
 from ...losses import OutputLoss
 from ...model.attributes import (
     changed_attributes,
