@@ -23,7 +23,7 @@ from .options import (
 from .solve import direct
 from .solve.state import StepState
 from .step_info import StepInfo
-from .stepper import Stepper
+from .stepper import NOT_A_CLOSURE, Stepper
 
 __all__ = ["SGN", "StepInfo"]
 
@@ -479,11 +479,6 @@ class SGN(torch.optim.Optimizer):
 
 
 # --- how SGN.step is called: a mini-batch, never a closure alone, never by a GradScaler -----
-_WHY = (
-    "SGN.step takes the mini-batch, opt.step(inputs, targets), not a closure: SGN needs the "
-    "model's outputs and the targets, not only the loss a closure returns, to form the "
-    "Gauss-Newton matrix J^T H J, and runs the forward passes itself"
-)
 _LIGHTNING = (
     ". With PyTorch Lightning, set `self.automatic_optimization = False` in the "
     "LightningModule's __init__ and call `self.optimizers().step(inputs=x, targets=y)` in "
@@ -545,7 +540,7 @@ def batch_of_call(
     if callable(inputs) and targets is None:  # torch's step(closure)
         alone = inputs
     if alone is not None:
-        raise TypeError(_WHY + (_LIGHTNING if _from_lightning(alone) else ""))
+        raise TypeError(NOT_A_CLOSURE + (_LIGHTNING if _from_lightning(alone) else ""))
     if closure is not None:
         if not callable(closure):
             raise TypeError(f"closure must be callable, got {type(closure).__name__}")

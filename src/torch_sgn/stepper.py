@@ -49,7 +49,9 @@ from .solve.nystrom import NystromCache
 from .solve.state import StepState
 from .step_info import StepInfo
 
-__all__ = ["Prepared", "Stepper", "all_finite", "check_batch", "finite_loss", "log_step"]
+__all__ = [
+    "NOT_A_CLOSURE", "Prepared", "Stepper", "all_finite", "check_batch", "finite_loss", "log_step",
+]  # fmt: skip
 
 logger = logging.getLogger("torch_sgn")
 
@@ -349,6 +351,15 @@ def log_step(t: int, info: StepInfo) -> None:
 
 
 # --- the checks of a step's batch, and of the loss and gradient at its point -------------
+#: Why a step refuses a closure in place of its batch (``SGN.step`` says it first, with
+#: PyTorch Lightning's way out where a Lightning closure was passed).
+NOT_A_CLOSURE = (
+    "SGN.step takes the mini-batch, opt.step(inputs, targets), not a closure: SGN needs the "
+    "model's outputs and the targets, not only the loss a closure returns, to form the "
+    "Gauss-Newton matrix J^T H J, and runs the forward passes itself"
+)
+
+
 def finite_loss(
     lin: Linearization,
     batch: Batch,
@@ -392,12 +403,7 @@ def check_batch(inputs: Inputs, targets: Optional[Tensor]) -> None:
     """Raises ``TypeError`` unless the batch is a tensor (or a tuple of tensors) and targets."""
     if targets is None:
         if callable(inputs):
-            raise TypeError(
-                "SGN.step takes the mini-batch, opt.step(inputs, targets), not a closure: SGN "
-                "needs the model's outputs and the targets, not only the loss a closure "
-                "returns, to form the Gauss-Newton matrix J^T H J, and runs the forward passes "
-                "itself"
-            )
+            raise TypeError(NOT_A_CLOSURE)
         raise TypeError("SGN.step(inputs, targets) needs the targets of the batch")
     items = inputs if isinstance(inputs, tuple) else (inputs,)
     for i, x in enumerate(items):

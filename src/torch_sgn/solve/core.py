@@ -326,7 +326,7 @@ def _descent(
     (the direct solver forms its matrix once and factors it for each)."""
     if route == SAMPLED:
         assert point.sample is not None
-        return SampledDescent(lin.ggn_vp, rhs, sampled.SampledPreconditioner(point.sample))
+        return SampledDescent(lin.ggn_vp, rhs, SampledPreconditioner(point.sample))
     if route == SAMPLES:
         assert lin.sample_space is not None and rhs is lin.grad
         return SampleSpaceDescent(lin.sample_space, lin.grad, lin.ggn_vp)
